@@ -1,0 +1,144 @@
+"""Process groups for tensor (tp), context (cp) and data (dp) parallelism.
+
+Rank order (DESIGN.md): tp fastest, then cp, then dp:
+
+    rank = tp_rank + tp * (cp_rank + cp * dp_rank)
+
+so the ranks of one TP group are neighbours and land inside one node. The grid is
+``torch.arange(world).view(dp, cp, tp)``; every group is read off it.
+
+Groups:
+    tp      ranks that shard weights (same cp_rank, dp_rank)
+    cp      ranks that shard the sequence (same tp_rank, dp_rank)
+    dp      ranks that see different batches (same tp_rank, cp_rank)
+    dp_cp   dp x cp: gradient reduction and FSDP sharding (CP ranks hold the same weights)
+    tp_cp   tp x cp: ranks that together hold one model replica's sequence and weights
+
+A process without torch.distributed initialised is a valid world of one: every group is
+``None`` and every size is 1. The state is passed explicitly; nothing here is global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """World size of ``group``; 1 for ``None`` or when torch.distributed is not initialised."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 for ``None`` or without torch.distributed."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+@dataclass
+class ParallelState:
+    """Degrees, this process's coordinates and the process groups of one parallel layout.
+
+    Build it with :meth:`build`; construct directly only for a world of one.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    rank: int = 0
+    tp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    groups: dict[str, ProcessGroup | None] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        return self.groups.get("tp")
+
+    @property
+    def cp_group(self) -> ProcessGroup | None:
+        return self.groups.get("cp")
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        return self.groups.get("dp")
+
+    @property
+    def dp_cp_group(self) -> ProcessGroup | None:
+        return self.groups.get("dp_cp")
+
+    @property
+    def tp_cp_group(self) -> ProcessGroup | None:
+        return self.groups.get("tp_cp")
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """Rank inside the dp x cp group (cp fastest)."""
+        return self.cp_rank + self.cp * self.dp_rank
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    @classmethod
+    def build(cls, tp: int = 1, cp: int = 1, dp: int | None = None) -> ParallelState:
+        """Create the groups for ``tp`` x ``cp`` x ``dp`` over the current world.
+
+        ``dp`` is inferred as ``world // (tp * cp)`` when not given. Every process of the
+        world must call this with the same arguments (``new_group`` is collective).
+        Raises ``ValueError`` when the degrees do not tile the world.
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for name, value in (("tp", tp), ("cp", cp), ("dp", dp)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if world % (tp * cp) != 0:
+            raise ValueError(
+                f"world size {world} is not divisible by tp*cp = {tp}*{cp} = {tp * cp}; "
+                f"choose tp and cp whose product divides {world}, or launch a multiple of "
+                f"{tp * cp} processes"
+            )
+        if dp is None:
+            dp = world // (tp * cp)
+        if tp * cp * dp != world:
+            raise ValueError(
+                f"tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp} does not equal the world size "
+                f"{world}; set dp={world // (tp * cp)} or leave dp unset to infer it"
+            )
+        grid = torch.arange(world).view(dp, cp, tp)
+        dp_rank, cp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+        state = cls(tp=tp, cp=cp, dp=dp, rank=rank, tp_rank=tp_rank, cp_rank=cp_rank,
+                    dp_rank=dp_rank)
+        if not dist.is_initialized():
+            return state
+        # Each family of groups is a set of rank lists; every process creates all of them
+        # (new_group is collective over the world) and keeps the one it belongs to.
+        families = {
+            "tp": grid.reshape(-1, tp),
+            "cp": grid.permute(0, 2, 1).reshape(-1, cp),
+            "dp": grid.permute(1, 2, 0).reshape(-1, dp),
+            "dp_cp": grid.permute(2, 0, 1).reshape(-1, dp * cp),
+            "tp_cp": grid.reshape(dp, cp * tp),
+        }
+        for name, rows in families.items():
+            for ranks in rows.tolist():
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    state.groups[name] = group
+        return state
+
+    def __repr__(self) -> str:
+        return (f"ParallelState(tp={self.tp}, cp={self.cp}, dp={self.dp}, rank={self.rank}, "
+                f"tp_rank={self.tp_rank}, cp_rank={self.cp_rank}, dp_rank={self.dp_rank})")

@@ -1,0 +1,89 @@
+"""Run a function in N processes joined by gloo, for CPU distributed tests.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, joins them with a
+gloo process group over a FileStore in a temporary folder, calls ``fn(rank, world_size, *args)``
+in each and returns the list of return values by rank. An exception on any rank fails the call
+with that rank's traceback; a rank that does not finish within ``timeout`` seconds (a hung
+collective) kills every process and fails the call instead of hanging CI.
+
+``fn`` must be a module-level function (it is pickled by name for the spawned processes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+
+def _worker(fn, rank, world_size, store_path, results, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # world_size processes share CI's 2 cores
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store_path, results, args),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out, errors = {}, []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) + len(errors) < world_size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(out))} did "
+                        f"not finish within {timeout:.0f}s (hung collective?)"
+                        + "".join(errors))
+                try:
+                    rank, ok, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead and not errors:
+                        # A rank died without reporting (segfault, os._exit): fail fast.
+                        time.sleep(1.0)
+                        if results.empty():
+                            raise RuntimeError(
+                                f"{fn.__name__}: ranks {dead} exited with codes "
+                                f"{[procs[r].exitcode for r in dead]} without a result") from None
+                    continue
+                if ok:
+                    out[rank] = value
+                else:
+                    errors.append(f"\n--- rank {rank} ---\n{value}")
+                    # The other ranks may now block in a collective: give them a moment, then stop.
+                    deadline = min(deadline, time.monotonic() + 10.0)
+            if errors:
+                raise RuntimeError(f"{fn.__name__} failed on {len(errors)} rank(s):"
+                                   + "".join(errors))
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [out[r] for r in range(world_size)]
