@@ -1,0 +1,208 @@
+"""Tensor-parallel layers (Megatron-style) with optional sequence parallelism (SP).
+
+Layout: token-major activations ``[T, features]`` (a packed stream; a leading batch dim also
+works). Under SP the activations between TP regions are split along the token dim:
+``[T / tp, features]`` per rank of the tp group.
+
+- ``ColumnParallelLinear``: weight ``[out / tp, in]``. Input replicated (f: identity forward,
+  all-reduce backward) or, under SP, token-sharded and all-gathered first. Output sharded on
+  the last dim, or all-gathered with ``gather_output``.
+- ``RowParallelLinear``: weight ``[out, in / tp]``. Input sharded on the last dim. Output
+  all-reduced (g), or reduce-scattered to token shards under SP. Bias added after the reduction.
+- ``VocabParallelEmbedding``: weight ``[V_pad / tp, dim]`` with ``V_pad = ceil(V / tp) * tp``;
+  rank r owns ids ``[r * V_pad / tp, (r + 1) * V_pad / tp)``; other ids are masked to zero rows
+  and the partial embeddings summed over tp (all-reduce, or reduce-scatter under SP).
+
+Init: ``reset_parameters(seed)`` draws the logical full weight from ``seed`` and keeps this
+rank's slice, so the layer is the same function at every TP degree. Replicated parameters used
+on token-sharded activations (a bias under SP) pass through ``copy_to_tp`` so their gradient is
+summed over the tp group by autograd itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpcore.dist import ProcessGroup, group_rank, group_size
+from parallel.collectives import (
+    copy_to_tp,
+    gather_last_dim,
+    reduce_from_tp,
+    sp_all_gather,
+    sp_reduce_scatter,
+)
+from parallel.random import init_shard_, normal_init
+
+
+def divide(n: int, tp: int, what: str) -> int:
+    """``n // tp``, raising ``ValueError`` naming ``what`` when it does not divide."""
+    if n % tp != 0:
+        raise ValueError(f"{what} = {n} is not divisible by tp = {tp}; choose a tp that divides "
+                         f"{n} (or change {what})")
+    return n // tp
+
+
+def shard_parts(full: torch.Tensor, dim: int, parts: Sequence[int], tp: int, rank: int):
+    """This rank's slice of each logical part of ``full`` along ``dim``, concatenated.
+
+    A fused projection (``[q; k; v]`` or ``[gate; up]``) is sharded part by part so that rank r
+    holds ``[q_r; k_r; v_r]``.
+    """
+    pieces = full.split(list(parts), dim=dim)
+    return torch.cat([p.chunk(tp, dim=dim)[rank] for p in pieces], dim=dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` split along the output dim over ``group`` (tp).
+
+    Args:
+        in_features, out_features: logical sizes. ``out_features`` (each of ``partition_sizes``
+            for fused projections) must be divisible by tp.
+        partition_sizes: logical output parts sharded separately (default: one part).
+        gather_output: all-gather the output to ``[T, out]`` (default: keep ``[T, out / tp]``).
+        sequence_parallel: the input is ``[T / tp, in]`` and is all-gathered first.
+    Shapes: x ``[T, in]`` (``[T / tp, in]`` under SP) -> ``[T, out / tp]`` or ``[T, out]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 group: ProcessGroup | None = None, gather_output: bool = False,
+                 sequence_parallel: bool = False, partition_sizes: Sequence[int] | None = None,
+                 init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        self.group, self.tp, self.tp_rank = group, group_size(group), group_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.partition_sizes = list(partition_sizes or [out_features])
+        if sum(self.partition_sizes) != out_features:
+            raise ValueError(f"partition_sizes {self.partition_sizes} must sum to "
+                             f"out_features = {out_features}")
+        for size in self.partition_sizes:
+            divide(size, self.tp, "ColumnParallelLinear output size")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.init_std = init_std
+        local_out = out_features // self.tp
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(local_out, device=device, dtype=dtype))
+                     if bias else None)
+
+    def reset_parameters(self, seed: int) -> None:
+        take = lambda full: shard_parts(full, 0, self.partition_sizes, self.tp, self.tp_rank)  # noqa: E731
+        init_shard_(self.weight, (self.out_features, self.in_features), take,
+                    normal_init(self.init_std), seed)
+        if self.bias is not None:
+            init_shard_(self.bias, (self.out_features,), take, normal_init(self.init_std),
+                        seed + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input width {x.shape[-1]} != in_features {self.in_features}")
+        x = sp_all_gather(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_last_dim(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
+                f"sp={self.sequence_parallel}, parts={self.partition_sizes}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` split along the input dim over ``group`` (tp).
+
+    The input is already split on its last dim (the output of a ColumnParallelLinear).
+    Shapes: x ``[T, in / tp]`` -> ``[T, out]`` (all-reduced) or ``[T / tp, out]`` under SP
+    (reduce-scattered over tokens; T must be divisible by tp).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        self.group, self.tp, self.tp_rank = group, group_size(group), group_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.init_std = sequence_parallel, init_std
+        local_in = divide(in_features, self.tp, "RowParallelLinear input size")
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                     if bias else None)
+
+    def reset_parameters(self, seed: int) -> None:
+        init_shard_(self.weight, (self.out_features, self.in_features),
+                    lambda full: full.chunk(self.tp, dim=1)[self.tp_rank],
+                    normal_init(self.init_std), seed)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"input width {x.shape[-1]} != local in_features "
+                             f"{self.weight.shape[1]} (= {self.in_features} / tp {self.tp})")
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = sp_reduce_scatter(y, self.group)
+            bias = copy_to_tp(self.bias, self.group) if self.bias is not None else None
+        else:
+            y = reduce_from_tp(y, self.group)
+            bias = self.bias
+        return y + bias if bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
+                f"sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocab split over ``group`` (tp); the vocab is padded to a multiple of tp.
+
+    Shapes: ids ``[T]`` (any shape) int64 -> ``[T, dim]`` (all-reduced), or ``[T / tp, dim]``
+    under SP (reduce-scattered over tokens).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        self.group, self.tp, self.tp_rank = group, group_size(group), group_rank(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padded_vocab = -(-num_embeddings // self.tp) * self.tp
+        self.local_vocab = self.padded_vocab // self.tp
+        self.vocab_start = self.tp_rank * self.local_vocab
+        self.sequence_parallel, self.init_std = sequence_parallel, init_std
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, embedding_dim, device=device,
+                                               dtype=dtype))
+
+    def reset_parameters(self, seed: int) -> None:
+        def take(full: torch.Tensor) -> torch.Tensor:
+            padded = torch.zeros(self.padded_vocab, self.embedding_dim)
+            padded[: self.num_embeddings] = full  # padding rows are zero and never looked up
+            return padded.chunk(self.tp, dim=0)[self.tp_rank]
+
+        init_shard_(self.weight, (self.num_embeddings, self.embedding_dim), take,
+                    normal_init(self.init_std), seed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())  # CPU-GPU sync point: worth it, see DESIGN
+            if lo < 0 or hi >= self.num_embeddings:
+                raise ValueError(f"token id {hi if hi >= self.num_embeddings else lo} is outside "
+                                 f"the vocab [0, {self.num_embeddings}); check the tokenizer and "
+                                 f"model.vocab_size")
+        if self.tp == 1:
+            out = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.vocab_start
+            outside = (local < 0) | (local >= self.local_vocab)
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return sp_reduce_scatter(out, self.group)
+        return reduce_from_tp(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.num_embeddings} (padded {self.padded_vocab}), "
+                f"dim={self.embedding_dim}, tp={self.tp}, sp={self.sequence_parallel}")
