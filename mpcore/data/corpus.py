@@ -1,0 +1,97 @@
+"""The default corpus that ships with mpcore, prepared on first use.
+
+Source: ``launch/data/default_corpus.jsonl`` (Python standard library docstrings, PSF license;
+see launch/data/README.md). :func:`prepare_default` trains a SentencePiece tokenizer on it and
+writes the indexed dataset, into ``data_dir``:
+
+    default_v<vocab>.model            the tokenizer
+    default_v<vocab>.bin / .idx       the tokenized corpus (documents in file order)
+    default_v<vocab>.fingerprint      sha256 of the corpus bytes and every setting; written last
+
+A later call whose fingerprint matches reuses the files. Deterministic: the same corpus bytes
+and settings give the same tokenizer and dataset on every machine. Ranks that call it at the
+same time (torchrun) serialise on a file lock in ``data_dir``; the first prepares, the rest
+find the cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from pathlib import Path
+
+from mpcore.data import indexed, tokenizer
+from mpcore.data.indexed import IndexedWriter
+from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "launch" / "data" / "default_corpus.jsonl"
+TOKENIZER_SEED = 1234
+_ENCODE_BATCH = 256
+
+
+def fingerprint(corpus: Path, vocab_size: int) -> str:
+    """sha256 over the corpus bytes and every setting that changes the outputs."""
+    h = hashlib.sha256()
+    with open(corpus, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    settings = {
+        "vocab_size": vocab_size,
+        "tokenizer_settings": tokenizer.SETTINGS_VERSION,
+        "tokenizer_seed": TOKENIZER_SEED,
+        "index_version": indexed.VERSION,
+    }
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def tokenize_to_indexed(
+    tok: Tokenizer, paths: list[Path], prefix: Path, text_key: str = "text", progress: bool = True
+) -> int:
+    """Encode every document of ``paths`` (streaming, in batches) into ``<prefix>.bin/.idx``.
+
+    Returns the number of documents written.
+    """
+    with IndexedWriter(prefix, tok.vocab_size, progress=progress) as writer:
+        batch: list[str] = []
+        for doc in iter_documents(paths, text_key):
+            batch.append(doc)
+            if len(batch) == _ENCODE_BATCH:
+                for ids in tok.encode_batch(batch):
+                    writer.add(ids)
+                batch = []
+        for ids in tok.encode_batch(batch):
+            writer.add(ids)
+        return writer.num_docs
+
+
+def prepare_default(
+    data_dir: str | Path, vocab_size: int = 2048, corpus: str | Path = DEFAULT_CORPUS
+) -> tuple[Path, Path]:
+    """Tokenizer and indexed dataset of the default corpus in ``data_dir``, built if needed.
+
+    Returns ``(tokenizer_path, dataset_prefix)``. Takes about a second on 2 CPU cores.
+    """
+    corpus = Path(corpus)
+    if not corpus.is_file():
+        raise ValueError(
+            f"the default corpus {corpus} is missing; it ships with the mpcore repository "
+            "(run from a checkout) or can be rebuilt with python launch/make_default_corpus.py"
+        )
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stem = data_dir / f"default_v{vocab_size}"
+    model_path, prefix = stem.with_suffix(".model"), stem
+    stamp = stem.with_suffix(".fingerprint")
+    want = fingerprint(corpus, vocab_size)
+    with open(data_dir / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the with block closes the file
+        ready = [model_path, Path(f"{prefix}.bin"), Path(f"{prefix}.idx")]
+        if stamp.is_file() and stamp.read_text() == want and all(p.is_file() for p in ready):
+            return model_path, prefix
+        stamp.unlink(missing_ok=True)
+        tok = train_tokenizer(iter_documents([corpus]), model_path, vocab_size, TOKENIZER_SEED)
+        tokenize_to_indexed(tok, [corpus], prefix, progress=False)
+        stamp.write_text(want)
+    return model_path, prefix

@@ -1,0 +1,234 @@
+"""Indexed binary token dataset: ``<prefix>.bin`` (tokens) and ``<prefix>.idx`` (index).
+
+``<prefix>.bin``: every document's token ids, back to back, no separators; uint16 when
+``vocab_size <= 65536`` (ids fit in 16 bits), else uint32. Little-endian.
+
+``<prefix>.idx``: a 48-byte header, then ``offsets`` int64 [num_docs + 1]:
+    magic        8 bytes  b"MPCIDX\\0\\0"
+    version      uint32   1
+    dtype_code   uint32   2 (uint16) or 4 (uint32): bytes per token
+    vocab_size   uint64   vocabulary of the tokenizer that wrote it
+    num_docs     uint64
+    num_tokens   uint64   == offsets[-1]
+    max_token_id int64    largest id in the file (-1 when empty)
+Document ``d`` is ``bin[offsets[d]:offsets[d + 1]]``.
+
+:class:`IndexedWriter` streams: tokens go straight to disk, offsets too (the header is filled in
+at the end), so corpora larger than RAM work. Both files are written under temporary names and
+renamed when complete, so a killed preparation never leaves a dataset that looks valid.
+:class:`IndexedDataset` memory-maps both files with numpy and validates them.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MPCIDX\0\0"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQq")
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 when every id (< vocab_size) fits in 16 bits, else uint32."""
+    return _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
+
+
+class Progress:
+    """A one-line progress report on stderr, at most every ``interval`` seconds."""
+
+    def __init__(self, label: str, interval: float = 1.0, stream=sys.stderr):
+        self.label, self.interval, self.stream = label, interval, stream
+        self.start = self.last = time.monotonic()
+
+    def update(self, num_docs: int, num_tokens: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        rate = num_tokens / max(now - self.start, 1e-9)
+        end = "\n" if force else "\r"
+        self.stream.write(
+            f"{self.label}: {num_docs:,} docs, {num_tokens:,} tokens, {rate:,.0f} tokens/s{end}"
+        )
+        self.stream.flush()
+
+
+class IndexedWriter:
+    """Streams documents into ``<prefix>.bin`` / ``<prefix>.idx``; use as a context manager.
+
+    ``add(ids)`` appends one document (any int sequence or array); every id must be in
+    ``[0, vocab_size)``. On a clean exit the files are complete; on an exception the temporary
+    files are removed and no dataset is left behind.
+    """
+
+    def __init__(self, prefix: str | Path, vocab_size: int, progress: bool = True):
+        self.prefix = Path(prefix)
+        self.vocab_size = vocab_size
+        self.dtype = dtype_for_vocab(vocab_size)
+        self.num_docs = self.num_tokens = 0
+        self.max_token_id = -1
+        self.progress = Progress(f"writing {self.prefix}") if progress else None
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self._bin_tmp = Path(f"{self.prefix}.bin.tmp")
+        self._idx_tmp = Path(f"{self.prefix}.idx.tmp")
+        self._bin = open(self._bin_tmp, "wb")
+        self._idx = open(self._idx_tmp, "wb")
+        self._idx.write(b"\0" * _HEADER.size)
+        self._idx.write(np.zeros(1, np.int64).tobytes())
+
+    def add(self, ids) -> None:
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be a 1-D sequence of ids, got shape {arr.shape}")
+        if arr.size:
+            low, high = int(arr.min()), int(arr.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = high if high >= self.vocab_size else low
+                raise ValueError(
+                    f"document {self.num_docs} for {self.prefix} has token id {bad} outside "
+                    f"[0, {self.vocab_size}); the vocab_size given to the writer must be the "
+                    "tokenizer's"
+                )
+            self.max_token_id = max(self.max_token_id, high)
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        self.num_docs += 1
+        self.num_tokens += arr.size
+        self._idx.write(struct.pack("<q", self.num_tokens))
+        if self.progress:
+            self.progress.update(self.num_docs, self.num_tokens)
+
+    def close(self) -> None:
+        self._idx.seek(0)
+        self._idx.write(
+            _HEADER.pack(
+                MAGIC,
+                VERSION,
+                self.dtype.itemsize,
+                self.vocab_size,
+                self.num_docs,
+                self.num_tokens,
+                self.max_token_id,
+            )
+        )
+        for f in (self._bin, self._idx):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self._bin_tmp.replace(f"{self.prefix}.bin")
+        self._idx_tmp.replace(f"{self.prefix}.idx")  # last: a dataset exists once .idx does
+        if self.progress:
+            self.progress.update(self.num_docs, self.num_tokens, force=True)
+
+    def abort(self) -> None:
+        for f, path in ((self._bin, self._bin_tmp), (self._idx, self._idx_tmp)):
+            f.close()
+            path.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of ``<prefix>.bin`` / ``<prefix>.idx``.
+
+    ``ds[d]`` is document ``d``'s ids (a numpy view, uint16/uint32, no copy); ``len(ds)`` is the
+    number of documents; ``ds.tokens`` is the whole token array and ``ds.offsets`` int64
+    [num_docs + 1]. A missing, truncated or foreign file raises ``ValueError`` naming it.
+    """
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = Path(prefix)
+        self.idx_path = Path(f"{self.prefix}.idx")
+        self.bin_path = Path(f"{self.prefix}.bin")
+        for path in (self.idx_path, self.bin_path):
+            if not path.is_file():
+                raise ValueError(
+                    f"dataset file {path} does not exist; create it with: python "
+                    f"launch/prepare_data.py --input CORPUS.jsonl --output-prefix {self.prefix} "
+                    "--tokenizer TOKENIZER.model"
+                )
+        self._read_header()
+        self.offsets = np.memmap(
+            self.idx_path, np.int64, "r", offset=_HEADER.size, shape=(self.num_docs + 1,)
+        )
+        if self.offsets[0] != 0 or self.offsets[-1] != self.num_tokens:
+            raise ValueError(f"{self.idx_path} is corrupt: offsets do not span the token file")
+        self.tokens = (
+            np.memmap(self.bin_path, self.dtype, "r", shape=(self.num_tokens,))
+            if self.num_tokens
+            else np.zeros(0, self.dtype)
+        )
+
+    def _read_header(self) -> None:
+        with open(self.idx_path, "rb") as f:
+            head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size or head[:8] != MAGIC:
+            raise ValueError(
+                f"{self.idx_path} is not an mpcore indexed dataset (bad magic or truncated); "
+                "recreate it with launch/prepare_data.py"
+            )
+        _, version, code, vocab, docs, toks, max_id = _HEADER.unpack(head)
+        if version != VERSION:
+            raise ValueError(
+                f"{self.idx_path} has format version {version}, this mpcore reads {VERSION}; "
+                "recreate it with launch/prepare_data.py"
+            )
+        if code not in _DTYPES:
+            raise ValueError(f"{self.idx_path} has an unknown token dtype code {code}")
+        self.dtype, self.vocab_size = _DTYPES[code], vocab
+        self.num_docs, self.num_tokens, self.max_token_id = docs, toks, max_id
+        want_idx = _HEADER.size + 8 * (docs + 1)
+        want_bin = toks * self.dtype.itemsize
+        for path, want in ((self.idx_path, want_idx), (self.bin_path, want_bin)):
+            size = path.stat().st_size
+            if size != want:
+                raise ValueError(
+                    f"{path} is truncated or corrupt: {size} bytes, the header says {want}; "
+                    "recreate the dataset with launch/prepare_data.py"
+                )
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def __getitem__(self, d: int) -> np.ndarray:
+        if not -self.num_docs <= d < self.num_docs:
+            raise IndexError(f"document {d} out of range for {self.num_docs} documents")
+        d %= self.num_docs
+        return self.tokens[self.offsets[d] : self.offsets[d + 1]]
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        """int64 [num_docs]: tokens per document."""
+        return np.diff(np.asarray(self.offsets))
+
+    def check_vocab(self, model_vocab_size: int, scan: bool = False) -> None:
+        """Raise ``ValueError`` when a token id is >= ``model_vocab_size``.
+
+        Uses the max id stored in the header; ``scan=True`` also reads the whole token file
+        in chunks (streaming) to verify it.
+        """
+        max_id = self.max_token_id
+        if scan:
+            chunk = 1 << 24
+            for start in range(0, self.num_tokens, chunk):
+                max_id = max(max_id, int(self.tokens[start : start + chunk].max()))
+        if max_id >= model_vocab_size:
+            raise ValueError(
+                f"{self.bin_path} holds token id {max_id}, but the model's vocab_size is "
+                f"{model_vocab_size} (ids must be < vocab_size); set model.vocab_size >= "
+                f"{max_id + 1} or re-tokenize the corpus with the model's tokenizer "
+                "(launch/prepare_data.py --tokenizer MODEL.model)"
+            )

@@ -1,0 +1,97 @@
+"""Document-aware packing of an indexed dataset into fixed-length samples.
+
+The documents, in stored order, each followed by one EOS, form a virtual stream of
+``num_tokens + num_docs`` tokens. Sample ``i`` is ``stream[i * S : (i + 1) * S]`` with
+``S = seq_len``; the tail shorter than ``S`` is dropped. Per sample:
+
+    input_ids     int64 [S]
+    cu_seqlens    int32 [segments + 1]   0, the document boundaries inside the sample, S
+    position_ids  int64 [S]              0, 1, ... restarting at every segment start
+
+A segment is the part of one document (with its EOS) that lies in the sample; a document cut
+at a sample boundary continues as a new segment (positions from 0) in the next sample, so
+attention never crosses documents. There are no labels here: the training loop derives them
+from ``input_ids`` and ``cu_seqlens`` with ``parallel.LabelShifter``, which ignores the last
+token of each segment (an EOS, or the cut point of a document).
+
+Nothing is precomputed but the int64 [num_docs] cumulative stream ends, so a sample costs one
+binary search and one contiguous read of the memory-mapped token file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpcore.data.indexed import IndexedDataset
+
+
+@dataclass(frozen=True)
+class PackedSample:
+    """One packed sample; shapes and dtypes as in the module docstring."""
+
+    input_ids: np.ndarray
+    cu_seqlens: np.ndarray
+    position_ids: np.ndarray
+
+
+def positions_from_cu_seqlens(cu_seqlens: np.ndarray) -> np.ndarray:
+    """int64 [cu_seqlens[-1]]: position of each token within its segment."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lengths = np.diff(cu)
+    return np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lengths)
+
+
+class PackedDataset:
+    """Fixed-length samples of ``seq_len`` tokens packed from ``dataset`` (an IndexedDataset).
+
+    ``eos_id`` is appended to every document; it must be below the dataset's vocab_size.
+    ``len(self)`` samples; ``self[i]`` is a :class:`PackedSample`.
+    """
+
+    def __init__(self, dataset: IndexedDataset, seq_len: int, eos_id: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if not 0 <= eos_id < dataset.vocab_size:
+            raise ValueError(
+                f"eos_id {eos_id} is outside the vocabulary [0, {dataset.vocab_size}) of "
+                f"{dataset.idx_path}; use the eos id of the tokenizer that wrote it"
+            )
+        self.dataset, self.seq_len, self.eos_id = dataset, seq_len, eos_id
+        # stream_ends[d]: exclusive end of document d (with its EOS) in the stream.
+        self.stream_ends = np.asarray(dataset.offsets[1:]) + np.arange(1, len(dataset) + 1)
+        total = int(self.stream_ends[-1]) if len(dataset) else 0
+        self.num_samples = total // seq_len
+        if self.num_samples == 0:
+            raise ValueError(
+                f"{dataset.idx_path} has {total} tokens with EOS, fewer than one sample of "
+                f"seq_len={seq_len}; use a larger corpus or a smaller seq_len"
+            )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> PackedSample:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
+        S = self.seq_len
+        start, end = i * S, (i + 1) * S
+        ends = self.stream_ends
+        first = int(np.searchsorted(ends, start, side="right"))  # doc holding stream[start]
+        last = int(np.searchsorted(ends, end - 1, side="right"))  # doc holding stream[end - 1]
+        inner = ends[first:last] - start  # boundaries strictly inside (0, S)
+        cu = np.concatenate(([0], inner, [S])).astype(np.int32)
+        seg_lengths = np.diff(cu)
+        doc_of = np.repeat(np.arange(first, last + 1), seg_lengths)  # (S,)
+        pos = np.arange(start, end)
+        is_eos = pos + 1 == ends[doc_of]
+        # Documents are contiguous in the token file, so stream position p of document d is
+        # token p - d; one contiguous read covers the sample.
+        tok = pos - doc_of
+        lo = int(tok[0])
+        hi = min(int(tok[-1]) + 1, self.dataset.num_tokens)
+        window = np.asarray(self.dataset.tokens[lo:hi], dtype=np.int64)
+        ids = np.full(S, self.eos_id, dtype=np.int64)
+        ids[~is_eos] = window[tok[~is_eos] - lo]
+        return PackedSample(ids, cu, positions_from_cu_seqlens(cu))

@@ -1,0 +1,173 @@
+"""SentencePiece tokenizer: train one deterministically, load an existing ``.model``, and read text.
+
+Training settings are fixed (BPE, byte fallback so any text encodes without ``<unk>``, identity
+normalisation and whitespace kept so code and indentation survive, ``\\n`` as its own piece,
+digits split) and the random generator is seeded, so the same files in the same order give the
+same model bytes on every run. Special ids: ``<unk>`` 0, ``<s>`` (bos) 1, ``</s>`` (eos) 2, no pad.
+
+Text sources (:func:`iter_documents`), one document each:
+    ``*.jsonl`` / ``*.json``   one JSON object per line, the text under ``text_key``
+    anything else            plain text; one document per blank-line-separated paragraph
+Paragraphs (not whole files) keep a document small however large the file, so a text file
+larger than RAM streams.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+TRAIN_COMMAND = (
+    "python launch/prepare_data.py --input CORPUS.jsonl --output-prefix PREFIX "
+    "--train-tokenizer {path} --vocab-size N"
+)
+# Changing any of these changes every trained tokenizer: bump the version with them.
+SETTINGS_VERSION = 1
+_TRAIN_SETTINGS = dict(
+    model_type="bpe",
+    character_coverage=1.0,
+    byte_fallback=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    split_digits=True,
+    allow_whitespace_only_pieces=True,
+    user_defined_symbols=["\n"],
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    # The thread count is stored in the model file; fixed so the bytes are the same everywhere.
+    num_threads=4,
+    input_sentence_size=2_000_000,
+    shuffle_input_sentence=True,
+    max_sentence_length=16384,
+    minloglevel=2,
+)
+
+
+def iter_documents(paths: Iterable[str | Path], text_key: str = "text") -> Iterator[str]:
+    """Yield the documents of ``paths`` in order (see the module docstring), skipping empty ones."""
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise ValueError(f"input file {path} does not exist")
+        if path.suffix in (".jsonl", ".json"):
+            yield from _iter_jsonl(path, text_key)
+        else:
+            yield from _iter_paragraphs(path)
+
+
+def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_key]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"{path}:{line_no}: expected a JSON object with a {text_key!r} string "
+                    f"({type(e).__name__}: {e}); pass --text-key to name the field"
+                ) from None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{line_no}: {text_key!r} is not a string")
+            if text:
+                yield text
+
+
+def _iter_paragraphs(path: Path) -> Iterator[str]:
+    lines: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                yield "".join(lines).rstrip("\n")
+                lines = []
+    if lines:
+        yield "".join(lines).rstrip("\n")
+
+
+class Tokenizer:
+    """A loaded SentencePiece model.
+
+    Attributes: ``path``, ``vocab_size`` (number of pieces; every id is below it), ``bos_id``,
+    ``eos_id``. Raises ``ValueError`` naming the path and the command that creates it when
+    the file is missing or is not a SentencePiece model.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(
+                f"tokenizer model {self.path} does not exist; create it with: "
+                + TRAIN_COMMAND.format(path=self.path)
+            )
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.load(str(self.path))
+        except (OSError, RuntimeError) as e:
+            raise ValueError(
+                f"{self.path} is not a SentencePiece model ({e}); recreate it with: "
+                + TRAIN_COMMAND.format(path=self.path)
+            ) from None
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos_id = self._sp.bos_id()
+        self.eos_id = self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no bos/eos added)."""
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text (no bos/eos added); faster than one call per text."""
+        return self._sp.encode(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; ``decode(encode(t)) == t`` for any text (byte fallback)."""
+        return self._sp.decode([int(i) for i in ids])
+
+
+def _training_sentences(documents: Iterable[str]) -> Iterator[str]:
+    # SentencePiece learns from lines; "\n" is added back as a user-defined piece.
+    for doc in documents:
+        for line in doc.split("\n"):
+            if line.strip():
+                yield line
+
+
+def train_tokenizer(
+    documents: Iterable[str], model_path: str | Path, vocab_size: int, seed: int = 1234
+) -> Tokenizer:
+    """Train a BPE SentencePiece model on ``documents`` and write it to ``model_path``.
+
+    Deterministic: the same documents in the same order, ``vocab_size`` and ``seed`` give the
+    same file. The file is written to a temporary name and renamed, so a crash leaves no
+    half-written model. Returns the loaded :class:`Tokenizer`.
+    """
+    if vocab_size < 256 + 4:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: byte fallback needs 256 byte pieces plus "
+            "4 specials; use --vocab-size 512 or more"
+        )
+    model_path = Path(model_path)
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    spm.set_random_generator_seed(seed)
+    tmp = model_path.with_name(model_path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_training_sentences(documents),
+                model_writer=f,
+                vocab_size=vocab_size,
+                **_TRAIN_SETTINGS,
+            )
+        except RuntimeError as e:
+            raise ValueError(
+                f"SentencePiece training for {model_path} failed: {e}. A corpus too small "
+                "for the vocabulary needs a smaller --vocab-size"
+            ) from None
+    tmp.replace(model_path)
+    return Tokenizer(model_path)
