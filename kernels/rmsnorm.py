@@ -144,7 +144,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() == 0:
-        raise ValueError("rms_norm: x must have at least one dimension [..., H]; got a scalar.")
+        raise ValueError(
+            f"rms_norm: x must have shape [..., H]; got a scalar x and weight {tuple(weight.shape)}."
+        )
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"rms_norm: weight must have shape [H] with H = x.shape[-1]; got x {tuple(x.shape)}"
