@@ -1,0 +1,326 @@
+"""Fused linear + cross-entropy and linear + log-prob/entropy heads, vocab-parallel.
+
+Layout: ``hidden [N, H]`` (N local tokens, any order), ``weight [V_local, H]``: rank r of
+``group`` holds vocab rows ``[r * V_local, (r + 1) * V_local)``; ``labels [N]`` are GLOBAL vocab
+ids, already shifted (by the LabelShifter, before any sequence split), or ``ignore_index``.
+Rows at or past ``vocab_size`` are padding: they never enter the softmax and are never a target.
+The ``[N, V]`` logits are never held: tokens are walked in chunks whose logits fit in
+``_lce_chunks.CHUNK_BYTES`` (512 MiB), see ``kernels/_lce_chunks.py`` for the math.
+
+Cost: the logits GEMM is 2*N*H*V FLOPs and each gradient GEMM as much again.
+- ``linear_cross_entropy`` with reduction "mean"/"sum" computes its gradients DURING the forward
+  (the upstream gradient is one scalar), so forward + backward is three GEMMs, 6*N*H*V, plus a
+  memory-bound row pass; backward only scales the stored gradients by that scalar. The workspace
+  is one logits chunk; the stored gradients are the ones autograd would hold anyway.
+- reduction "none" and ``linear_logprobs`` keep per-token stats only and recompute the logits in
+  backward: four GEMMs, 8*N*H*V.
+
+CUDA tensors run the Triton row kernels (``kernels/_lce_triton.py``); other devices the PyTorch
+reference rows (``_lce_chunks.TorchRows``), same chunking. The ops are registered with
+``torch.library.custom_op`` (namespace ``mpcore``) so ``torch.compile`` traces them as single
+nodes without a graph break.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from kernels import _lce_chunks as chunks
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _rows(impl: str):
+    if impl == "triton":
+        from kernels import _lce_triton
+
+        return _lce_triton
+    return chunks.TorchRows
+
+
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+def _group(name: str):
+    if not name:
+        return None
+    # Ops take the group by name (custom ops cannot take a ProcessGroup); this is how
+    # torch's functional collectives resolve it too.
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def _check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    # CPU-GPU sync point: one small reduction over the labels, once per call.
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = int(labels[bad][0])
+        raise ValueError(
+            f"labels must lie in [0, vocab_size={vocab_size}) or equal ignore_index="
+            f"{ignore_index}; found {int(bad.sum())} out of range (first: {first}). Pass the "
+            "tokenizer's true vocab size as vocab_size and mask other ids with ignore_index.")
+
+
+def _setup(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name, impl):
+    _check_label_range(labels, vocab_size, ignore_index)
+    head = chunks.Head.build(weight, _group(group_name), vocab_size, temperature, _rows(impl))
+    valid = labels != ignore_index
+    return head, valid, head.local_targets(labels, valid)
+
+
+# --- op 1: sum of token losses with gradients computed in the forward -----------------------
+
+@torch.library.custom_op("mpcore::linear_ce_sum", mutates_args=())
+def _ce_sum_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+               ignore_index: int, temperature: float, vocab_size: int, group_name: str,
+               impl: str, need_dh: bool, need_dw: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    head, valid, tgt = _setup(hidden, weight, labels, ignore_index, temperature, vocab_size,
+                              group_name, impl)
+    loss_sum, dh, dw = chunks.forward_ce_with_grad(hidden, weight, tgt, valid, head, need_dh,
+                                                   need_dw)
+    empty = hidden.new_empty(0)
+    return loss_sum, empty if dh is None else dh, empty if dw is None else dw
+
+
+@_ce_sum_op.register_fake
+def _(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name, impl, need_dh,
+      need_dw):
+    empty = hidden.new_empty(0)
+    return (hidden.new_empty((), dtype=torch.float32),
+            torch.empty_like(hidden) if need_dh else empty,
+            torch.empty_like(weight) if need_dw else empty)
+
+
+def _ce_sum_setup(ctx, inputs, output):
+    ctx.need = inputs[-2:]
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _ce_sum_backward(ctx, g_loss, _g_dh, _g_dw):
+    # The stored gradients are scaled in place: this graph can be backpropagated once.
+    dh, dw = ctx.saved_tensors
+    need_dh, need_dw = ctx.need
+    return (dh.mul_(g_loss) if need_dh else None, dw.mul_(g_loss) if need_dw else None,
+            None, None, None, None, None, None, None, None)
+
+
+_ce_sum_op.register_autograd(_ce_sum_backward, setup_context=_ce_sum_setup)
+
+
+# --- op 2 and 3: per-token log-probs (and entropy), backward recomputes the logits ----------
+
+@torch.library.custom_op("mpcore::linear_logprobs", mutates_args=())
+def _logprobs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 ignore_index: int, temperature: float, vocab_size: int, group_name: str,
+                 impl: str, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    head, valid, tgt = _setup(hidden, weight, labels, ignore_index, temperature, vocab_size,
+                              group_name, impl)
+    stats = chunks.forward_stats(hidden, weight, tgt, head, with_entropy)
+    logprob, entropy, lse, ez = chunks.finish(stats, valid)
+    if not with_entropy:
+        entropy, ez = lse.new_empty(0), lse.new_empty(0)
+    return logprob, entropy, lse, ez
+
+
+@_logprobs_op.register_fake
+def _(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name, impl,
+      with_entropy):
+    n = hidden.shape[0]
+    vec = hidden.new_empty(n, dtype=torch.float32)
+    ent = torch.empty_like(vec) if with_entropy else hidden.new_empty(0, dtype=torch.float32)
+    return vec, ent, torch.empty_like(vec), torch.empty_like(ent)
+
+
+@torch.library.custom_op("mpcore::linear_logprobs_backward", mutates_args=())
+def _logprobs_backward_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          lse: torch.Tensor, ez: torch.Tensor, g_lp: torch.Tensor,
+                          g_ent: torch.Tensor, ignore_index: int, temperature: float,
+                          vocab_size: int, group_name: str, impl: str, need_dh: bool,
+                          need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    head = chunks.Head.build(weight, _group(group_name), vocab_size, temperature, _rows(impl))
+    valid = labels != ignore_index
+    tgt = head.local_targets(labels, valid)
+    g_lp = torch.where(valid, g_lp.float(), 0.0)  # ignored rows: the log-prob is a constant 0
+    g_ent = g_ent.float().contiguous() if g_ent.numel() else None
+    dh, dw = chunks.backward(hidden, weight, tgt, lse, ez, g_lp, g_ent, head, need_dh, need_dw)
+    empty = hidden.new_empty(0)
+    return empty if dh is None else dh, empty if dw is None else dw
+
+
+@_logprobs_backward_op.register_fake
+def _(hidden, weight, labels, lse, ez, g_lp, g_ent, ignore_index, temperature, vocab_size,
+      group_name, impl, need_dh, need_dw):
+    empty = hidden.new_empty(0)
+    return (torch.empty_like(hidden) if need_dh else empty,
+            torch.empty_like(weight) if need_dw else empty)
+
+
+def _logprobs_setup(ctx, inputs, output):
+    hidden, weight, labels = inputs[:3]
+    ctx.args = inputs[3:8]  # ignore_index, temperature, vocab_size, group_name, impl
+    ctx.with_entropy = inputs[8]
+    ctx.save_for_backward(hidden, weight, labels, output[2], output[3])
+
+
+def _logprobs_backward(ctx, g_lp, g_ent, _g_lse, _g_ez):
+    hidden, weight, labels, lse, ez = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if g_lp is None:
+        g_lp = torch.zeros_like(lse)
+    if g_ent is None or not ctx.with_entropy:
+        g_ent = lse.new_empty(0)
+    dh, dw = _logprobs_backward_op(hidden, weight, labels, lse, ez, g_lp, g_ent, *ctx.args,
+                                   need_dh, need_dw)
+    return (dh if need_dh else None, dw if need_dw else None) + (None,) * 7
+
+
+_logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+
+
+# --- public API ------------------------------------------------------------------------------
+
+def _validate(hidden, weight, labels, temperature, vocab_size, group) -> int:
+    """Static checks (no device sync); returns the resolved vocab_size."""
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a floating tensor (bf16, fp16 or fp32), got "
+                         f"{getattr(hidden, 'dtype', type(hidden))}; cast the hidden states.")
+    if hidden.dtype not in _DTYPES:
+        raise ValueError(f"hidden dtype {hidden.dtype} is not supported; use one of {_DTYPES}.")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the "
+                         "same dtype; cast one of them (autocast does not reach this op).")
+    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
+        raise ValueError(f"expected hidden [N, H], weight [V_local, H], labels [N]; got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}. "
+                         "Flatten the batch and sequence dims first.")
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(
+            f"hidden has {hidden.shape[0]} tokens but labels has {labels.shape[0]}: labels must "
+            "be shifted BEFORE the sequence split (LabelShifter) and then split with the hidden "
+            "states, so that each rank passes labels of its local hidden length.")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight width {weight.shape[1]} != hidden width {hidden.shape[1]}; "
+                         "pass the output head weight [V_local, H] (not transposed).")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}.")
+    if hidden.device != weight.device or hidden.device != labels.device:
+        raise ValueError(f"hidden, weight and labels must be on one device, got {hidden.device},"
+                         f" {weight.device}, {labels.device}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    tp = dist.get_world_size(group) if group is not None else 1
+    padded = weight.shape[0] * tp
+    if vocab_size is None:
+        return padded
+    if not 1 <= vocab_size <= padded:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, V_local * tp = {padded}]; "
+                         "pass the true (unpadded) vocab size of the tokenizer.")
+    return int(vocab_size)
+
+
+def _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature, vocab_size,
+                   group, impl):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
+    vocab_size = _validate(hidden, weight, labels, temperature, vocab_size, group)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    args = (ignore_index, float(temperature), vocab_size, _group_name(group), impl)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if reduction == "none":
+        return -_logprobs_op(hidden, weight, labels, *args, False)[0]
+    if grad:
+        loss_sum = _ce_sum_op(hidden, weight, labels, *args, hidden.requires_grad,
+                              weight.requires_grad)[0]
+    else:
+        loss_sum = -_logprobs_op(hidden, weight, labels, *args, False)[0].sum()
+    if reduction == "sum":
+        return loss_sum
+    num_valid = (labels != ignore_index).sum()
+    # Like torch: NaN when no label is valid, and then zero gradients rather than NaN.
+    loss = loss_sum / num_valid.clamp(min=1)
+    return torch.where(num_valid > 0, loss, float("nan"))
+
+
+def _logprobs(hidden, weight, labels, temperature, vocab_size, group, with_entropy,
+              ignore_index, impl):
+    vocab_size = _validate(hidden, weight, labels, temperature, vocab_size, group)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    logprob, entropy, _, _ = _logprobs_op(hidden, weight, labels, ignore_index,
+                                          float(temperature), vocab_size, _group_name(group),
+                                          impl, with_entropy)
+    return logprob, entropy if with_entropy else None
+
+
+def _impl(hidden: torch.Tensor) -> str:
+    return "triton" if hidden.is_cuda else "torch"
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         ignore_index: int = -100, reduction: str = "mean",
+                         temperature: float = 1.0, vocab_size: int | None = None,
+                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Cross-entropy of ``softmax(hidden @ weight_full.T / temperature)`` against ``labels``.
+
+    Args:
+        hidden: ``[N, H]`` bf16, fp16 or fp32, this rank's tokens (replicated across ``group``).
+        weight: ``[V_local, H]``, same dtype; rank r of ``group`` holds vocab rows
+            ``[r * V_local, (r + 1) * V_local)``.
+        labels: ``[N]`` integer GLOBAL vocab ids in ``[0, vocab_size)`` or ``ignore_index``,
+            already shifted, same on every rank of ``group``.
+        reduction: ``"mean"`` over valid labels (NaN when there are none, like torch),
+            ``"sum"``, or ``"none"`` (``[N]``, 0 where ignored).
+        vocab_size: the true vocab; default ``V_local * tp``. Rows past it are padding.
+        group: the tensor-parallel group the vocab is split over (None: not split). Forward
+            runs two small all-reduces over it per token chunk when gradients are computed in
+            the forward (mean/sum with grad), otherwise two per call; backward runs none.
+
+    Returns:
+        fp32 loss: a scalar, or ``[N]`` for ``reduction="none"``.
+
+    Gradients come back in the input dtype. The gradient of ``hidden`` is this rank's PARTIAL
+    sum over its vocab shard: the caller reduces it over ``group`` (the TP layer feeding the
+    head does so in the backward of its copy-to-TP f mapping). For mean/sum the gradients are
+    computed in the forward and stored, so the graph can be backpropagated once (not with
+    ``retain_graph`` twice). Raises ValueError on shape/dtype mismatches and on labels outside
+    ``[0, vocab_size)`` other than ``ignore_index`` (that check syncs with the device once).
+    """
+    return _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature,
+                          vocab_size, group, _impl(hidden))
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                    temperature: float = 1.0, vocab_size: int | None = None,
+                    group: dist.ProcessGroup | None = None, with_entropy: bool = True,
+                    ignore_index: int = -100
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ weight_full.T / T)``.
+
+    Shapes, sharding, ``vocab_size`` and ``group`` as in :func:`linear_cross_entropy`.
+    Returns ``(logprobs [N] fp32, entropy [N] fp32 or None)``. Rows whose label equals
+    ``ignore_index`` get logprob 0 and no gradient through it; their entropy is still the
+    softmax's entropy (mask it if it is not wanted). Gradients flow through both outputs to
+    ``hidden`` (this rank's partial sum, reduced by the caller over ``group``) and ``weight``.
+    Forward: two all-reduces per call; backward recomputes the logits chunk by chunk, no
+    collective.
+    """
+    return _logprobs(hidden, weight, labels, temperature, vocab_size, group, with_entropy,
+                     ignore_index, _impl(hidden))
+
+
+def linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index=-100,
+                                   reduction="mean", temperature=1.0, vocab_size=None,
+                                   group=None):
+    """:func:`linear_cross_entropy` computed with the chunked PyTorch row math, on any device."""
+    return _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature,
+                          vocab_size, group, "torch")
+
+
+def linear_logprobs_reference(hidden, weight, labels, *, temperature=1.0, vocab_size=None,
+                              group=None, with_entropy=True, ignore_index=-100):
+    """:func:`linear_logprobs` computed with the chunked PyTorch row math, on any device."""
+    return _logprobs(hidden, weight, labels, temperature, vocab_size, group, with_entropy,
+                     ignore_index, "torch")
