@@ -1,0 +1,71 @@
+"""Rotary position embedding (RoPE), plain theta or with the Llama 3 frequency scaling.
+
+Layout: positions ``[T]`` int (the batch's position ids: they restart at 0 in every document and
+travel with the tokens through the context-parallel split, so each rank rotates its own tokens by
+their true positions). ``cos, sin [T, head_dim]``; ``x [T, heads, head_dim]``. The rotation is the
+"rotate half" form of Hugging Face's Llama: pairs ``(x[i], x[i + head_dim / 2])``.
+
+Numerics follow transformers: inverse frequencies and angles in fp32, cos/sin cast to the
+activation dtype before the rotation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """``[head_dim / 2]`` fp32 inverse frequencies; ``scaling`` is None or the Llama 3 dict.
+
+    Llama 3 scaling keeps high frequencies (wavelength below ``original / high_freq_factor``),
+    divides low ones (wavelength above ``original / low_freq_factor``) by ``factor`` and
+    interpolates smoothly in between.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions. No parameters; ``inv_freq`` is a non-persistent
+    buffer recomputed by ``reset_parameters`` (the model is built on the meta device)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32),
+                             persistent=False)
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        del seed  # deterministic: nothing is drawn
+        with torch.no_grad():
+            self.inv_freq.copy_(inverse_frequencies(self.head_dim, self.theta, self.scaling))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``positions [T]`` -> ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
+        if positions.dim() != 1:
+            raise ValueError(f"position ids must be [T], got shape {tuple(positions.shape)} "
+                             f"(M-RoPE [3, T] is not supported by this model)")
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

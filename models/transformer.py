@@ -1,0 +1,189 @@
+"""Decoder-only transformer (Llama 3 / Qwen2 / Qwen3 by config) on TP/SP/CP layers.
+
+Layout, per rank: the L tokens of this cp rank's share of one packed stream (``ContextPlan``),
+replicated over the tp group. The residual stream is ``[L, hidden]``, or ``[L / tp, hidden]``
+under sequence parallelism (the embedding reduce-scatters tokens; every column-parallel layer
+all-gathers them, every row-parallel layer reduce-scatters). Before the head the final hidden
+is all-gathered back to ``[L, hidden]``, so the per-token outputs are ``[L]``, replicated over tp.
+
+    h = tok_embeddings(ids)
+    for layer: h = h + attention(attention_norm(h)); h = h + feed_forward(ffn_norm(h))
+    out = head(norm(h))       # loss [L] | (logprobs [L], entropy [L]) | logits [L, V_pad / tp]
+
+Weights: built on the meta device, materialised on ``device``, then each module's
+``reset_parameters(param_seed(seed, module_name))`` draws the LOGICAL full tensor and keeps this
+rank's shard, so ``build_model`` gives the same function at any tp degree.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.attention import Attention
+from models.config import ModelConfig
+from models.head import OUTPUTS, OutputWeight, head_forward
+from models.mlp import FeedForward
+from models.norm import RMSNorm
+from models.rope import RotaryEmbedding
+from mpcore.dist import ParallelState
+from parallel.collectives import copy_to_tp, sp_all_gather
+from parallel.layers import VocabParallelEmbedding
+from parallel.random import param_seed
+
+
+class Packing(NamedTuple):
+    """Attention metadata of the L local tokens (``parallel.context.RankLayout``)."""
+
+    doc_id: torch.Tensor  # (L,) int64, document of each token (padding: its own segment)
+    positions_in_doc: torch.Tensor  # (L,) int64, position inside the segment (causal mask)
+    cu_seqlens: torch.Tensor | None  # (S+1,) int32, local segments, or None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then SwiGLU feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bool,
+                 cp_mode: str, dtype=None):
+        super().__init__()
+        norm = dict(group=state.tp_group, sum_grad_over_tp=sequence_parallel and state.tp > 1,
+                    dtype=dtype)
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.attention = Attention(cfg, tp_group=state.tp_group, cp_group=state.cp_group,
+                                   cp_mode=cp_mode, sequence_parallel=sequence_parallel,
+                                   dtype=dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.feed_forward = FeedForward(cfg, tp_group=state.tp_group,
+                                        sequence_parallel=sequence_parallel, dtype=dtype)
+
+    def forward(self, h, cos, sin, packing: Packing):
+        h = h + self.attention(self.attention_norm(h), cos, sin, packing)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder (module docstring). Build it with :func:`build_model`."""
+
+    def __init__(self, cfg: ModelConfig, state: ParallelState, *,
+                 sequence_parallel: bool = False, cp_mode: str = "none",
+                 activation_checkpointing: bool = False, dtype=None):
+        super().__init__()
+        cfg.check_parallel(state.tp, state.cp, cp_mode)
+        if state.cp > 1 and cp_mode == "none":
+            raise ValueError(f"cp = {state.cp} needs cp_mode 'ring' or 'ulysses', got 'none'")
+        self.cfg, self.tp, self.tp_group = cfg, state.tp, state.tp_group
+        self.sequence_parallel = sequence_parallel and state.tp > 1
+        self.activation_checkpointing = activation_checkpointing
+        self.tok_embeddings = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, group=state.tp_group,
+            sequence_parallel=self.sequence_parallel, dtype=dtype)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, cp_mode=cp_mode,
+                         dtype=dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
+                            sum_grad_over_tp=self.sequence_parallel, dtype=dtype)
+        self.output = None if cfg.tie_embeddings else OutputWeight(
+            cfg.vocab_size, cfg.hidden_size, group=state.tp_group, dtype=dtype)
+
+    def head_weight(self) -> torch.Tensor:
+        """``[V_pad / tp, hidden]``: the embedding's weight when tied, else ``output.weight``."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def _check_inputs(self, input_ids, position_ids, packing: Packing, labels, output: str):
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be a packed stream [L], got shape "
+                             f"{tuple(input_ids.shape)}; pack padded batches with pack_padded")
+        num = input_ids.shape[0]
+        named = dict(position_ids=position_ids, doc_id=packing.doc_id,
+                     positions_in_doc=packing.positions_in_doc, labels=labels)
+        for name, t in named.items():
+            if t is not None and tuple(t.shape) != (num,):
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {num} "
+                                 f"tokens; split every per-token tensor with the same plan")
+        if self.sequence_parallel and num % self.tp:
+            raise ValueError(f"sequence parallelism needs the local length ({num}) divisible by "
+                             f"tp = {self.tp}; build the ContextPlan with pad_multiple=tp")
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                doc_id: torch.Tensor | None = None,
+                positions_in_doc: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                output: str = "loss", temperature: float = 1.0):
+        """Per-token outputs of the L local tokens (this cp rank's share of a packed stream).
+
+        Args (all ``[L]`` on the model's device unless noted):
+            input_ids: int token ids in ``[0, vocab_size)``, checked before any compute.
+            position_ids: int RoPE positions (restarting per document).
+            doc_id, positions_in_doc: attention metadata from ``RankLayout``; query i sees key j
+                iff same doc_id and ``positions_in_doc[j] <= positions_in_doc[i]`` (on any cp
+                rank). ``None``: derived from ``cu_seqlens`` (a contiguous local stream, cp=1).
+            cu_seqlens: ``[S+1]`` int32 local segments (``RankLayout.cu_seqlens``).
+            labels: int64 shifted next-token ids (``LabelShifter`` before the split) or -100.
+            output: ``"loss"`` -> fp32 ``[L]`` (0 where ignored; the caller reduces it with
+                ``parallel.loss``); ``"logprobs"`` -> ``(logprobs [L], entropy [L])`` fp32;
+                ``"logits"`` -> ``[L, V_pad / tp]`` (tests).
+            temperature: divides the logits.
+        Outputs are replicated over the tp group (also under SP).
+        """
+        packing = _packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
+        self._check_inputs(input_ids, position_ids, packing, labels, output)
+        h = self.tok_embeddings(input_ids)  # (L or L/tp, hidden); raises on ids out of vocab
+        cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, packing, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, packing)
+        h = self.norm(h)
+        # The head's kernels return partial hidden grads: both mappings sum them over tp.
+        h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(
+            h, self.tp_group)  # (L, hidden)
+        return head_forward(h, self.head_weight(), labels, output=output,
+                            vocab_size=self.cfg.vocab_size, group=self.tp_group,
+                            temperature=temperature)
+
+
+def _packing(num: int, doc_id, positions_in_doc, cu_seqlens) -> Packing:
+    if doc_id is not None and positions_in_doc is not None:
+        return Packing(doc_id, positions_in_doc, cu_seqlens)
+    if doc_id is not None or positions_in_doc is not None or cu_seqlens is None:
+        raise ValueError("pass doc_id and positions_in_doc together (RankLayout), or neither "
+                         "with cu_seqlens of a contiguous local stream")
+    cu = cu_seqlens.long()
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != num:
+        raise ValueError(f"cu_seqlens must be [0, ..., {num}] for {num} local tokens, got "
+                         f"{cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    return Packing(doc, torch.arange(num, device=cu.device) - cu[doc], cu_seqlens)
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Call every submodule's ``reset_parameters(param_seed(seed, its name))``."""
+    for name, module in model.named_modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters(param_seed(seed, name))
+
+
+def build_model(cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bool = False,
+                cp_mode: str = "none", activation_checkpointing: bool = False,
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = 0) -> Transformer:
+    """Create the model on the meta device, materialise this rank's shards on ``device`` and
+    initialise them (the same function at any tp degree for a given ``seed``).
+
+    Raises ``ValueError`` when ``cfg`` does not fit ``state`` (heads, kv heads, intermediate
+    size vs tp; Ulysses heads vs cp) or when cp > 1 without a cp mode.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
+                            activation_checkpointing=activation_checkpointing, dtype=dtype)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model
