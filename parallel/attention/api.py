@@ -1,0 +1,93 @@
+"""``context_attention``: the one attention entry point of the models.
+
+Layout: packed streams, this rank's tokens. ``q [T, H, D]``, ``k``/``v`` ``[T, H_kv, D]``
+(``H % H_kv == 0``: GQA), ``doc_id [T]`` (integer document labels, compared for equality only;
+padding gets its own label or its own positions) and ``pos [T]`` (position of the token inside
+its document). Attention is causal within documents: query t sees key s iff
+``doc_id[s] == doc_id[t]`` and ``pos[s] <= pos[t]``, across all ranks of the cp group.
+
+Modes:
+    "none"     local attention (the whole stream is on this rank; ``group`` of size 1 or None)
+    "ring"     K/V blocks travel around ``group`` (``ring.py``)
+    "ulysses"  all-to-all tokens <-> heads over ``group`` (``ulysses.py``; needs H % cp == 0)
+A cp group of size 1 runs the local path whatever the mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpcore.dist import ProcessGroup, group_size
+from parallel.attention.primitive import attention_with_lse
+from parallel.attention.ring import ring_attention
+from parallel.attention.ulysses import check_ulysses_heads, ulysses_attention
+
+MODES = ("none", "ring", "ulysses")
+
+
+def _validate(q, k, v, doc_id, pos, cu_seqlens, mode, cp) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown context-parallel attention mode {mode!r}; use one of {MODES}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape "
+                             f"{tuple(t.shape)}; reshape the projection output to 3 dims")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}; pass the "
+                         "same local tokens for q, k and v")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} != k/v head_dim {k.shape[2]}; project q, k "
+                         "and v to the same head_dim")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads "
+                         f"{k.shape[1]}; choose num_kv_heads dividing num_heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast "
+                         "them to one dtype")
+    for name, t in (("doc_id", doc_id), ("pos", pos)):
+        if t.dim() != 1 or t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} must be [T_local] = [{q.shape[0]}], got shape "
+                             f"{tuple(t.shape)}; pass the metadata of this rank's tokens "
+                             "(split it with the same context split as the tokens)")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
+        raise ValueError(f"cu_seqlens must be [docs + 1] with docs >= 1, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if mode == "ulysses":
+        check_ulysses_heads(q.shape[1], cp)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      doc_id: torch.Tensor, pos: torch.Tensor,
+                      cu_seqlens: torch.Tensor | None = None, mode: str = "none",
+                      group: ProcessGroup | None = None,
+                      softmax_scale: float | None = None) -> torch.Tensor:
+    """Causal, document-respecting attention of this rank's tokens; returns ``out [T, H, D]``
+    in q's dtype (with autograd).
+
+    ``group``: the cp group (None: a world of one). ``cu_seqlens [docs + 1]`` (optional, local
+    path only): the documents of the local tokens in order; on CUDA it lets the flash kernel
+    skip the host-side plan (it must agree with ``doc_id``/``pos``). Ignored by ring and
+    ulysses, which need the metadata of every rank. ``softmax_scale`` defaults to
+    ``head_dim ** -0.5``. Raises ``ValueError`` on bad shapes, an unknown mode, ``mode="none"``
+    with a cp group larger than one, or heads not divisible by cp under ulysses.
+    """
+    cp = group_size(group)
+    _validate(q, k, v, doc_id, pos, cu_seqlens, mode, cp)
+    if mode == "none" and cp > 1:
+        raise ValueError(f"mode='none' attends within this rank only, but the cp group has "
+                         f"{cp} ranks; use mode='ring' or mode='ulysses' (or group=None)")
+    if cp == 1:
+        out, _ = attention_with_lse(q, k, v, doc_q=doc_id, pos_q=pos, cu_seqlens=cu_seqlens,
+                                    softmax_scale=softmax_scale)
+        return out
+    if mode == "ring":
+        out, _ = ring_attention(q, k, v, doc_id=doc_id, pos=pos, group=group,
+                                softmax_scale=softmax_scale)
+        return out
+    return ulysses_attention(q, k, v, doc_id=doc_id, pos=pos, group=group,
+                             softmax_scale=softmax_scale)
