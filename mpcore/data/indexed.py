@@ -43,8 +43,9 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 class Progress:
     """A one-line progress report on stderr, at most every ``interval`` seconds."""
 
-    def __init__(self, label: str, interval: float = 1.0, stream=sys.stderr):
-        self.label, self.interval, self.stream = label, interval, stream
+    def __init__(self, label: str, interval: float = 1.0, stream=None):
+        self.label, self.interval = label, interval
+        self.stream = stream if stream is not None else sys.stderr
         self.start = self.last = time.monotonic()
 
     def update(self, num_docs: int, num_tokens: int, force: bool = False) -> None:

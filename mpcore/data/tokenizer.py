@@ -28,7 +28,7 @@ TRAIN_COMMAND = (
 SETTINGS_VERSION = 1
 _TRAIN_SETTINGS = dict(
     model_type="bpe",
-    character_coverage=1.0,
+    character_coverage=0.9995,  # the rarest characters fall back to bytes
     byte_fallback=True,
     normalization_rule_name="identity",
     remove_extra_whitespaces=False,
@@ -166,8 +166,9 @@ def train_tokenizer(
             )
         except RuntimeError as e:
             raise ValueError(
-                f"SentencePiece training for {model_path} failed: {e}. A corpus too small "
-                "for the vocabulary needs a smaller --vocab-size"
+                f"SentencePiece training for {model_path} failed: {e} (a corpus too small for "
+                "the vocabulary needs a smaller --vocab-size; one with many distinct "
+                "characters a larger one)"
             ) from None
     tmp.replace(model_path)
     return Tokenizer(model_path)
