@@ -186,18 +186,22 @@ class ContextPlan:
         starts[1:] = doc_id[1:] != doc_id[:-1]
         bounds = torch.cat([starts.nonzero().view(-1), torch.tensor([local.numel()])])
         assert torch.unique(doc_id).numel() == bounds.numel() - 1, "a segment split locally"
-        doc, chunk = self._doc[local], self._chunk[local]
-        chunk_starts = starts.clone()
-        chunk_starts[1:] = ((local[1:] != local[:-1] + 1) | (doc[1:] != doc[:-1])
-                            | (chunk[1:] != chunk[:-1]))
-        firsts = chunk_starts.nonzero().view(-1)
-        ends = torch.cat([firsts[1:], torch.tensor([local.numel()])])
-        chunks = tuple(Chunk(int(doc[s]), int(s), int(self._offset[local[s]]),
-                             int(e - s)) for s, e in zip(firsts.tolist(), ends.tolist(), strict=True))
         return RankLayout(rank=rank, global_index=self._global[local], doc_id=doc_id,
                           positions_in_doc=self._position[local],
                           cu_seqlens=bounds.to(torch.int32),
-                          max_seqlen=int((bounds[1:] - bounds[:-1]).max()), chunks=chunks)
+                          max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
+                          chunks=self._chunks(local))
+
+    def _chunks(self, local: torch.Tensor) -> tuple[Chunk, ...]:
+        """Runs of ``local`` (padded positions) that are contiguous in one (zigzag) chunk."""
+        doc, chunk = self._doc[local], self._chunk[local]
+        firsts = torch.ones_like(local, dtype=torch.bool)
+        firsts[1:] = ((local[1:] != local[:-1] + 1) | (doc[1:] != doc[:-1])
+                      | (chunk[1:] != chunk[:-1]))
+        starts = firsts.nonzero().view(-1).tolist()
+        ends = [*starts[1:], local.numel()]
+        return tuple(Chunk(int(doc[s]), s, int(self._offset[local[s]]), e - s)
+                     for s, e in zip(starts, ends, strict=True))
 
     def split(self, tensor: torch.Tensor, rank: int, dim: int = -1, pad_value=0,
               name: str = "tensor") -> torch.Tensor:
@@ -244,7 +248,7 @@ class ContextPlan:
 
     def gather(self, local: torch.Tensor, group: ProcessGroup | None,
                dim: int = -1) -> torch.Tensor:
-        """All-gather ``local`` (L along ``dim``) over the cp ``group``: T along ``dim``, global order.
+        """All-gather ``local`` (L along ``dim``) over the cp ``group``; T along ``dim``, in order.
 
         Padding is removed. Backward returns this rank's slice of the incoming gradient (not a
         sum over ranks): right when every cp rank uses the gathered tensor identically, the
@@ -299,7 +303,9 @@ def split_batch(batch: dict, plan: ContextPlan, rank: int, *, ignore_index: int 
     ``labels``, ``pad_id`` for ``input_ids``, False/0 otherwise, or ``pad_values[key]``.
     The result has the same keys, plus ``cu_seqlens``: this rank's local segments (int32).
     """
-    pad_values, token_dims, replicate = dict(pad_values or {}), dict(token_dims or {}), set(replicate)
+    pad_values = dict(pad_values or {})
+    token_dims = dict(token_dims or {})
+    replicate = set(replicate)
     out, device = {}, None
     for key, value in batch.items():
         if key in replicate:

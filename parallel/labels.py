@@ -98,18 +98,20 @@ def check_cu_seqlens(cu_seqlens, total: int) -> torch.Tensor:
         raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] = [0, len0, len0 + len1, ..., T] "
                          f"with at least 2 entries, got shape {tuple(cu_seqlens.shape)}; pass "
                          f"None for a single document")
-    values = cu_seqlens.tolist()  # CPU-GPU sync point when on GPU
-    if values[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}; prepend 0 "
+    values = cu_seqlens.to("cpu", torch.int64)  # CPU-GPU sync point when on GPU
+    first, last = int(values[0]), int(values[-1])
+    if first != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {first}; prepend 0 "
                          f"(cu_seqlens = [0, len0, len0 + len1, ...])")
-    for i in range(len(values) - 1):
-        if values[i + 1] <= values[i]:
-            raise ValueError(f"cu_seqlens must be strictly increasing (every document "
-                             f"non-empty), but entries {i} and {i + 1} are {values[i]} and "
-                             f"{values[i + 1]}; drop empty documents and make sure the entries "
-                             f"are cumulative offsets, not lengths")
-    if values[-1] != total:
-        raise ValueError(f"cu_seqlens ends at {values[-1]} but the stream has {total} tokens; "
+    bad = (values[1:] <= values[:-1]).nonzero().view(-1)
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"cu_seqlens must be strictly increasing (every document "
+                         f"non-empty), but entries {i} and {i + 1} are {int(values[i])} and "
+                         f"{int(values[i + 1])}; drop empty documents and make sure the "
+                         f"entries are cumulative offsets, not lengths")
+    if last != total:
+        raise ValueError(f"cu_seqlens ends at {last} but the stream has {total} tokens; "
                          f"the last entry must equal the total length T")
     return cu_seqlens.to(torch.int64)
 
@@ -223,7 +225,8 @@ class LabelShifter:
 
         ``attention_mask [B, S]`` (1 = real, ``None`` = no padding): pad tokens and the last real
         token of each row get ``ignore_index``. Right, left or both-sided padding; a row with a
-        hole raises ``ValueError``. ``loss_mask [B, S]`` as in ``__call__``.
+        hole raises ``ValueError``; a row without real tokens gets only ``ignore_index``.
+        ``loss_mask [B, S]`` as in ``__call__``.
         """
         ids = _check_ids(input_ids, "input_ids", 2)
         real = _check_mask(attention_mask, ids.shape, "attention_mask")
