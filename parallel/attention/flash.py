@@ -21,14 +21,15 @@ turned into at most two kernel calls by ``plan_flash``:
 3. The two partial results are merged with their log-sum-exp (``merge_partials``).
 
 What this gives per ring step (zigzag: rank r holds chunks r and 2cp-1-r of every document):
-the diagonal step (own K/V) is one causal call (chunk vs itself) plus one full call (high chunk
-vs low chunk); a remote block from rank r' < r is one full call (its low chunk, seen by both
-local chunks); from r' > r one full call (both remote chunks, seen by the local high chunk).
-No off-diagonal block has a causal piece, and a block with no visible pair makes no call (the
-ring skips it). Contiguous layout: the diagonal step is one causal call, earlier ranks one full
-call, later ranks nothing. Ulysses (all tokens, rank-major order): sorting restores each
-document's order, so it is one causal call on the permuted stream, permuted back by
-``index_copy`` afterwards.
+the diagonal step (own K/V) is one causal call (each chunk vs itself) plus one full call (high
+chunk vs low chunk; rank cp-1, whose two chunks are adjacent, needs only the causal call); a
+remote block from rank r' < r is one full call (its low chunk, seen by both local chunks); from
+r' > r one full call (both remote chunks, seen by the local high chunk). No off-diagonal block
+has a causal piece, and every rank does the same work per step. A block with no visible pair
+makes no call (the ring skips it). Contiguous layout: the diagonal step is one causal call,
+earlier ranks one full call, later ranks nothing. Ulysses (all tokens, rank-major order):
+sorting restores each document's order, so it is one causal call on the permuted stream,
+permuted back by ``index_copy`` afterwards.
 
 Requirement: ``(doc, pos)`` is unique per token on each side (checked here); the CPU
 reference has no such need. Planning runs on the host: metadata on the GPU is copied once
@@ -144,12 +145,16 @@ def plan_cu_seqlens(cu_seqlens: torch.Tensor, device) -> list[FlashCall]:
 
 @lru_cache(maxsize=1)
 def _varlen_api():
-    """``(varlen_attn, AuxRequest, parameter names)`` or None when torch lacks the module."""
+    """``(varlen_attn, AuxRequest, parameter names)``, or None when torch lacks the module or
+    its ``varlen_attn`` takes no ``scale`` (torch 2.10); the aten op serves those."""
     try:
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
     except ImportError:
         return None
-    return varlen_attn, AuxRequest, frozenset(inspect.signature(varlen_attn).parameters)
+    params = frozenset(inspect.signature(varlen_attn).parameters)
+    if "scale" not in params or not params & {"window_size", "is_causal"}:
+        return None
+    return varlen_attn, AuxRequest, params
 
 
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.attention import flash, reference
+from parallel.attention import context_attention, flash, reference
 from parallel.attention.primitive import attention_with_lse, use_flash
 
 F64 = torch.float64
@@ -205,3 +205,36 @@ def test_flash_plan_rejects_duplicate_positions():
     pos = torch.tensor([0, 1, 1])
     with pytest.raises(ValueError, match="share"):
         flash.plan_flash(doc, pos, doc, pos, "cpu")
+
+
+# --- context_attention: the local path and its input checks --------------------------------
+
+
+def test_context_attention_local_equals_sdpa_in_every_mode():
+    q, k, v, doc, pos = _stream(LENGTHS, seed=7)
+    want = _sdpa_per_doc(q, k, v, LENGTHS)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).int()
+    for mode in ("none", "ring", "ulysses"):  # a cp group of one is local attention
+        out = context_attention(q, k, v, doc_id=doc, pos=pos, cu_seqlens=cu, mode=mode)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12, msg=mode)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"q": lambda q: q[:, 0]}, "q must be"),
+    ({"v": lambda v: v[:, :1]}, "same shape"),
+    ({"k": lambda k: k[:-1], "v": lambda v: v[:-1]}, "tokens"),
+    ({"k": lambda k: k[..., :4], "v": lambda v: v[..., :4]}, "head_dim"),
+    ({"q": lambda q: q[:, :3]}, "multiple of kv heads"),
+    ({"v": lambda v: v.float(), "k": lambda k: k.float()}, "dtypes"),
+    ({"doc_id": lambda d: d[:-1]}, "doc_id must be"),
+    ({"pos": lambda p: p.double()}, "integer"),
+    ({"cu_seqlens": lambda c: torch.tensor([0])}, "cu_seqlens"),
+    ({"mode": lambda m: "zigzag"}, "unknown context-parallel attention mode"),
+])
+def test_context_attention_rejects_bad_input(change, match):
+    q, k, v, doc, pos = _stream(LENGTHS)
+    args = {"q": q, "k": k, "v": v, "doc_id": doc, "pos": pos, "cu_seqlens": None,
+            "mode": "none"}
+    args.update({name: fn(args[name]) for name, fn in change.items()})
+    with pytest.raises(ValueError, match=match):
+        context_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
