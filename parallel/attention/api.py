@@ -25,6 +25,18 @@ from parallel.attention.ulysses import check_ulysses_heads, ulysses_attention
 MODES = ("none", "ring", "ulysses")
 
 
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be an integer [docs + 1] tensor with docs >= 1, got "
+                         f"shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+    cu = cu_seqlens.tolist()  # CPU-GPU sync point when cu_seqlens is on the GPU
+    if cu[0] != 0 or cu[-1] != num_tokens or any(b <= a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        shown = f"{cu[:8]}..." if len(cu) > 8 else str(cu)
+        raise ValueError(f"cu_seqlens must start at 0, increase strictly and end at the "
+                         f"{num_tokens} local tokens, got {shown}; build it from the document "
+                         "lengths (drop empty documents)")
+
+
 def _validate(q, k, v, doc_id, pos, cu_seqlens, mode, cp) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown context-parallel attention mode {mode!r}; use one of {MODES}")
@@ -54,9 +66,8 @@ def _validate(q, k, v, doc_id, pos, cu_seqlens, mode, cp) -> None:
                              "(split it with the same context split as the tokens)")
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
-        raise ValueError(f"cu_seqlens must be [docs + 1] with docs >= 1, got shape "
-                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, q.shape[0])
     if mode == "ulysses":
         check_ulysses_heads(q.shape[1], cp)
 

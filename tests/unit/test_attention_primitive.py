@@ -55,7 +55,7 @@ LENGTHS = [5, 1, 7, 2, 1, 9]  # odd lengths and length-1 documents
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_forward_and_grads_match_sdpa(heads, kv_heads, monkeypatch):
-    monkeypatch.setattr(reference, "_MAX_SCORES", 40)  # several query chunks
+    monkeypatch.setattr(reference, "_MAX_SCORES", 300)  # several query chunks
     q, k, v, doc, pos = _stream(LENGTHS, heads, kv_heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = attention_with_lse(*leaves, doc_q=doc, pos_q=pos)
@@ -228,7 +228,10 @@ def test_context_attention_local_equals_sdpa_in_every_mode():
     ({"v": lambda v: v.float(), "k": lambda k: k.float()}, "dtypes"),
     ({"doc_id": lambda d: d[:-1]}, "doc_id must be"),
     ({"pos": lambda p: p.double()}, "integer"),
-    ({"cu_seqlens": lambda c: torch.tensor([0])}, "cu_seqlens"),
+    ({"cu_seqlens": lambda c: torch.tensor([0])}, "cu_seqlens must be an integer"),
+    ({"cu_seqlens": lambda c: torch.tensor([1, 25])}, "start at 0"),
+    ({"cu_seqlens": lambda c: torch.tensor([0, 9, 9, 25])}, "increase strictly"),
+    ({"cu_seqlens": lambda c: torch.tensor([0, 9, 24])}, "end at the 25"),
     ({"mode": lambda m: "zigzag"}, "unknown context-parallel attention mode"),
 ])
 def test_context_attention_rejects_bad_input(change, match):
