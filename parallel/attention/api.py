@@ -80,10 +80,12 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Causal, document-respecting attention of this rank's tokens; returns ``out [T, H, D]``
     in q's dtype (with autograd).
 
-    ``group``: the cp group (None: a world of one). ``cu_seqlens [docs + 1]`` (optional, local
-    path only): the documents of the local tokens in order; on CUDA it lets the flash kernel
-    skip the host-side plan (it must agree with ``doc_id``/``pos``). Ignored by ring and
-    ulysses, which need the metadata of every rank. ``softmax_scale`` defaults to
+    ``group``: the cp group (None: a world of one). ``cu_seqlens [S + 1]`` (optional): local
+    segments such that causal attention over this rank's tokens in their order, cut at
+    ``cu_seqlens``, is the mask restricted to the local tokens (``parallel.context``'s
+    ``RankLayout.cu_seqlens`` is such: a zigzag document's two chunks form one segment). On
+    CUDA it lets the local path, and the ring's own-block step, run one flash call without the
+    host-side plan; the CPU path and ulysses do not use it. ``softmax_scale`` defaults to
     ``head_dim ** -0.5``. Raises ``ValueError`` on bad shapes, an unknown mode, ``mode="none"``
     with a cp group larger than one, or heads not divisible by cp under ulysses.
     """
@@ -98,7 +100,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return out
     if mode == "ring":
         out, _ = ring_attention(q, k, v, doc_id=doc_id, pos=pos, group=group,
-                                softmax_scale=softmax_scale)
+                                cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
         return out
     return ulysses_attention(q, k, v, doc_id=doc_id, pos=pos, group=group,
                              softmax_scale=softmax_scale)

@@ -22,7 +22,8 @@ turned into at most two kernel calls by ``plan_flash``:
 
 What this gives per ring step (zigzag: rank r holds chunks r and 2cp-1-r of every document):
 the diagonal step (own K/V) is one causal call (each chunk vs itself) plus one full call (high
-chunk vs low chunk; rank cp-1, whose two chunks are adjacent, needs only the causal call); a
+chunk vs low chunk; rank cp-1, whose two chunks are adjacent, needs only the causal call; with
+local ``cu_seqlens`` from ``parallel.context`` it is one causal call without a plan); a
 remote block from rank r' < r is one full call (its low chunk, seen by both local chunks); from
 r' > r one full call (both remote chunks, seen by the local high chunk). No off-diagonal block
 has a causal piece, and every rank does the same work per step. A block with no visible pair

@@ -38,10 +38,11 @@ def any_visible(doc_q, pos_q, doc_k, pos_k) -> bool:
     """True when at least one (query, key) pair is visible; O((T + S) log S), no score matrix."""
     if doc_q.numel() == 0 or doc_k.numel() == 0:
         return False
+    doc_q, pos_q, doc_k, pos_k = (t.long() for t in (doc_q, pos_q, doc_k, pos_k))
     docs, inverse = torch.unique(doc_k, return_inverse=True)
-    first = torch.full_like(docs, torch.iinfo(pos_k.dtype).max)
-    first = first.scatter_reduce(0, inverse, pos_k.to(docs.dtype), "amin")
-    i = torch.searchsorted(docs, doc_q.to(docs.dtype).contiguous()).clamp_max(docs.numel() - 1)
+    first = torch.full_like(docs, torch.iinfo(torch.int64).max)
+    first = first.scatter_reduce(0, inverse, pos_k, "amin")  # earliest key position per doc
+    i = torch.searchsorted(docs, doc_q.contiguous()).clamp_max(docs.numel() - 1)
     return bool(((docs[i] == doc_q) & (pos_q >= first[i])).any())
 
 

@@ -91,18 +91,22 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, doc_id: torch.Tensor,
                    pos: torch.Tensor, group: ProcessGroup | None,
+                   cu_seqlens: torch.Tensor | None = None,
                    softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within documents over the whole cp group's stream; returns this rank's
     ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` (fp32, no gradient).
 
     ``q [T, H, D]``, ``k``/``v`` ``[T, H_kv, D]``, ``doc_id``/``pos`` ``[T]`` are this rank's
-    tokens; ``(doc_id, pos)`` must identify tokens uniquely across the group. Shapes are
-    validated by ``context_attention``.
+    tokens; ``(doc_id, pos)`` must identify tokens uniquely across the group. ``cu_seqlens``
+    (optional, flash path only): local segments whose in-order causal attention is the
+    own-block mask (see ``context_attention``); the own-block step then skips its plan. Shapes
+    are validated by ``context_attention``.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     cp, rank = group_size(group), group_rank(group)
     docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T) each, on the CPU
     me = (docs[rank], poss[rank])
-    blocks = [plan_block(q, *me, docs[(rank - s) % cp], poss[(rank - s) % cp])
-              for s in range(cp)]
+    blocks = [plan_block(q, *me, *me, cu_seqlens)]
+    blocks += [plan_block(q, *me, docs[(rank - s) % cp], poss[(rank - s) % cp])
+               for s in range(1, cp)]
     return _RingAttention.apply(q, k.contiguous(), v.contiguous(), blocks, scale, group)

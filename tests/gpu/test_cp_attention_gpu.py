@@ -4,7 +4,8 @@ Run as a script: ``torchrun --nproc-per-node 2 tests/gpu/test_cp_attention_gpu.p
 collects ``test_cp2_flash_matches_cp1`` (marked gpu), which launches that command and skips
 with a reason when fewer than two GPUs are visible.
 
-Per case (mode x layout x GQA): the same bf16 q/k/v and output gradient on every rank; cp=1 is
+Per case (mode x layout x GQA; "ring+cu" also passes the local ``cu_seqlens`` that
+``parallel.context`` gives, so the ring's own-block step is one flash call): the same bf16 q/k/v and output gradient on every rank; cp=1 is
 ``context_attention`` on the whole stream on one GPU (flash, plus its ``cu_seqlens`` fast path);
 cp=2 is each rank's split (built here: zigzag or contiguous). Checked: max abs diff of the
 output and dq/dk/dv of real tokens <= 2e-2 (cp=2 vs cp=1, and cp=1 with vs without
@@ -94,7 +95,13 @@ def _case(rank, cp, group, mode, layout, heads, kv_heads, seed):
         x[real.to(dev)] = t[index[real].to(dev)]
         local.append(x)
     local[3][~real.to(dev)] = 0  # padding outputs carry no loss
-    cp2 = _run(*local, doc_id, pos_local, mode=mode, group=group)
+    kwargs = {"mode": mode.removesuffix("+cu"), "group": group}
+    if mode.endswith("+cu"):  # local segments: maximal runs of one doc_id (as parallel.context)
+        starts = torch.ones_like(doc_id, dtype=torch.bool)
+        starts[1:] = doc_id[1:] != doc_id[:-1]
+        kwargs["cu_seqlens"] = torch.cat([starts.nonzero().flatten(),
+                                          torch.tensor([len(doc_id)])]).to(torch.int32)
+    cp2 = _run(*local, doc_id, pos_local, **kwargs)
 
     idx, keep = index[real].to(dev), real.to(dev)
     names = ("out", "dq", "dk", "dv")
@@ -122,7 +129,7 @@ def main() -> None:
         cp, rank = dist.get_world_size(), dist.get_rank()
         group = ParallelState.build(cp=cp).cp_group
         results, seed = {}, 0
-        for mode in ("ring", "ulysses"):
+        for mode in ("ring", "ring+cu", "ulysses"):
             for layout in ("zigzag", "contiguous"):
                 for heads, kv_heads in HEADS:
                     seed += 1

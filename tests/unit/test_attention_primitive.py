@@ -192,6 +192,24 @@ def test_flash_plans_compute_the_masked_attention():
             torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11, msg=f"{name} {n}")
 
 
+def test_local_cu_seqlens_give_the_own_block_of_a_zigzag_rank():
+    # parallel.context's local cu_seqlens: one segment per document (chunk r, then 2cp-1-r).
+    g = torch.Generator().manual_seed(8)
+    for cp in (2, 4):
+        for rank in range(cp):
+            doc, pos = _zigzag([9, 1, 14, 4], cp, rank, interleave_docs=True)
+            starts = torch.ones_like(doc, dtype=torch.bool)
+            starts[1:] = doc[1:] != doc[:-1]
+            cu = torch.cat([starts.nonzero().flatten(), torch.tensor([len(doc)])]).int()
+            q = torch.randn(len(doc), 4, 8, generator=g, dtype=F64)
+            k, v = (torch.randn(len(doc), 2, 8, generator=g, dtype=F64) for _ in range(2))
+            want = reference.reference_forward(q, k, v, doc, pos, doc, pos, 0.4)
+            got = flash.run_forward(q, k, v, flash.plan_cu_seqlens(cu, "cpu"), 0.4,
+                                    kernel=_emulated_forward)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_flash_plan_of_ulysses_stream_is_one_permuted_causal_call():
     lengths = [9, 1, 14, 4]
     gathered = torch.cat([_zigzag(lengths, 2, r, True) for r in range(2)], dim=1)
