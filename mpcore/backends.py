@@ -1,0 +1,53 @@
+"""Optional backends, detected in this one module: apex's FusedAdam.
+
+A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``apex`` or ``auto``.
+A named backend that is not installed raises ``ValueError`` with the install command; only
+``auto`` falls back (apex when importable and on CUDA, else torch) and logs its choice once.
+No stand-ins for missing packages: a backend is either imported for real or not used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+log = logging.getLogger(__name__)
+
+APEX_INSTALL = ("pip install -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
+                "--config-settings '--build-option=--cuda_ext' git+https://github.com/NVIDIA/apex")
+_logged: set[str] = set()
+
+
+def apex_fused_adam():
+    """apex's ``FusedAdam`` class, or ``None`` when apex (with its CUDA extension) is missing."""
+    try:
+        return importlib.import_module("apex.optimizers").FusedAdam
+    except (ImportError, AttributeError):
+        return None
+
+
+def adam_backend(name: str, device_type: str) -> str:
+    """Resolve ``optimizer.backend`` to ``"torch"`` or ``"apex"`` for ``device_type``.
+
+    Raises ``ValueError`` when ``apex`` is named but not installed or the device is not CUDA.
+    """
+    if name == "torch":
+        return "torch"
+    if name == "apex":
+        if device_type != "cuda":
+            raise ValueError("optimizer.backend=apex needs CUDA (FusedAdam is a CUDA kernel); "
+                             "use optimizer.backend=torch or auto on this device")
+        if apex_fused_adam() is None:
+            raise ValueError(f"optimizer.backend=apex but apex.optimizers.FusedAdam cannot be "
+                             f"imported; install apex from source ({APEX_INSTALL}) or set "
+                             f"optimizer.backend=torch")
+        return "apex"
+    if name != "auto":
+        raise ValueError(f"unknown optimizer backend {name!r}; use torch, apex or auto")
+    chosen = "apex" if device_type == "cuda" and apex_fused_adam() is not None else "torch"
+    if "adam" not in _logged:
+        _logged.add("adam")
+        why = "" if chosen == "apex" else (" (apex not installed)" if device_type == "cuda"
+                                           else f" (device {device_type})")
+        log.info("optimizer.backend=auto: using %s%s", chosen, why)
+    return chosen

@@ -1,0 +1,96 @@
+"""From the config's datasets to this rank's model inputs.
+
+1. :func:`build_loader`: the datasets of ``cfg.data`` (or the default corpus, prepared on first
+   use), checked against the model's vocabulary, packed into ``seq_len`` samples, blended by
+   weight, and a resumable loader of this dp rank's micro-batches.
+2. :func:`local_inputs`: one micro-batch, a packed stream of ``T = micro_batch * seq_len``
+   tokens (``input_ids [T]``, ``cu_seqlens [D+1]``, ``position_ids [T]``), becomes the model's
+   keyword arguments for this cp rank. Labels are shifted ONCE on the GLOBAL stream
+   (``LabelShifter``), then a ``ContextPlan`` splits ids, labels and positions together: each
+   cp rank gets ``L`` tokens (padded so ``L`` is a multiple of tp under sequence parallelism)
+   and their attention metadata (``doc_id [L]``, ``positions_in_doc [L]``, local ``cu_seqlens``).
+   Every tp rank of a cp rank builds the same inputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mpcore.config import Config
+from mpcore.data import (
+    BlendedDataset,
+    DataLoader,
+    IndexedDataset,
+    PackedDataset,
+    Tokenizer,
+    prepare_default,
+)
+from mpcore.dist import ParallelState
+from parallel import ContextPlan, LabelShifter, split_batch
+
+
+def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
+    """``(tokenizer path, dataset prefixes)`` of ``cfg.data``; prepares the default corpus
+    (serialised over ranks by a file lock) when no paths are given."""
+    data = cfg.data
+    if data.paths:
+        return Path(data.tokenizer), [Path(p) for p in data.paths]
+    if data.default_vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"data.default_vocab_size = {data.default_vocab_size} exceeds "
+                         f"model.vocab_size = {cfg.model.vocab_size}; the default corpus's ids "
+                         f"would not fit the model: lower data.default_vocab_size or raise "
+                         f"model.vocab_size")
+    tokenizer, prefix = prepare_default(data.cache_dir, data.default_vocab_size)
+    return tokenizer, [prefix]
+
+
+def build_loader(cfg: Config, state: ParallelState) -> DataLoader:
+    """This dp rank's loader (``DataLoader`` of ``mpcore.data``) over the blended datasets.
+
+    Raises ``ValueError`` naming the file and the fix for a missing tokenizer or dataset, a
+    dataset written by another tokenizer, or a token id >= ``model.vocab_size``.
+    """
+    tokenizer_path, prefixes = dataset_sources(cfg)
+    tok = Tokenizer(tokenizer_path)
+    packed = []
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        if ds.vocab_size != tok.vocab_size:
+            raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} but "
+                             f"the tokenizer {tokenizer_path} has {tok.vocab_size}; set "
+                             f"data.tokenizer to the model that wrote it, or re-tokenize with "
+                             f"launch/prepare_data.py --tokenizer {tokenizer_path}")
+        ds.check_vocab(cfg.model.vocab_size)
+        packed.append(PackedDataset(ds, cfg.data.seq_len, tok.eos_id))
+    samples = packed[0]
+    if len(packed) > 1:
+        weights = cfg.data.weights or [1.0] * len(packed)
+        samples = BlendedDataset(packed, weights, cfg.data.seed)
+    return DataLoader(samples, cfg.data.micro_batch, cfg.data.grad_accum, state.dp,
+                      state.dp_rank, cfg.data.seed)
+
+
+def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Config,
+                 device: torch.device, shifter: LabelShifter) -> dict[str, torch.Tensor]:
+    """Model keyword arguments of this cp rank for one global micro-batch ``batch``.
+
+    Returns ``input_ids, position_ids, labels, doc_id, positions_in_doc [L]`` and local
+    ``cu_seqlens [S+1]`` on ``device`` (the module docstring says how they are made).
+    """
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    labels = shifter(ids, cu)  # (T,) on the global stream, before any split
+    sp = cfg.parallel.sequence_parallel and state.tp > 1
+    layout = cfg.parallel.cp_layout if state.cp > 1 else "contiguous"
+    plan = ContextPlan(cu, ids.numel(), state.cp, layout, pad_multiple=state.tp if sp else 1)
+    local = split_batch({"input_ids": ids, "labels": labels,
+                         "position_ids": batch["position_ids"], "cu_seqlens": cu},
+                        plan, state.cp_rank)
+    rank_layout = plan.rank_layout(state.cp_rank)
+    out = {"input_ids": local["input_ids"], "position_ids": local["position_ids"],
+           "labels": local["labels"], "doc_id": rank_layout.doc_id,
+           "positions_in_doc": rank_layout.positions_in_doc,
+           "cu_seqlens": rank_layout.cu_seqlens}
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in out.items()}

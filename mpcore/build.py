@@ -1,0 +1,149 @@
+"""setup and build: process groups, device, model (fresh or from Hugging Face), data parallelism,
+optimizer, data loader, checkpoint state. ``mpcore.train`` runs the loop on what this returns.
+
+Data parallelism over the dp x cp group (``ParallelState.dp_cp_group``; CP ranks hold the same
+weights and act as data-parallel ranks for them), only when that group has more than one rank:
+    fsdp  FSDP2 ``fully_shard`` on every decoder layer, then the root, over a DeviceMesh of the
+          dp_cp group: parameters become DTensors sharded on dim 0; gradients are
+          reduce-scattered (averaged) every micro-batch. On CUDA parameters are gathered in
+          bf16 and gradients reduced in fp32 (``MixedPrecisionPolicy``).
+    ddp   ``DistributedDataParallel(process_group=dp_cp_group)``: gradients all-reduced
+          (averaged) once per step (``no_sync`` for the other micro-batches).
+Both average over W = dp * cp ranks, so the loop backpropagates ``W * loss_share`` (see
+``parallel/loss.py``). TP is inside the model (its layers' collectives over the tp group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models import ModelConfig, build_model, config_from_hf, load_hf_model
+from mpcore.batches import build_loader
+from mpcore.config import Config
+from mpcore.data import DataLoader
+from mpcore.dist import ParallelState
+from mpcore.logical import LogicalLayout
+from mpcore.optim import GradNorm, build_optimizer
+from mpcore.train_state import TrainState
+from parallel.random import RNGTracker, model_parallel_seed
+
+
+@dataclass
+class Run:
+    """Everything the loop needs; ``model`` is unwrapped, ``module`` is what runs forward."""
+
+    cfg: Config
+    model_cfg: ModelConfig
+    state: ParallelState
+    device: torch.device
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_norm: GradNorm
+    loader: DataLoader
+    train_state: TrainState
+    tracker: RNGTracker
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    """``training.device`` as a device; CUDA picks ``LOCAL_RANK`` (torchrun) or device 0."""
+    kind = cfg.training.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("training.device=cuda but CUDA is not available; use training.device="
+                         "cpu (or auto)")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
+def setup(cfg: Config, source: str = "the config") -> ParallelState:
+    """Check that ``cfg``'s layout fits the launched world and build the process groups."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    if world % (tp * cp):
+        raise ValueError(
+            f"{source}: parallel.tp={tp} x parallel.cp={cp} = {tp * cp} ranks per model replica "
+            f"does not divide the world size {world}; launch a multiple of {tp * cp} processes "
+            f"(torchrun --nproc-per-node {tp * cp}) or set parallel.tp / parallel.cp so that "
+            f"tp * cp divides {world}")
+    return ParallelState.build(tp, cp)
+
+
+def resolve_model_config(cfg: Config) -> tuple[Config, ModelConfig]:
+    """The model's config (from ``model.init_from``'s config.json when set), checked against
+    the parallel layout; returns ``cfg`` with the model section made to match."""
+    m = cfg.model
+    if m.init_from:
+        model_cfg = config_from_hf(m.init_from)
+        fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)}
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **fields))
+    else:
+        model_cfg = ModelConfig(**m.shape_fields())
+    p = cfg.parallel
+    try:
+        model_cfg.check_parallel(p.tp, p.cp, p.cp_mode if p.cp > 1 else "none")
+    except ValueError as e:
+        raise ValueError(f"model and parallel sections do not fit (parallel.tp={p.tp}, "
+                         f"parallel.cp={p.cp}, parallel.cp_mode={p.cp_mode}): {e}") from None
+    return cfg, model_cfg
+
+
+def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.device):
+    """FSDP2 or DDP over the dp x cp group (module docstring); returns the forward module."""
+    if state.dp_cp == 1:
+        return model
+    group = state.dp_cp_group
+    if cfg.parallel.data_parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, process_group=group)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    kwargs = {"mesh": mesh}
+    if device.type == "cuda" and cfg.training.dtype == "bfloat16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def build(cfg: Config, state: ParallelState, device: torch.device,
+          loader: DataLoader | None = None) -> Run:
+    """Model, data parallelism, optimizer, loader (``loader`` overrides the config's data)."""
+    cfg, model_cfg = resolve_model_config(cfg)
+    p = cfg.parallel
+    kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1,
+                  cp_mode=p.cp_mode if state.cp > 1 else "none",
+                  activation_checkpointing=p.activation_checkpointing, device=device,
+                  dtype=torch.float32)
+    if loader is None:  # first: data errors surface before a large model is built
+        loader = build_loader(cfg, state)
+    tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
+    if cfg.model.init_from:
+        model, _ = load_hf_model(cfg.model.init_from, state, **kwargs)
+    else:
+        model = build_model(model_cfg, state, seed=cfg.training.seed, **kwargs)
+    layout = LogicalLayout(model_cfg, state.tp, state.tp_rank)
+    module = _wrap(model, cfg, state, device)
+    names = {id(param): name for name, param in model.named_parameters()}
+    optimizer = build_optimizer(model, cfg, device.type)
+    fsdp = state.dp_cp > 1 and p.data_parallel == "fsdp"
+    grad_norm = GradNorm(model, names, layout, state.tp_group, fsdp, device)
+    train_state = TrainState(model, optimizer, layout, state, tracker, device)
+    return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,
+               train_state, tracker)

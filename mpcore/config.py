@@ -1,0 +1,487 @@
+"""Training configuration: nested frozen dataclasses, YAML files and dotted ``key=value`` overrides.
+
+Layout of a config (every field has a docstring below):
+
+    model       shape of the decoder (the fields of ``models.ModelConfig``) + ``init_from``
+    parallel    tp, cp, cp_mode, cp_layout, sequence_parallel, data_parallel, checkpointing
+    data        dataset prefixes and blend weights, tokenizer, seq_len, batch sizes, seed
+    optimizer   AdamW hyper-parameters, gradient clipping, backend
+    schedule    warmup and decay of the learning rate
+    checkpoint  where, how often, how many to keep, whether to resume
+    logging     run directory, log interval, TensorBoard
+    training    steps, seed, dtype, device, bad-step tolerance
+
+:func:`load_config` reads an optional YAML file (nested mappings, any subset of the fields),
+applies overrides such as ``optimizer.lr=1e-3`` or ``data.paths=[a,b]``, converts every value to
+its field's type and validates it. Unknown keys raise ``ValueError`` naming the closest valid
+key. :func:`save_config` writes the resolved config (every field) as YAML, which
+:func:`load_config` reads back to an equal config.
+
+This module sits low in the layering (it imports nothing of ours): the ``model`` section mirrors
+``models.ModelConfig`` by field name and the training loop converts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{section}.{name} must be >= 1, got {value!r}")
+
+
+def _choice(section: str, name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The decoder's shape (names as in ``models.ModelConfig``); defaults: the tiny model."""
+
+    vocab_size: int = 2048
+    """Vocabulary size; every token id of the data must be below it."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Number of decoder layers."""
+    num_heads: int = 4
+    """Query heads (divisible by parallel.tp)."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); divides num_heads."""
+    intermediate_size: int = 384
+    """Width of the SwiGLU hidden layer (divisible by parallel.tp)."""
+    head_dim: int | None = None
+    """Per-head width; null means hidden_size / num_heads."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict | None = None
+    """null, or Llama 3 scaling: {factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    tie_embeddings: bool = True
+    """Use the input embedding as the output head."""
+    qkv_bias: bool = False
+    """Biases on the q, k, v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on q and k per head (Qwen3)."""
+    max_position_embeddings: int = 8192
+    """Longest position the model is meant for (exported to Hugging Face)."""
+    init_from: str | None = None
+    """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
+    fields above), or null for a fresh initialisation from training.seed."""
+
+    def __post_init__(self):
+        _positive("model", self, "vocab_size", "hidden_size", "num_layers", "num_heads",
+                  "num_kv_heads", "intermediate_size", "head_dim", "max_position_embeddings")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
+
+    def shape_fields(self) -> dict:
+        """Every field but ``init_from``: the keyword arguments of ``models.ModelConfig``."""
+        out = dataclasses.asdict(self)
+        del out["init_from"]
+        return out
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """How the world is split: rank = tp_rank + tp * (cp_rank + cp * dp_rank); dp is inferred."""
+
+    tp: int = 1
+    """Tensor-parallel degree (ranks sharing each layer's weights)."""
+    cp: int = 1
+    """Context-parallel degree (ranks sharing each sequence)."""
+    cp_mode: str = "ring"
+    """Context-parallel attention when cp > 1: ring or ulysses."""
+    cp_layout: str = "zigzag"
+    """Token split over cp ranks: zigzag (load-balanced causal) or contiguous."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside the tp group (needs tp > 1 to matter)."""
+    data_parallel: str = "fsdp"
+    """Gradient reduction over the dp x cp group: fsdp (FSDP2 fully_shard) or ddp."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward instead of storing its activations."""
+
+    def __post_init__(self):
+        _positive("parallel", self, "tp", "cp")
+        _choice("parallel", "cp_mode", self.cp_mode, ("ring", "ulysses"))
+        _choice("parallel", "cp_layout", self.cp_layout, ("zigzag", "contiguous"))
+        _choice("parallel", "data_parallel", self.data_parallel, ("fsdp", "ddp"))
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """What is read and how it is batched. A global batch is micro_batch * grad_accum * dp
+    samples of seq_len tokens."""
+
+    paths: list[str] = field(default_factory=list)
+    """Indexed dataset prefixes (PREFIX.bin / PREFIX.idx from launch/prepare_data.py); empty
+    means the default corpus shipped with the repo, prepared on first use."""
+    weights: list[float] = field(default_factory=list)
+    """Blend weights, one per path; empty means equal weights."""
+    tokenizer: str | None = None
+    """The SentencePiece .model that wrote the datasets (its eos id ends each document);
+    required with paths."""
+    cache_dir: str = "runs/data"
+    """Where the default corpus is prepared (tokenizer + dataset) on first use."""
+    default_vocab_size: int = 2048
+    """Vocabulary of the tokenizer trained on the default corpus (<= model.vocab_size)."""
+    seq_len: int = 256
+    """Tokens per packed sample."""
+    micro_batch: int = 4
+    """Samples per micro-batch on each dp rank (one packed stream of micro_batch * seq_len)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int = 1234
+    """Seed of the sample order and the blend."""
+
+    def __post_init__(self):
+        _positive("data", self, "default_vocab_size", "seq_len", "micro_batch", "grad_accum")
+        if self.weights and len(self.weights) != len(self.paths):
+            raise ValueError(f"data.weights has {len(self.weights)} entries but data.paths has "
+                             f"{len(self.paths)}; give one weight per path or none")
+        if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
+            raise ValueError(f"data.weights must be >= 0 with a positive sum, got {self.weights}")
+        if self.paths and not self.tokenizer:
+            raise ValueError("data.paths is set but data.tokenizer is not; set data.tokenizer to "
+                             "the SentencePiece .model that wrote the datasets")
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW (decoupled weight decay on matrices, none on norms and biases)."""
+
+    lr: float = 3e-3
+    """Peak learning rate (after warmup)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on parameters with 2 or more dims."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    backend: str = "auto"
+    """torch (AdamW, fused on CUDA), apex (FusedAdam; needs apex) or auto (apex when installed
+    and on CUDA, else torch)."""
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("optimizer.lr and eps must be > 0, weight_decay and grad_clip >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        _choice("optimizer", "backend", self.backend, ("auto", "torch", "apex"))
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """Linear warmup from 0 to optimizer.lr, then decay to min_lr_ratio * lr at total_steps."""
+
+    warmup_steps: int = 20
+    """Steps of linear warmup (at most the schedule's length: a 5-step run warms up in 5)."""
+    total_steps: int | None = None
+    """Step at which the decay ends; null means training.max_steps. Keep it fixed across a
+    resumed run, or the schedule changes."""
+    decay: str = "cosine"
+    """cosine or linear."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _positive("schedule", self, "total_steps")
+        _choice("schedule", "decay", self.decay, ("cosine", "linear"))
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Checkpoints (torch.distributed.checkpoint) in DIR/step-N with a DIR/latest pointer."""
+
+    dir: str | None = None
+    """Checkpoint folder; null means RUN_DIR/checkpoints."""
+    every: int = 100
+    """Save every N steps and at the last step; 0 saves only on SIGTERM."""
+    keep_last: int = 2
+    """Complete checkpoints kept (older ones are deleted after a save)."""
+    resume: bool = True
+    """Resume from DIR/latest when it exists."""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
+        _positive("checkpoint", self, "keep_last")
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """What rank 0 reports."""
+
+    run_dir: str = "runs/tiny"
+    """Run folder: config.yaml, metrics.jsonl, tensorboard/, and checkpoints by default."""
+    log_every: int = 10
+    """Print and record metrics every N steps (and at the first and last)."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to RUN_DIR/tensorboard (needs the tensorboard package)."""
+
+    def __post_init__(self):
+        _positive("logging", self, "log_every")
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """The run itself."""
+
+    max_steps: int = 200
+    """Optimizer steps to train (a resumed run continues up to it)."""
+    seed: int = 0
+    """Seed of the weight initialisation and the RNG streams."""
+    dtype: str = "bfloat16"
+    """Autocast dtype on CUDA (weights and optimizer stay fp32); CPU always runs fp32."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
+
+    def __post_init__(self):
+        _positive("training", self, "max_steps", "max_bad_steps")
+        _choice("training", "dtype", self.dtype, DTYPES)
+        _choice("training", "device", self.device, DEVICES)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole training run; see the module docstring."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    """The decoder."""
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    """The parallel layout."""
+    data: DataSection = field(default_factory=DataSection)
+    """Datasets and batching."""
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """AdamW."""
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    """Learning-rate schedule."""
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Checkpoints."""
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    """Metrics and run folder."""
+    training: TrainingSection = field(default_factory=TrainingSection)
+    """Steps, seed, dtype."""
+
+    @property
+    def total_steps(self) -> int:
+        """Length of the learning-rate schedule."""
+        return self.schedule.total_steps or self.training.max_steps
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.logging.run_dir) / "checkpoints")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def valid_keys() -> list[str]:
+    """Every dotted key (``section.field``)."""
+    return [f"{name}.{f.name}" for name, cls in _sections().items()
+            for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ValueError:
+    keys = valid_keys()
+    candidates = keys + list(_sections())
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:  # a bare field name, or the right field under the wrong section
+        tail = key.rsplit(".", 1)[-1]
+        same = [k for k in keys if k.endswith("." + tail)]
+        close = same or difflib.get_close_matches(tail, keys, n=1, cutoff=0.4)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown config key {key!r}{hint} (valid sections: "
+                      f"{', '.join(_sections())})")
+
+
+def _is_optional(tp) -> tuple[bool, Any]:
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if (origin is typing.Union or origin is types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return True, rest[0]
+    return False, tp
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` (from YAML or an override string) as type ``tp``; ValueError naming ``key``."""
+    optional, tp = _is_optional(tp)
+    if optional and (value is None or (isinstance(value, str)
+                                       and value.strip().lower() in ("null", "none", "~"))):
+        return None
+    bad = ValueError(f"{key}={value!r} is not a valid {getattr(tp, '__name__', tp)}"
+                     + ("" if not optional else " (or null)"))
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else (
+                [v for v in value.split(",") if v.strip()])
+            value = parsed
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "on", "1"):
+            return True
+        if text in ("false", "no", "off", "0"):
+            return False
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).strip()) if not isinstance(value, int) else value
+        except ValueError:
+            raise bad from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    raise AssertionError(f"unhandled config type {tp} for {key}")
+
+
+def _set(tree: dict, key: str, value: Any) -> None:
+    """Set dotted ``key`` in the nested dict ``tree`` (checked against the dataclasses)."""
+    parts = key.split(".")
+    sections = _sections()
+    if len(parts) < 2 or parts[0] not in sections:
+        raise _unknown(key)
+    names = {f.name for f in dataclasses.fields(sections[parts[0]])}
+    if parts[1] not in names:
+        raise _unknown(key)
+    section = tree.setdefault(parts[0], {})
+    if len(parts) == 2:
+        section[parts[1]] = value
+        return
+    # model.rope_scaling.factor=32: a key inside a dict-valued field.
+    hints = typing.get_type_hints(sections[parts[0]])
+    if _is_optional(hints[parts[1]])[1] is not dict or len(parts) != 3:
+        raise _unknown(key)
+    inner = section.get(parts[1]) or {}
+    section[parts[1]] = {**inner, parts[2]: yaml.safe_load(value) if isinstance(value, str)
+                         else value}
+
+
+def from_dict(tree: dict) -> Config:
+    """A validated :class:`Config` from nested mappings (any subset of the fields)."""
+    if not isinstance(tree, dict):
+        raise ValueError(f"a config must be a mapping of sections, got {type(tree).__name__}")
+    sections = _sections()
+    built = {}
+    for name, values in tree.items():
+        if name not in sections:
+            raise _unknown(str(name))
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ValueError(f"config section {name!r} must be a mapping, got {values!r}")
+        cls = sections[name]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                raise _unknown(f"{name}.{key}")
+            kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+        built[name] = cls(**kwargs)
+    return Config(**built)
+
+
+def to_dict(cfg: Config) -> dict:
+    """Nested plain dict of every field (what :func:`save_config` writes)."""
+    return dataclasses.asdict(cfg)
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:
+    """``["a.b=1", ...]`` -> ``[("a.b", "1"), ...]``; raises ValueError on a missing ``=``."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not key=value; write e.g. optimizer.lr=1e-3")
+        out.append((key.strip(), value))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """The config of YAML file ``path`` (or the defaults) with dotted ``overrides`` applied.
+
+    Override values are parsed as YAML scalars/lists and converted to the field's type
+    (``optimizer.lr=1e-3`` is a float, ``data.paths=[a,b]`` a list, ``model.head_dim=null``).
+    """
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist; pass a YAML file such as "
+                             f"launch/configs/tiny.yaml")
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections")
+    for key, value in parse_overrides(list(overrides)):
+        _set(tree, key, value)
+    try:
+        return from_dict(tree)
+    except (TypeError, ValueError) as e:
+        where = f"{path}" if path is not None else "the defaults"
+        raise ValueError(f"{e} (config: {where}"
+                         + (f" + overrides {list(overrides)})" if overrides else ")")) from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved ``cfg`` as YAML (every field), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)

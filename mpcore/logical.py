@@ -1,0 +1,124 @@
+"""Layout-independent (logical) form of the model's tensors, and per-element norm weights.
+
+A parameter of ``models.Transformer`` on tp rank r is a concatenation, along one dim, of pieces of
+Hugging Face tensors (``models.hf.shard_map``): ``wqkv`` holds rows of q_proj, k_proj and v_proj,
+``w13`` rows of gate_proj and up_proj, ``wo``/``w2`` columns of o_proj/down_proj, the embedding
+and untied head rows of a vocab shard padded with zero rows, norms the whole vector. The LOGICAL
+form of a parameter (or of an optimizer state shaped like it) is those HF tensors, full-size,
+padding stripped: the same at every tp degree, so a checkpoint in this form loads at any layout.
+
+    gather:  tp-local tensor [local shape]  --all-gather over tp-->  {hf_name: full tensor}
+    shard:   {hf_name: full tensor}  --pieces of this rank-->  tp-local tensor
+
+Norm weights: a logical element may be held by several tp ranks (norms on every rank; kv heads
+replicated when tp > num_kv_heads) and padding rows by none. ``norm_weight`` gives each local
+element 1 / (number of tp ranks holding it), 0 for padding, so summing ``weight * g**2`` over the
+tp group counts every logical element exactly once (the true global gradient norm).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.hf import Piece, shard_map
+from mpcore.dist import ProcessGroup
+from parallel.collectives import all_gather
+
+
+def _sizes(pieces: list[Piece]) -> list[int]:
+    return [p.stop - p.start for p in pieces]
+
+
+class LogicalLayout:
+    """The logical form of every parameter of a model built from ``cfg`` at ``tp``.
+
+    ``maps[r][name]``: pieces of tp rank ``r``; ``hf_shapes``: full shape of each HF tensor;
+    ``owners``: our parameter name -> the HF names its pieces come from (in piece order).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: int, tp_rank: int):
+        self.cfg, self.tp, self.tp_rank = cfg, tp, tp_rank
+        self.maps = [shard_map(cfg, tp, r) for r in range(tp)]
+        self.hf_shapes: dict[str, tuple[int, ...]] = {}
+        self.owners: dict[str, list[str]] = {}
+        for name, pieces in self.maps[0].items():
+            self.owners[name] = list(dict.fromkeys(p.name for p in pieces))
+            for p in pieces:
+                self.hf_shapes[p.name] = p.shape
+        self._count = self._multiplicity()
+
+    @property
+    def names(self) -> list[str]:
+        """Our parameter names, in a fixed order."""
+        return list(self.maps[0])
+
+    def dim(self, name: str) -> int:
+        return self.maps[0][name][0].dim
+
+    def _multiplicity(self) -> dict[str, torch.Tensor]:
+        """HF name -> int64 [shape[dim]]: how many tp ranks hold each index along the dim."""
+        out: dict[str, torch.Tensor] = {}
+        for pieces_of in self.maps:
+            for pieces in pieces_of.values():
+                for p in pieces:
+                    t = out.setdefault(p.name, torch.zeros(p.shape[p.dim], dtype=torch.int64))
+                    stop = min(p.stop, p.shape[p.dim])
+                    if stop > p.start:
+                        t[p.start:stop] += 1
+        return out
+
+    def norm_weight(self, name: str) -> torch.Tensor:
+        """fp32 [local size along ``dim(name)``]: 1 / holders per element, 0 for padding."""
+        parts = []
+        for p in self.maps[self.tp_rank][name]:
+            w = torch.zeros(p.stop - p.start)
+            stop = min(p.stop, p.shape[p.dim])
+            if stop > p.start:
+                w[: stop - p.start] = 1.0 / self._count[p.name][p.start:stop].float()
+            parts.append(w)
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def gather(self, name: str, local: torch.Tensor, group: ProcessGroup | None,
+               out_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full HF tensors (on the CPU) of our parameter ``name`` from every rank's ``local``.
+
+        Collective over the tp ``group``: every rank of it calls this with its own shard.
+        """
+        dim = self.dim(name)
+        local = local.detach()
+        shards = all_gather(local, dim, group).chunk(self.tp, dim=dim)
+        full: dict[str, torch.Tensor] = {}
+        dtype = out_dtype or local.dtype
+        for rank, shard in enumerate(shards):
+            pieces = self.maps[rank][name]
+            for p, part in zip(pieces, shard.split(_sizes(pieces), dim=dim), strict=True):
+                target = full.get(p.name)
+                if target is None:
+                    target = full[p.name] = torch.empty(p.shape, dtype=dtype)
+                keep = min(p.stop, p.shape[dim]) - p.start
+                if keep > 0:
+                    target.narrow(dim, p.start, keep).copy_(part.narrow(dim, 0, keep))
+        return full
+
+    def shard(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This tp rank's local tensor of our parameter ``name`` from the full HF tensors."""
+        pieces = self.maps[self.tp_rank][name]
+        dim = pieces[0].dim
+        parts = []
+        for p in pieces:
+            tensor = full[p.name]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint tensor {p.name} has shape {tuple(tensor.shape)} "
+                                 f"but the model's config needs {p.shape}; load it with the "
+                                 f"model config it was saved with")
+            stop = min(p.stop, p.shape[dim])
+            part = tensor.narrow(dim, p.start, max(stop - p.start, 0))
+            pad = (p.stop - p.start) - part.shape[dim]
+            if pad:
+                shape = list(part.shape)
+                shape[dim] = pad
+                part = torch.cat([part, part.new_zeros(shape)], dim=dim)
+            parts.append(part)
+        return torch.cat(parts, dim=dim)

@@ -1,0 +1,118 @@
+"""Throughput accounting and the metrics rank 0 reports.
+
+FLOPs per token (torchtitan's convention). A matmul ``[T, m] @ [m, n]`` costs ``2 T m n``
+FLOPs forward and twice that backward (gradients of the input and of the weight): 6 FLOPs per
+weight per token over forward + backward. Every weight that multiplies activations counts: the
+layers and the output head, not the input embedding (a table lookup). Attention adds, per layer
+and token, ``q @ k.T`` and ``p @ v`` over ``seq`` keys of width ``h = heads * head_dim``:
+``2 * 2 * h * seq`` forward, 3x that with the backward, so ``12 * h * seq``. Causal masking and
+document boundaries halve or cut the real work; the convention counts the full square, as
+torchtitan and nanoGPT do, so numbers compare across codebases:
+
+    flops_per_token = 6 * (params - input embedding) + 12 * layers * heads * head_dim * seq
+
+For a tied model the shared matrix is the output head, so the count is all parameters.
+
+Output per logged step: one line on stdout, one JSON object in ``RUN_DIR/metrics.jsonl``
+(keys ``step loss grad_norm lr tokens_per_s tflops mfu mem_gib``; tokens/s and TFLOP/s are per
+device; ``mfu`` is null where the device has no entry in the peak table, e.g. on CPU), and
+TensorBoard scalars when enabled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+
+# Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "mem_gib")
+
+
+def num_params(cfg: ModelConfig) -> dict[str, int]:
+    """Logical parameter counts (independent of tp): ``total``, ``embedding``, ``head``."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    if cfg.qkv_bias:
+        attn += cfg.q_size + 2 * cfg.kv_size
+    if cfg.qk_norm:
+        attn += 2 * d
+    layer = attn + 3 * h * inter + 2 * h
+    embedding = cfg.vocab_size * h
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
+    total = embedding + cfg.num_layers * layer + h + head
+    return {"total": total, "embedding": embedding, "head": head or embedding}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward; module docstring)."""
+    counts = num_params(cfg)
+    dense = counts["total"] - (counts["embedding"] if not cfg.tie_embeddings else 0)
+    return 6.0 * dense + 12.0 * cfg.num_layers * cfg.q_size * seq_len
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """The device's dense peak for ``dtype`` from the table, or None (CPU, unknown GPU, fp32)."""
+    if device.type != "cuda" or dtype != "bfloat16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def max_memory_gib(device: torch.device) -> float:
+    """Peak allocated CUDA memory, or the process's peak resident memory on CPU, in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class MetricsWriter:
+    """Stdout line + ``metrics.jsonl`` + optional TensorBoard, on rank 0 only (``enabled``)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ValueError(f"logging.tensorboard=true needs the tensorboard package ({e}); "
+                                 "pip install tensorboard, or set logging.tensorboard=false") from None
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        """Write one record with exactly the keys ``KEYS`` (non-finite floats become null)."""
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(record[k], float) and not math.isfinite(record[k])
+                     else record[k]) for k in KEYS}
+        print("  ".join(f"{k} {_fmt(clean[k])}" for k in KEYS), flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            for k in KEYS[1:]:
+                if clean[k] is not None:
+                    self.tb.add_scalar(f"train/{k}", clean[k], clean["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

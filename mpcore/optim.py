@@ -1,0 +1,125 @@
+"""AdamW, the learning-rate schedule, and gradient clipping by the true global norm.
+
+Parameters are fp32 (master weights); on CUDA the forward runs under bf16 autocast. AdamW is
+PyTorch's (``fused=True`` on CUDA) or apex's FusedAdam (``mpcore.backends``); weight decay
+applies to tensors with 2 or more dims (matrices, embeddings), not to norms and biases.
+
+Global gradient norm. A parameter is held as a tp shard (``mpcore.logical``: pieces of HF
+tensors), possibly further sharded on dim 0 over dp x cp by FSDP2 (a DTensor), or replicated
+over dp x cp by DDP. Every logical element must be counted once:
+
+    norm^2 = sum over ranks R of sum_p sum_i w_p[i] * g_p[i]^2
+
+with ``w = 1 / (tp ranks holding the element)`` (``LogicalLayout.norm_weight``) and R = the tp
+group (gradients replicated over dp x cp) or the whole world (FSDP: each dp x cp rank holds a
+disjoint dim-0 slice). One fp32 all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpcore.backends import adam_backend, apex_fused_adam
+from mpcore.config import Config
+from mpcore.dist import ProcessGroup, group_size
+from mpcore.logical import LogicalLayout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (FSDP2 shard), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def build_optimizer(model: nn.Module, cfg: Config, device_type: str) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters (after any FSDP2/DDP wrapping); lr set per step."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    opt = cfg.optimizer
+    groups = [{"params": decay, "weight_decay": opt.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+    if adam_backend(opt.backend, device_type) == "apex":
+        return apex_fused_adam()(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=device_type == "cuda" or None, **kwargs)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Learning rate of optimizer step ``step`` (1-based).
+
+    Warmup: ``lr * step / warmup`` for ``step <= warmup`` (warmup capped at total_steps). Then cosine or linear decay from
+    ``lr`` at ``warmup`` to ``min_lr_ratio * lr`` at ``total_steps``, and constant after.
+    """
+    base, s = cfg.optimizer.lr, cfg.schedule
+    total = cfg.total_steps
+    warmup = min(s.warmup_steps, total)
+    if warmup and step <= warmup:
+        return base * step / warmup
+    if step >= total:
+        return base * s.min_lr_ratio
+    progress = (step - warmup) / max(total - warmup, 1)
+    factor = 0.5 * (1 + math.cos(math.pi * progress)) if s.decay == "cosine" else 1 - progress
+    return base * (s.min_lr_ratio + (1 - s.min_lr_ratio) * factor)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+class GradNorm:
+    """The true global gradient norm of ``model`` (module docstring) and clipping by it.
+
+    ``names``: parameter object id -> our parameter name (the logical layout's key).
+    ``fsdp``: parameters are FSDP2 DTensors sharded on dim 0 over dp x cp (sum over the world);
+    otherwise gradients are whole per tp rank (sum over ``tp_group``).
+    """
+
+    def __init__(self, model: nn.Module, names: dict[int, str], layout: LogicalLayout,
+                 tp_group: ProcessGroup | None, fsdp: bool, device: torch.device):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.group = None if fsdp else tp_group
+        self.world_reduce = fsdp
+        self.weights = []
+        for p in self.params:
+            name = names[id(p)]
+            w = layout.norm_weight(name)
+            dim = layout.dim(name)
+            if fsdp and dim == 0:  # this rank's dim-0 chunk, as FSDP2 shards it
+                mesh = p.device_mesh
+                chunks = w.chunk(mesh.size())
+                rank = mesh.get_local_rank()
+                w = chunks[rank] if rank < len(chunks) else w[:0]
+            shape = [1] * p.dim()
+            shape[dim] = -1
+            self.weights.append(w.view(shape).to(device))
+
+    def __call__(self) -> torch.Tensor:
+        """fp32 scalar: the global gradient norm (one all-reduce). Missing gradients count 0."""
+        total = torch.zeros((), dtype=torch.float32, device=self.weights[0].device)
+        for p, w in zip(self.params, self.weights, strict=True):
+            if p.grad is None:
+                continue
+            g = _local(p.grad)
+            if g.numel():
+                total = total + (g.float().square() * w).sum()
+        if self.world_reduce and dist.is_initialized():
+            dist.all_reduce(total)
+        elif group_size(self.group) > 1:
+            dist.all_reduce(total, group=self.group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def clip_(self, norm: float, max_norm: float) -> None:
+        """Scale every gradient by ``max_norm / norm`` when ``norm > max_norm`` (> 0)."""
+        if max_norm <= 0 or norm <= max_norm:
+            return
+        coef = max_norm / (norm + 1e-6)
+        for p in self.params:
+            if p.grad is not None:
+                _local(p.grad).mul_(coef)

@@ -1,0 +1,246 @@
+"""The training loop: setup -> build -> fit.
+
+One optimizer step, on every rank:
+
+    micro-batches = loader.next_step()            this dp rank's grad_accum packed streams
+    inputs        = local_inputs(each)            labels shifted globally, then the cp split
+    N             = global_valid_count(labels)    ONE int64 all-reduce over dp x cp
+    for each micro-batch:                         (DDP: no_sync but for the last)
+        loss [L]  = model(inputs, output="loss")  bf16 autocast on CUDA, fp32 on CPU
+        backward(W * sum(loss) / N)               W = dp*cp when FSDP/DDP average, else 1
+    loss          = sum of shares over dp x cp    the global mean over valid labels
+    norm          = true global gradient norm     (mpcore.optim.GradNorm)
+    finite?  clip to grad_clip, set lr(step), optimizer.step()
+    else     skip the update, count it; max_bad_steps in a row stop the run (TrainingDiverged)
+
+Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
+the first step boundary after SIGTERM. A SIGTERM handler only sets a flag; the ranks agree on it
+with one all-reduce per step, save, and :func:`fit` returns ``"preempted"``: launch/pretrain.py
+then exits with code 0 (torchrun and schedulers see a clean stop; rerunning the same command
+resumes from ``latest``). Resume is automatic when ``checkpoint.resume`` and ``latest`` exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mpcore.batches import local_inputs
+from mpcore.build import Run, build, resolve_device, setup
+from mpcore.checkpoint import latest_checkpoint, read_meta, save_checkpoint
+from mpcore.config import Config, save_config, to_dict
+from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
+from mpcore.optim import lr_at, set_lr
+from parallel import LabelShifter, global_valid_count, loss_share
+from parallel.loss import sum_over_group
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FORMAT = 1
+
+
+class TrainingDiverged(RuntimeError):
+    """``training.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm."""
+
+
+@dataclass
+class FitResult:
+    status: str  # "done" | "preempted"
+    step: int
+    losses: list[float] = field(default_factory=list)  # global loss of each step run here
+    grad_norms: list[float] = field(default_factory=list)
+    bad_steps: int = 0
+
+
+class Trainer:
+    """Runs :class:`mpcore.build.Run`'s model to ``training.max_steps`` (module docstring).
+
+    ``checkpoint_hook(stage, path)`` is passed to ``save_checkpoint`` (tests simulate crashes).
+    """
+
+    def __init__(self, run: Run, checkpoint_hook=None):
+        self.run, self.cfg = run, run.cfg
+        self.checkpoint_hook = checkpoint_hook
+        self.step = 0
+        self.bad_steps = self.consecutive_bad = 0
+        self.stop_requested = False
+        self.shifter = LabelShifter()
+        s = run.state
+        self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
+        self.ddp = s.dp_cp > 1 and self.cfg.parallel.data_parallel == "ddp"
+        data = self.cfg.data
+        self.tokens_per_step = data.seq_len * data.micro_batch * data.grad_accum * s.dp
+        self.flops_per_token = flops_per_token(run.model_cfg, data.seq_len)
+        self.peak = peak_flops(run.device, self.cfg.training.dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self) -> dict:
+        s = self.run.state
+        return {"format": CHECKPOINT_FORMAT, "step": self.step,
+                "loader": self.run.loader.state_dict(),
+                "layout": {"tp": s.tp, "cp": s.cp, "dp": s.dp,
+                           "data_parallel": self.cfg.parallel.data_parallel},
+                "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
+                "group_steps": [g.get("step") for g in self.run.optimizer.param_groups],
+                "model_config": dataclasses.asdict(self.run.model_cfg),
+                "config": to_dict(self.cfg)}
+
+    def save(self) -> Path:
+        tensors = self.run.train_state.collect()
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
+                               keep_last=self.cfg.checkpoint.keep_last,
+                               rank=self.run.state.rank, hook=self.checkpoint_hook)
+
+    def resume(self, folder: Path | None = None) -> Path | None:
+        """Load ``folder`` (default: ``latest`` of the checkpoint dir); returns it or None."""
+        folder = folder or latest_checkpoint(self.cfg.checkpoint_dir)
+        if folder is None:
+            return None
+        meta = read_meta(folder)
+        s = self.run.state
+        saved = meta["layout"]
+        same = (saved["tp"], saved["cp"], saved["dp"]) == (s.tp, s.cp, s.dp)
+        self.run.train_state.restore(folder, same_layout=same)
+        for group, value in zip(self.run.optimizer.param_groups, meta["group_steps"],
+                                strict=False):
+            if value is not None:
+                group["step"] = value
+        self.run.loader.load_state_dict(meta["loader"])
+        self.step = int(meta["step"])
+        self.bad_steps = int(meta["bad_steps"])
+        self.consecutive_bad = int(meta["consecutive_bad"])
+        if s.rank == 0:
+            log.info("resumed from %s (step %d, saved at tp=%d cp=%d dp=%d)", folder,
+                     self.step, saved["tp"], saved["cp"], saved["dp"])
+        return folder
+
+    # ------------------------------------------------------------------ one step
+    def _forward_backward(self, batches) -> torch.Tensor:
+        run, s = self.run, self.run.state
+        inputs = [local_inputs(b, s, self.cfg, run.device, self.shifter) for b in batches]
+        count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
+        total = torch.zeros((), dtype=torch.float32, device=run.device)
+        autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,
+                                  enabled=run.device.type == "cuda"
+                                  and self.cfg.training.dtype == "bfloat16")
+        for i, inp in enumerate(inputs):
+            last = i == len(inputs) - 1
+            sync = run.module.no_sync() if self.ddp and not last else contextlib.nullcontext()
+            with sync:
+                with autocast:
+                    per_token = run.module(**inp, output="loss")  # (L,) fp32
+                share = loss_share(per_token, inp["labels"], count)
+                (share * self.scale).backward()
+            total += share.detach()
+        return sum_over_group(total, s.dp_cp_group)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step; returns (global loss, global grad norm) as Python floats."""
+        run = self.run
+        loss = self._forward_backward(run.loader.next_step())
+        norm = run.grad_norm()
+        loss_f, norm_f = float(loss), float(norm)  # CPU-GPU sync point: decides the update
+        self.step += 1
+        if math.isfinite(loss_f) and math.isfinite(norm_f):
+            run.grad_norm.clip_(norm_f, self.cfg.optimizer.grad_clip)
+            set_lr(run.optimizer, lr_at(self.step, self.cfg))
+            run.optimizer.step()
+            self.consecutive_bad = 0
+        else:
+            self.bad_steps += 1
+            self.consecutive_bad += 1
+            if run.state.rank == 0:
+                log.warning("step %d: non-finite loss %s or grad norm %s; update skipped "
+                            "(%d in a row, %d total)", self.step, loss_f, norm_f,
+                            self.consecutive_bad, self.bad_steps)
+        run.optimizer.zero_grad(set_to_none=True)
+        return loss_f, norm_f
+
+    # ------------------------------------------------------------------ the loop
+    def _agree_stop(self) -> bool:
+        """True on every rank when any rank got SIGTERM (one tiny all-reduce)."""
+        flag = torch.tensor(float(self.stop_requested), device=self.run.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def fit(self) -> FitResult:
+        """Train from the current step (after :meth:`resume`) to ``training.max_steps``."""
+        cfg, run = self.cfg, self.run
+        rank0 = run.state.rank == 0
+        metrics = MetricsWriter(cfg.logging.run_dir, rank0, cfg.logging.tensorboard)
+        result = FitResult("done", self.step)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main else None
+        every = cfg.checkpoint.every
+        try:
+            last_time, last_step = time.perf_counter(), self.step
+            while self.step < cfg.training.max_steps:
+                loss, norm = self.train_step()
+                result.losses.append(loss)
+                result.grad_norms.append(norm)
+                if self.consecutive_bad >= cfg.training.max_bad_steps:
+                    raise TrainingDiverged(
+                        f"{self.consecutive_bad} consecutive steps (up to step {self.step}) had "
+                        f"a non-finite loss or gradient norm (training.max_bad_steps="
+                        f"{cfg.training.max_bad_steps}); stopped without saving. The last good "
+                        f"checkpoint in {cfg.checkpoint_dir} is intact: lower optimizer.lr, "
+                        f"check the data, or raise training.max_bad_steps")
+                done = self.step == cfg.training.max_steps
+                if self.step % cfg.logging.log_every == 0 or done or self.step == 1:
+                    now = time.perf_counter()
+                    self._log(metrics, loss, norm, (self.step - last_step) / (now - last_time))
+                    last_time, last_step = time.perf_counter(), self.step
+                stop = self._agree_stop()
+                if stop or (every and (self.step % every == 0 or done)):
+                    self.save()
+                if stop:
+                    result.status = "preempted"
+                    if rank0:
+                        log.warning("SIGTERM: saved step %d to %s; rerun the same command to "
+                                    "resume", self.step, cfg.checkpoint_dir)
+                    break
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
+            metrics.close()
+        result.step, result.bad_steps = self.step, self.bad_steps
+        return result
+
+    def _log(self, metrics: MetricsWriter, loss: float, norm: float, steps_per_s: float) -> None:
+        world = self.run.state.world_size
+        tokens_per_s = self.tokens_per_step * steps_per_s / world  # per device
+        flops = tokens_per_s * self.flops_per_token
+        metrics.log({"step": self.step, "loss": loss, "grad_norm": norm,
+                     "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
+                     "tflops": flops / 1e12,
+                     "mfu": None if self.peak is None else flops / self.peak,
+                     "mem_gib": max_memory_gib(self.run.device)})
+
+
+def train(cfg: Config, source: str = "the config", loader=None,
+          checkpoint_hook=None) -> FitResult:
+    """setup -> build -> resume -> fit; writes ``RUN_DIR/config.yaml`` (the resolved config)."""
+    state = setup(cfg, source)
+    device = resolve_device(cfg)
+    run = build(cfg, state, device, loader=loader)
+    if state.rank == 0:
+        save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
+        log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))
+    trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
+    if cfg.checkpoint.resume:
+        trainer.resume()
+    return trainer.fit()

@@ -1,0 +1,180 @@
+"""What a checkpoint holds, in a layout-independent form, and how it is put back.
+
+Keys of the DCP state (every tensor on the CPU):
+
+    model/<hf_name>                  a full logical tensor (``mpcore.logical``; HF names, padding
+                                     stripped, fused projections split into their parts)
+    optim/<hf_name>/<state>          an optimizer state shaped like its parameter (exp_avg, ...),
+                                     in the same logical form
+    optim_scalar/<name>/<state>      a per-parameter scalar state (AdamW's ``step``), by our name
+    rng/rank<R>/{cpu,cuda,tracker/<stream>}   RNG states of global rank R
+
+Saving gathers each parameter to its full logical form: FSDP2 shards are all-gathered over
+dp x cp (``full_tensor``), then the tp shards of ONE replica (dp x cp rank ``i % (dp*cp)`` for
+the i-th parameter) are gathered over its tp group and kept by one of its ranks, so the writes
+spread over the world. Memory: each rank holds the full tensors it owns (about 1/world of the
+model + optimizer, in fp32, on the CPU) plus one parameter's full tensor at a time.
+
+Loading reads the full logical tensors on EVERY rank, a batch of parameters at a time
+(``LOAD_BATCH_BYTES``), and keeps this rank's shard of each: tp pieces, then the FSDP2 dim-0
+chunk. Reads cost world x checkpoint size of I/O; memory stays one batch at a time.
+A checkpoint from any (tp, cp, dp, fsdp|ddp) layout loads at any other. RNG states are restored
+only when the layout is the same (their meaning depends on the rank).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpcore.checkpoint import load_tensors, stored_tensors
+from mpcore.dist import ParallelState
+from mpcore.logical import LogicalLayout
+from parallel.random import RNGTracker
+
+LOAD_BATCH_BYTES = 1 << 30
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "full_tensor")
+
+
+@torch.no_grad()
+def _tp_local(t: torch.Tensor) -> torch.Tensor:
+    """The whole tp-local tensor: an FSDP2 DTensor all-gathered over dp x cp, else ``t``."""
+    return t.full_tensor() if _is_dtensor(t) else t.detach()
+
+
+@torch.no_grad()
+def _place(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (the whole tp-local tensor) laid out like ``like`` (FSDP2 shard or plain)."""
+    if _is_dtensor(like):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(local.to(like.device, like.dtype), like.device_mesh,
+                                 like.placements, src_data_rank=None)
+    return local.to(like.device, like.dtype)
+
+
+class TrainState:
+    """Collects and restores model, optimizer and RNG state (module docstring).
+
+    ``model``: the unwrapped module (FSDP2-sharded in place or plain; not the DDP wrapper).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: LogicalLayout,
+                 state: ParallelState, tracker: RNGTracker, device: torch.device):
+        self.model, self.optimizer, self.layout = model, optimizer, layout
+        self.state, self.tracker, self.device = state, tracker, device
+        self.params = dict(model.named_parameters())
+        if set(self.params) != set(layout.names):
+            raise AssertionError(f"model and logical layout disagree: "
+                                 f"{set(self.params) ^ set(layout.names)}")
+
+    def _owner(self, i: int) -> tuple[int, int]:
+        """(dp x cp rank of the replica that gathers parameter i, tp rank that keeps it)."""
+        s = self.state
+        return i % s.dp_cp, (i // s.dp_cp) % s.tp
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the checkpoint tensors. Collective over the world."""
+        s, out = self.state, {}
+        for i, name in enumerate(self.layout.names):
+            param = self.params[name]
+            replica, keeper = self._owner(i)
+            entries = [("model", param)]
+            opt_state = self.optimizer.state.get(param, {})
+            for key in sorted(opt_state):
+                value = opt_state[key]
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    entries.append((f"optim/{key}", value))
+                elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                    if s.rank == replica * s.tp + keeper:
+                        out[f"optim_scalar/{name}/{key}"] = value.detach().cpu().clone()
+            for prefix, tensor in entries:
+                local = _tp_local(tensor)  # collective over dp x cp under FSDP2
+                if s.dp_cp_rank != replica:
+                    continue
+                full = self.layout.gather(name, local, s.tp_group)  # collective over tp
+                if s.tp_rank == keeper:
+                    for hf_name, t in full.items():
+                        key = f"model/{hf_name}" if prefix == "model" else (
+                            f"optim/{hf_name}/{prefix.split('/', 1)[1]}")
+                        out[key] = t
+        out.update(self._rng())
+        return out
+
+    def _rng(self) -> dict[str, torch.Tensor]:
+        r = self.state.rank
+        out = {f"rng/rank{r}/cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            out[f"rng/rank{r}/cuda"] = torch.cuda.get_rng_state(self.device)
+        for stream, value in self.tracker.state_dict().items():
+            out[f"rng/rank{r}/tracker/{stream}"] = value
+        return out
+
+    def restore(self, folder, same_layout: bool) -> None:
+        """Load model, optimizer (and RNG when ``same_layout``) from checkpoint ``folder``.
+        Collective over the world."""
+        stored = stored_tensors(folder)
+        opt_index = {id(p): i for i, p in enumerate(
+            p for g in self.optimizer.param_groups for p in g["params"])}
+        opt_sd = self.optimizer.state_dict()
+        opt_sd["state"] = {}
+        for names in self._batches(stored):
+            keys = [k for n in names for k in self._keys(n, stored)]
+            full = load_tensors(folder, keys, stored)
+            for name in names:
+                self._restore_param(name, full, opt_sd["state"], opt_index)
+        self.optimizer.load_state_dict(opt_sd)
+        if same_layout:
+            self._restore_rng(folder, stored)
+
+    def _keys(self, name: str, stored) -> list[str]:
+        keys = [f"model/{hf}" for hf in self.layout.owners[name]]
+        for hf in self.layout.owners[name]:
+            keys += [k for k in stored if k.startswith(f"optim/{hf}/")]
+        return keys + [k for k in stored if k.startswith(f"optim_scalar/{name}/")]
+
+    def _batches(self, stored) -> list[list[str]]:
+        """Parameter names in groups of at most ``LOAD_BATCH_BYTES`` of stored tensors."""
+        batches, current, size = [], [], 0
+        for name in self.layout.names:
+            nbytes = sum(stored[k][0].numel() * stored[k][1].itemsize
+                         for k in self._keys(name, stored) if k in stored)
+            if current and size + nbytes > LOAD_BATCH_BYTES:
+                batches.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        return batches + ([current] if current else [])
+
+    @torch.no_grad()
+    def _restore_param(self, name: str, full: dict, opt_state: dict, opt_index: dict) -> None:
+        param = self.params[name]
+        hfs = self.layout.owners[name]
+        local = self.layout.shard(name, {hf: full[f"model/{hf}"] for hf in hfs})
+        param.copy_(_place(param, local))
+        state = {}
+        for key in {k.rsplit("/", 1)[1] for k in full if k.startswith(f"optim/{hfs[0]}/")}:
+            value = self.layout.shard(name, {hf: full[f"optim/{hf}/{key}"] for hf in hfs})
+            state[key] = _place(param, value.float())
+        prefix = f"optim_scalar/{name}/"
+        for k, v in full.items():
+            if k.startswith(prefix):
+                state[k[len(prefix):]] = v
+        if state:
+            opt_state[opt_index[id(param)]] = state
+
+    def _restore_rng(self, folder, stored) -> None:
+        prefix = f"rng/rank{self.state.rank}/"
+        keys = sorted(k for k in stored if k.startswith(prefix))
+        states = load_tensors(folder, keys, stored)
+        if prefix + "cpu" in states:
+            torch.set_rng_state(states[prefix + "cpu"])
+        if prefix + "cuda" in states and self.device.type == "cuda":
+            torch.cuda.set_rng_state(states[prefix + "cuda"], self.device)
+        tracker = {k[len(prefix + "tracker/"):]: v for k, v in states.items()
+                   if k.startswith(prefix + "tracker/")}
+        if tracker:
+            self.tracker.load_state_dict(tracker)
