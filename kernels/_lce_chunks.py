@@ -28,6 +28,12 @@ import torch.distributed as dist
 
 # Upper bound on one chunk of logits; the peak workspace of every path is about this much.
 CHUNK_BYTES = 512 * 1024 * 1024
+# Logits of 16-bit inputs in fp32 (cuBLAS fp32 output, where torch.mm has ``out_dtype``)?
+# Per-token log-probs keep fp32 accuracy that way (a bf16 logit is off by up to 2^-9 of itself);
+# the gradient-in-forward CE path averages such errors away and keeps 16-bit logits, which
+# halves its row pass's memory traffic.
+FP32_LOGITS_CE = False
+FP32_LOGITS_RECOMPUTE = True
 
 
 class TorchRows:
@@ -95,15 +101,16 @@ class Head:
     logits_dtype: torch.dtype
 
     @staticmethod
-    def build(weight, group, vocab_size, temperature, rows) -> Head:
+    def build(weight, group, vocab_size, temperature, rows, fp32_logits: bool) -> Head:
         tp = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         v_local = weight.shape[0]
         v_start = rank * v_local
         n_valid = max(0, min(v_local, vocab_size - v_start))
         logits_dtype = weight.dtype
-        if weight.dtype != torch.float32 and weight.is_cuda and _mm_has_out_dtype("cuda"):
-            logits_dtype = torch.float32  # fp32 logits: per-token log-probs keep fp32 accuracy
+        if fp32_logits and weight.dtype != torch.float32 and weight.is_cuda:
+            if _mm_has_out_dtype("cuda"):
+                logits_dtype = torch.float32
         return Head(group if tp > 1 else None, tp, v_start, n_valid, 1.0 / temperature, rows,
                     logits_dtype)
 
@@ -196,11 +203,11 @@ def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, 
             stats[:, r0:r1] = st
             lse = st[0] + torch.log(st[1])
             head.rows.row_grad(logits, g, tgt[r0:r1], lse, None, coef[r0:r1], None, *args)
-        del logits
         if need_dh:
             torch.mm(g, weight, out=dh[r0:r1])
         if need_dw:
             dw = torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+        del logits, g  # free the chunk before the next one is allocated
     if need_dw and dw is None:
         dw = torch.zeros_like(weight)
     lse = stats[0] + torch.log(stats[1])
@@ -227,11 +234,11 @@ def backward(hidden, weight, tgt, lse, ez, g_lp, g_ent, head: Head, need_dh, nee
                            None if g_ent is None else ez[r0:r1], g_lp[r0:r1],
                            None if g_ent is None else g_ent[r0:r1],
                            head.n_valid_cols, head.inv_temp)
-        del logits
         if need_dh:
             torch.mm(g, weight, out=dh[r0:r1])
         if need_dw:
             dw = torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+        del logits, g  # free the chunk before the next one is allocated
     if need_dw and dw is None:
         dw = torch.zeros_like(weight)
     return dh, dw

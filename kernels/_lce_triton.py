@@ -5,8 +5,8 @@ of a token chunk against this rank's vocab shard. Columns at or past ``n_valid_c
 padding: they take no part in the softmax and get a zero gradient. ``tgt [n]`` (int32) holds the
 label's column in this shard, or -1 when the label lives on another rank or is ignored.
 All arithmetic is fp32 on ``z = logits * inv_temp``. One program handles one row, streaming it
-in ``BLOCK`` columns at a time: the pass is memory bound, so the point is to read each logit
-once per pass and write each gradient once.
+in ``BLOCK`` (up to 8192) columns at a time: the pass is memory bound, so the point is to read
+each logit once per pass and write each gradient once.
 
 Three entry points, same math as the PyTorch functions in ``linear_cross_entropy.py``:
     row_stats        -> stats [4, n] fp32: max m, sum exp(z - m), target z, sum exp(z - m)(z - m)
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-_MAX_BLOCK = 4096
+_MAX_BLOCK = 8192
 
 
 @triton.jit
@@ -89,6 +89,25 @@ def _lce_rows_kernel(
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    s = tl.load(scale_ptr)
+    if s != 1.0:  # the common upstream gradient 1.0 costs one launch of empty programs
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+        tl.store(x_ptr + offs, (x * s).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``x *= scale`` in place (x contiguous, scale a 0-d fp32 tensor), without a host sync."""
+    assert x.is_contiguous() and scale.numel() == 1
+    n = x.numel()
+    if n:
+        block = 8192
+        _scale_kernel[(triton.cdiv(n, block),)](x, scale, n, BLOCK=block, num_warps=8)
+
+
 def _block(n_cols: int, block: int | None) -> int:
     if block is not None:
         return block
@@ -96,7 +115,7 @@ def _block(n_cols: int, block: int | None) -> int:
 
 
 def _launch(logits, grad, tgt, stats, lse, ez, g_lp, g_ent, n_valid_cols, inv_temp, *,
-            stats_mode, grad_mode, entropy, block):
+            stats_mode, grad_mode, entropy, block, num_warps=None):
     n, n_cols = logits.shape
     if n == 0:
         return
@@ -113,35 +132,40 @@ def _launch(logits, grad, tgt, stats, lse, ez, g_lp, g_ent, n_valid_cols, inv_te
         dummy if g_lp is None else g_lp, dummy if g_ent is None else g_ent,
         n_cols, n_valid_cols, float(inv_temp),
         BLOCK=blk, STATS=stats_mode, GRAD=grad_mode, ENTROPY=entropy,
-        num_warps=8 if blk >= 2048 else 4,
+        num_warps=num_warps or (16 if blk >= 8192 else 8 if blk >= 2048 else 4),
     )
 
 
 def row_stats(logits: torch.Tensor, tgt: torch.Tensor, n_valid_cols: int, inv_temp: float,
-              with_entropy: bool, *, block: int | None = None) -> torch.Tensor:
+              with_entropy: bool, *, block: int | None = None,
+              num_warps: int | None = None) -> torch.Tensor:
     """Per-row ``[4, n]`` fp32 stats (m, s, t, w) of one logits chunk; w is 0 without entropy."""
     n = logits.shape[0]
     stats = torch.zeros(4, n, dtype=torch.float32, device=logits.device)
     _launch(logits, None, tgt, stats, None, None, None, None, n_valid_cols, inv_temp,
-            stats_mode=True, grad_mode=False, entropy=with_entropy, block=block)
+            stats_mode=True, grad_mode=False, entropy=with_entropy, block=block,
+            num_warps=num_warps)
     return stats
 
 
 def row_grad(logits: torch.Tensor, grad: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor,
              ez: torch.Tensor | None, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
-             n_valid_cols: int, inv_temp: float, *, block: int | None = None) -> None:
+             n_valid_cols: int, inv_temp: float, *, block: int | None = None,
+             num_warps: int | None = None) -> None:
     """Write ``grad = g_lp * dlogprob/dlogits + g_ent * dentropy/dlogits`` (fp32 row inputs)."""
     entropy = g_ent is not None
     _launch(logits, grad, tgt, None, lse, ez if entropy else None, g_lp, g_ent, n_valid_cols,
-            inv_temp, stats_mode=False, grad_mode=True, entropy=entropy, block=block)
+            inv_temp, stats_mode=False, grad_mode=True, entropy=entropy, block=block,
+            num_warps=num_warps)
 
 
 def row_stats_and_grad(logits: torch.Tensor, grad: torch.Tensor, tgt: torch.Tensor,
                        g_lp: torch.Tensor, n_valid_cols: int, inv_temp: float, *,
-                       block: int | None = None) -> torch.Tensor:
+                       block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``row_stats`` then ``row_grad`` (log-prob term only) from the local stats, one launch."""
     n = logits.shape[0]
     stats = torch.zeros(4, n, dtype=torch.float32, device=logits.device)
     _launch(logits, grad, tgt, stats, None, None, g_lp, None, n_valid_cols, inv_temp,
-            stats_mode=True, grad_mode=True, entropy=False, block=block)
+            stats_mode=True, grad_mode=True, entropy=False, block=block,
+            num_warps=num_warps)
     return stats

@@ -63,9 +63,11 @@ def _check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int)
             "tokenizer's true vocab size as vocab_size and mask other ids with ignore_index.")
 
 
-def _setup(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name, impl):
+def _setup(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name, impl,
+           fp32_logits):
     _check_label_range(labels, vocab_size, ignore_index)
-    head = chunks.Head.build(weight, _group(group_name), vocab_size, temperature, _rows(impl))
+    head = chunks.Head.build(weight, _group(group_name), vocab_size, temperature, _rows(impl),
+                             fp32_logits)
     valid = labels != ignore_index
     return head, valid, head.local_targets(labels, valid)
 
@@ -78,7 +80,7 @@ def _ce_sum_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                impl: str, need_dh: bool, need_dw: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head, valid, tgt = _setup(hidden, weight, labels, ignore_index, temperature, vocab_size,
-                              group_name, impl)
+                              group_name, impl, chunks.FP32_LOGITS_CE)
     loss_sum, dh, dw = chunks.forward_ce_with_grad(hidden, weight, tgt, valid, head, need_dh,
                                                    need_dw)
     empty = hidden.new_empty(0)
@@ -99,12 +101,30 @@ def _ce_sum_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2])
 
 
+@torch.library.custom_op("mpcore::scale_grad_", mutates_args=("grad",))
+def _scale_grad_op(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """``grad *= scale`` in place; on CUDA a scale of exactly 1 skips the pass, with no sync."""
+    if grad.is_cuda:
+        from kernels import _lce_triton
+
+        _lce_triton.scale_(grad, scale.float())
+    else:
+        grad.mul_(scale)
+
+
+@_scale_grad_op.register_fake
+def _(grad, scale):
+    return None
+
+
 def _ce_sum_backward(ctx, g_loss, _g_dh, _g_dw):
     # The stored gradients are scaled in place: this graph can be backpropagated once.
     dh, dw = ctx.saved_tensors
     need_dh, need_dw = ctx.need
-    return (dh.mul_(g_loss) if need_dh else None, dw.mul_(g_loss) if need_dw else None,
-            None, None, None, None, None, None, None, None)
+    for grad, needed in ((dh, need_dh), (dw, need_dw)):
+        if needed:
+            _scale_grad_op(grad, g_loss)
+    return (dh if need_dh else None, dw if need_dw else None) + (None,) * 8
 
 
 _ce_sum_op.register_autograd(_ce_sum_backward, setup_context=_ce_sum_setup)
@@ -118,7 +138,7 @@ def _logprobs_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
                  impl: str, with_entropy: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     head, valid, tgt = _setup(hidden, weight, labels, ignore_index, temperature, vocab_size,
-                              group_name, impl)
+                              group_name, impl, chunks.FP32_LOGITS_RECOMPUTE)
     stats = chunks.forward_stats(hidden, weight, tgt, head, with_entropy)
     logprob, entropy, lse, ez = chunks.finish(stats, valid)
     if not with_entropy:
@@ -141,7 +161,8 @@ def _logprobs_backward_op(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                           g_ent: torch.Tensor, ignore_index: int, temperature: float,
                           vocab_size: int, group_name: str, impl: str, need_dh: bool,
                           need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    head = chunks.Head.build(weight, _group(group_name), vocab_size, temperature, _rows(impl))
+    head = chunks.Head.build(weight, _group(group_name), vocab_size, temperature, _rows(impl),
+                             chunks.FP32_LOGITS_RECOMPUTE)
     valid = labels != ignore_index
     tgt = head.local_targets(labels, valid)
     g_lp = torch.where(valid, g_lp.float(), 0.0)  # ignored rows: the log-prob is a constant 0

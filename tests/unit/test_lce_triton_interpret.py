@@ -66,6 +66,19 @@ def _check_rows(dtype):
     _close(got, want, 2e-3)
 
 
+def _check_scale():
+    import torch
+
+    from kernels import _lce_triton as tri
+
+    x = torch.randn(10001, dtype=torch.float16)
+    y = x.clone()
+    tri.scale_(y, torch.tensor(1.0))
+    assert torch.equal(y, x)
+    tri.scale_(y, torch.tensor(-0.37))
+    assert torch.equal(y, (x.float() * -0.37).half())
+
+
 def _check_engine():
     import torch
     import torch.nn.functional as F
@@ -113,6 +126,7 @@ def _main():
     torch.manual_seed(0)
     _check_rows(torch.float32)
     _check_rows(torch.float16)
+    _check_scale()
     _check_engine()
     print("INTERPRETED-OK")
 

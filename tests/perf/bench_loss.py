@@ -1,0 +1,259 @@
+"""Benchmark of the fused loss heads against torch, liger-kernel and cut-cross-entropy (CUDA).
+
+    python tests/perf/bench_loss.py [OUT.json]               # one GPU, all shapes and peers
+    torchrun --nproc-per-node 2 tests/perf/bench_loss.py --tp2 [OUT.json]
+
+Forward + backward (gradients of hidden and weight), bf16 inputs, median of 10 timed runs after
+3 warm-ups (the first also compiles), CUDA events. Floor = 6*N*H*V / (bf16 8192^3 matmul rate measured in the same run).
+"Extra GiB" is max_memory_allocated during one step minus memory_allocated before it, with the
+gradients (held after the step) included. Errors: against float64 math on a smaller shape.
+``--tp2`` splits the vocab over 2 GPUs (NCCL) and reports ms per GPU against tp=1 on rank 0.
+Writes JSON (default tests/perf/results/loss_h200.json, or loss_h200_tp2.json) and prints a
+table. Peers that are not importable are recorded as "not installed"; an OOM as "OOM".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from kernels import linear_cross_entropy, linear_logprobs  # noqa: E402
+
+SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936), (32768, 4096, 128256)]
+ERROR_SHAPE = (4096, 2048, 32000)
+
+
+def _time(fn, warmup=3, reps=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def matmul_tflops():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _time(lambda: a @ b, warmup=5, reps=20)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def _peers():
+    """name -> loss(hidden, weight, labels), or the reason it is missing."""
+    out = {
+        "mpcore CE": lambda h, w, y: linear_cross_entropy(h, w, y),
+        "mpcore logprobs+entropy": _mpcore_logprobs,
+        "torch bf16 CE": lambda h, w, y: F.cross_entropy(h @ w.T, y),
+        "torch fp32 CE": lambda h, w, y: F.cross_entropy((h @ w.T).float(), y),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["liger FLCE"] = lambda h, w, y: liger(w, h, y)
+    except ImportError:
+        out["liger FLCE"] = "not installed"
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        out["CCE default"] = lambda h, w, y: cce(h, w, y)
+        out["CCE exact"] = lambda h, w, y: cce(h, w, y, filter_eps=None)
+    except ImportError:
+        out["CCE default"] = out["CCE exact"] = "not installed"
+    return out
+
+
+def _mpcore_logprobs(h, w, y, group=None, vocab_size=None):
+    lp, ent = linear_logprobs(h, w, y, group=group, vocab_size=vocab_size)
+    n = lp.shape[0]
+    # An RL-style objective: both outputs carry a per-token upstream gradient.
+    return (lp * (1.0 / n) - ent * (0.01 / n)).sum()
+
+
+def _inputs(n, h, v, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, h, device=device, generator=gen, dtype=torch.bfloat16)
+    weight = (torch.randn(v, h, device=device, generator=gen) / h**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), device=device, generator=gen)
+    labels[::50] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), labels
+
+
+def _step(fn, hidden, weight, labels):
+    return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+
+
+def measure(fn, hidden, weight, labels, floor_ms):
+    """ms, ms/floor and extra peak GiB of one forward+backward, or 'OOM'."""
+    try:
+        _step(fn, hidden, weight, labels)  # compile / autotune outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = _step(fn, hidden, weight, labels)
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**30
+        del grads
+        ms = _time(lambda: _step(fn, hidden, weight, labels), warmup=2)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return "OOM"
+    return {"ms": round(ms, 2), "ms_over_floor": round(ms / floor_ms, 3),
+            "extra_peak_gib": round(extra, 3)}
+
+
+def errors_vs_fp64(peers):
+    """Loss abs error and grad relative errors of each method against float64 math."""
+    n, h, v = ERROR_SHAPE
+    hidden, weight, labels = _inputs(n, h, v, seed=1)
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = F.cross_entropy(h64 @ w64.T, labels)
+    rh, rw = torch.autograd.grad(ref, (h64, w64))
+    out = {}
+    for name, fn in peers.items():
+        if isinstance(fn, str) or "logprobs" in name:
+            continue
+        loss = fn(hidden, weight, labels)
+        gh, gw = torch.autograd.grad(loss, (hidden, weight))
+        out[name] = {"loss_abs": abs(loss.item() - ref.item()),
+                     "grad_hidden_rel": ((gh.double() - rh).norm() / rh.norm()).item(),
+                     "grad_weight_rel": ((gw.double() - rw).norm() / rw.norm()).item()}
+    log_p = torch.log_softmax(h64.detach() @ w64.detach().T, -1)
+    lp, ent = linear_logprobs(hidden.detach(), weight.detach(), labels)
+    valid = labels >= 0
+    rlp = log_p.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    rent = -(log_p.exp() * log_p).sum(-1)
+    out["mpcore logprobs+entropy"] = {
+        "logprob_max_abs": (lp.double() - rlp)[valid].abs().max().item(),
+        "entropy_max_abs": (ent.double() - rent).abs().max().item()}
+    return out
+
+
+def run_single(path):
+    rate = matmul_tflops()
+    peers = _peers()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "matmul_bf16_tflops": round(rate, 1), "shapes": []}
+    for n, h, v in SHAPES:
+        floor_ms = 6 * n * h * v / (rate * 1e9)
+        hidden, weight, labels = _inputs(n, h, v)
+        grad_gib = (hidden.numel() + weight.numel()) * 2 / 2**30
+        row = {"N": n, "H": h, "V": v, "floor_ms": round(floor_ms, 2),
+               "grad_gib": round(grad_gib, 3), "results": {}}
+        for name, fn in peers.items():
+            row["results"][name] = fn if isinstance(fn, str) else measure(
+                fn, hidden, weight, labels, floor_ms)
+            print(name, n, h, v, row["results"][name], flush=True)
+        result["shapes"].append(row)
+        del hidden, weight, labels
+        torch.cuda.empty_cache()
+    result["errors_vs_fp64"] = {"shape": ERROR_SHAPE, "methods": errors_vs_fp64(peers)}
+    _write(result, path)
+    _print_table(result)
+
+
+def run_tp2(path):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    rate = matmul_tflops()
+    rows = []
+    for n, h, v in SHAPES:
+        hidden, weight, labels = _inputs(n, h, v)
+        v_local = -(-v // world)
+        w_pad = torch.zeros(v_local * world, h, device="cuda", dtype=weight.dtype)
+        w_pad[:v] = weight.detach()
+        shard = w_pad[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+        del w_pad
+        row = {"N": n, "H": h, "V": v, "floor_ms_tp1": round(6 * n * h * v / (rate * 1e9), 2)}
+        for name, loss_fn in [("CE", _tp_ce), ("logprobs+entropy", _tp_logprobs)]:
+            tp1 = None
+            if rank == 0:
+                tp1 = measure(lambda a, b, c, f=loss_fn, v=v: f(a, b, c, None, v), hidden, weight,
+                              labels, row["floor_ms_tp1"])
+            dist.barrier()
+            tp2 = measure(lambda a, b, c, f=loss_fn, v=v: f(a, b, c, dist.group.WORLD, v), hidden,
+                          shard, labels, row["floor_ms_tp1"] / world)
+            if rank == 0:
+                ratio = (tp2["ms"] / tp1["ms"] if isinstance(tp1, dict) and isinstance(tp2, dict)
+                         else None)
+                row[name] = {"tp1": tp1, "tp2_per_gpu": tp2,
+                             "tp2_over_tp1": None if ratio is None else round(ratio, 3)}
+                print(name, n, h, v, row[name], flush=True)
+        rows.append(row)
+        del hidden, weight, labels, shard
+        torch.cuda.empty_cache()
+    if rank == 0:
+        _write({"device": torch.cuda.get_device_name(), "world": world,
+                "matmul_bf16_tflops": round(rate, 1), "shapes": rows}, path)
+        print(f"{'N x H x V':>22} {'head':>18} {'tp1 ms':>8} {'tp2 ms/GPU':>11} {'ratio':>6}")
+        for r in rows:
+            for name in ("CE", "logprobs+entropy"):
+                d = r[name]
+                t1 = d["tp1"]["ms"] if isinstance(d["tp1"], dict) else d["tp1"]
+                t2 = d["tp2_per_gpu"]["ms"] if isinstance(d["tp2_per_gpu"], dict) else "OOM"
+                print(f"{r['N']:>6} x {r['H']:>4} x {r['V']:>6} {name:>18} {t1:>8} {t2:>11} "
+                      f"{d['tp2_over_tp1']!s:>6}")
+    dist.destroy_process_group()
+
+
+def _tp_ce(h, w, y, group, vocab):
+    return linear_cross_entropy(h, w, y, group=group, vocab_size=vocab)
+
+
+def _tp_logprobs(h, w, y, group, vocab):
+    return _mpcore_logprobs(h, w, y, group=group, vocab_size=vocab)
+
+
+def _write(result, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+def _cell(r):
+    if isinstance(r, str):
+        return r
+    return f"{r['ms']:.1f} / {r['ms_over_floor']:.2f}x / {r['extra_peak_gib']:.2f}"
+
+
+def _print_table(result):
+    print(f"bf16 matmul: {result['matmul_bf16_tflops']} TFLOP/s;"
+          " cells: ms / x floor / extra peak GiB")
+    for row in result["shapes"]:
+        print(f"\n{row['N']} x {row['H']} x {row['V']}: floor {row['floor_ms']} ms, "
+              f"grads {row['grad_gib']} GiB")
+        for name, r in row["results"].items():
+            print(f"  {name:>24}: {_cell(r)}")
+    print("\nerrors vs fp64 at", result["errors_vs_fp64"]["shape"])
+    for name, e in result["errors_vs_fp64"]["methods"].items():
+        print(f"  {name:>24}: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()))
+
+
+def main(argv):
+    tp2 = "--tp2" in argv
+    args = [a for a in argv if a != "--tp2"]
+    default = "loss_h200_tp2.json" if tp2 else "loss_h200.json"
+    path = args[0] if args else os.path.join(os.path.dirname(__file__), "results", default)
+    if tp2:
+        run_tp2(path)
+    else:
+        run_single(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
