@@ -60,9 +60,11 @@ class TrainState:
     """Collects and restores model, optimizer and RNG state (module docstring).
 
     ``model``: the unwrapped module (FSDP2-sharded in place or plain; not the DDP wrapper).
+    ``optimizer=None`` restores the model weights only (export, evaluation).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: LogicalLayout,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 layout: LogicalLayout,
                  state: ParallelState, tracker: RNGTracker, device: torch.device):
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.state, self.tracker, self.device = state, tracker, device
@@ -83,7 +85,7 @@ class TrainState:
             param = self.params[name]
             replica, keeper = self._owner(i)
             entries = [("model", param)]
-            opt_state = self.optimizer.state.get(param, {})
+            opt_state = self.optimizer.state.get(param, {}) if self.optimizer else {}
             for key in sorted(opt_state):
                 value = opt_state[key]
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:
@@ -117,21 +119,25 @@ class TrainState:
         """Load model, optimizer (and RNG when ``same_layout``) from checkpoint ``folder``.
         Collective over the world."""
         stored = stored_tensors(folder)
-        opt_index = {id(p): i for i, p in enumerate(
-            p for g in self.optimizer.param_groups for p in g["params"])}
-        opt_sd = self.optimizer.state_dict()
-        opt_sd["state"] = {}
+        groups = self.optimizer.param_groups if self.optimizer else []
+        opt_index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
+        opt_state: dict[int, dict] = {}
         for names in self._batches(stored):
             keys = [k for n in names for k in self._keys(n, stored)]
             full = load_tensors(folder, keys, stored)
             for name in names:
-                self._restore_param(name, full, opt_sd["state"], opt_index)
-        self.optimizer.load_state_dict(opt_sd)
+                self._restore_param(name, full, opt_state, opt_index)
+        if self.optimizer:
+            opt_sd = self.optimizer.state_dict()
+            opt_sd["state"] = opt_state
+            self.optimizer.load_state_dict(opt_sd)
         if same_layout:
             self._restore_rng(folder, stored)
 
     def _keys(self, name: str, stored) -> list[str]:
         keys = [f"model/{hf}" for hf in self.layout.owners[name]]
+        if self.optimizer is None:
+            return keys
         for hf in self.layout.owners[name]:
             keys += [k for k in stored if k.startswith(f"optim/{hf}/")]
         return keys + [k for k in stored if k.startswith(f"optim_scalar/{name}/")]
@@ -163,7 +169,7 @@ class TrainState:
         for k, v in full.items():
             if k.startswith(prefix):
                 state[k[len(prefix):]] = v
-        if state:
+        if state and self.optimizer:
             opt_state[opt_index[id(param)]] = state
 
     def _restore_rng(self, folder, stored) -> None:

@@ -1,0 +1,62 @@
+"""Export a training checkpoint to a Hugging Face folder (config.json + model.safetensors).
+
+    python -m launch.export_hf --checkpoint RUN/checkpoints/step-N --output HF_DIR
+
+Runs in one process on the CPU, whatever layout the checkpoint was saved at (its tensors are in
+logical form): the model is rebuilt from the checkpoint's ``meta.json`` at tp=1, loaded, and
+written by ``models.export_hf``. Memory: the full model in fp32 plus one load batch.
+``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from models import ModelConfig, build_model, export_hf
+from mpcore.checkpoint import latest_checkpoint, read_meta
+from mpcore.dist import ParallelState
+from mpcore.logical import LogicalLayout
+from mpcore.train_state import TrainState
+from parallel.random import RNGTracker
+
+
+def export(checkpoint: str | Path, output: str | Path) -> Path:
+    """Write ``output`` from ``checkpoint`` (a step-N folder or a root); returns the folder."""
+    folder = Path(checkpoint)
+    if not (folder / "meta.json").is_file():
+        found = latest_checkpoint(folder)
+        if found is None:
+            raise ValueError(f"{folder} is neither a checkpoint (step-N with meta.json) nor a "
+                             f"folder holding one; pass RUN/checkpoints/step-N")
+        folder = found
+    meta = read_meta(folder)
+    cfg = ModelConfig(**meta["model_config"])
+    state = ParallelState()
+    model = build_model(cfg, state, device="cpu")
+    cpu = torch.device("cpu")
+    TrainState(model, None, LogicalLayout(cfg, 1, 0), state, RNGTracker(cpu), cpu).restore(
+        folder, same_layout=False)
+    export_hf(model, cfg, state, output)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="RUN/checkpoints/step-N")
+    parser.add_argument("--output", required=True, help="Hugging Face folder to write")
+    args = parser.parse_args(argv)
+    try:
+        folder = export(args.checkpoint, args.output)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {folder} to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
