@@ -1,0 +1,227 @@
+"""Benchmark: training steps of the Llama-3.2-1B shape, mpcore vs transformers (+ liger-kernel).
+
+Usage (one GPU, both sides in one run):
+    python tests/perf/bench_train.py [OUT.json] [--steps 20] [--warmup 5] [--seq 4096]
+        [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
+Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
+    torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
+        neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
+
+mpcore runs through pretrain's own code path (``mpcore.build.build`` + ``Trainer.train_step``:
+label shift, CP split, loss over the global valid-token count, true global grad norm, clipping,
+fused AdamW, fp32 master weights + bf16 autocast) on launch/configs/llama3_1b.yaml, with random
+token data instead of the corpus (one document per sample, ``micro_batch`` samples of ``seq``
+tokens per step on each dp rank). The baselines: ``LlamaForCausalLM`` of the same shape (tied,
+rope theta 500000 with llama3 scaling), fp32 parameters, bf16 autocast, SDPA attention, fused
+AdamW with the same hyper-parameters, gradient clipping at 1.0, the same token batches
+``[micro_batch, seq]``; then again with liger-kernel's Llama patches (fused linear cross entropy,
+RMSNorm, SwiGLU, RoPE) when liger_kernel imports, else reported as missing.
+
+Reported per side: median step time over ``--steps`` timed steps (after ``--warmup``), tokens/s
+per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
+the first/last loss (a sanity check that each side trains). JSON goes to OUT (default
+tests/perf/results/train_h200.json), written by rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Runnable from a plain checkout, without `pip install -e .`.
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from mpcore.build import build, resolve_device, setup  # noqa: E402
+from mpcore.config import load_config  # noqa: E402
+from mpcore.train import Trainer  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "train_h200.json"
+CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"
+
+
+class RandomTokens:
+    """Loader stand-in: ``grad_accum`` micro-batches of ``micro_batch`` random samples per step,
+    each one document of ``seq`` tokens, drawn from a generator seeded by (seed, dp_rank)."""
+
+    def __init__(self, vocab: int, seq: int, micro_batch: int, grad_accum: int, seed: int,
+                 dp_rank: int = 0):
+        self.vocab, self.seq, self.micro_batch, self.grad_accum = vocab, seq, micro_batch, grad_accum
+        self.gen = torch.Generator().manual_seed(seed * 1000 + dp_rank)
+
+    def tokens(self) -> torch.Tensor:
+        """int64 [micro_batch, seq]."""
+        return torch.randint(0, self.vocab, (self.micro_batch, self.seq), generator=self.gen)
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for _ in range(self.grad_accum):
+            ids = self.tokens()
+            cu = torch.arange(0, (self.micro_batch + 1) * self.seq, self.seq, dtype=torch.int32)
+            pos = torch.arange(self.seq).repeat(self.micro_batch)
+            out.append({"input_ids": ids.reshape(-1), "cu_seqlens": cu, "position_ids": pos})
+        return out
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def _timed(step, steps: int, warmup: int) -> dict:
+    """Run ``step()`` (returns a loss float) warmup + steps times; median time, peak memory."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(step())  # the float() inside syncs
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"step_ms": 1e3 * statistics.median(times),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def bench_mpcore(args) -> dict:
+    overrides = [f"data.seq_len={args.seq}", f"data.micro_batch={args.micro_batch}",
+                 "data.grad_accum=1", f"parallel.tp={args.tp}", f"parallel.cp={args.cp}",
+                 f"parallel.cp_mode={args.cp_mode}", f"parallel.data_parallel={args.data_parallel}",
+                 f"parallel.sequence_parallel={args.tp > 1}",
+                 f"parallel.activation_checkpointing={args.activation_checkpointing}",
+                 "training.device=cuda", "training.dtype=bfloat16", "checkpoint.resume=false",
+                 "checkpoint.every=0", "optimizer.backend=torch", "schedule.warmup_steps=10",
+                 f"logging.run_dir={args.run_dir}"]
+    cfg = load_config(CONFIG, overrides)
+    state = setup(cfg, str(CONFIG))
+    device = resolve_device(cfg)
+    loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0,
+                          dp_rank=state.dp_rank)
+    run = build(cfg, state, device, loader=loader)
+    trainer = Trainer(run)
+    result = _timed(lambda: trainer.train_step()[0], args.steps, args.warmup)
+    tokens = args.seq * args.micro_batch * state.dp  # per step, whole world
+    result["tokens_per_s_per_gpu"] = tokens / (result["step_ms"] / 1e3) / state.world_size
+    result["layout"] = {"tp": state.tp, "cp": state.cp, "dp": state.dp,
+                        "data_parallel": args.data_parallel, "cp_mode": args.cp_mode,
+                        "sequence_parallel": args.tp > 1}
+    return result  # the model and optimizer go with this frame
+
+
+def _hf_config(cfg):
+    from transformers import LlamaConfig
+
+    m = cfg.model
+    return LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=m.rms_norm_eps,
+        max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=m.tie_embeddings,
+        rope_theta=m.rope_theta, rope_scaling={**m.rope_scaling, "rope_type": "llama3"},
+        attention_bias=False, mlp_bias=False, use_cache=False)
+
+
+def bench_hf(args, liger: bool) -> dict:
+    from transformers import LlamaForCausalLM
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    cfg = load_config(CONFIG)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(_hf_config(cfg), attn_implementation="sdpa").cuda()
+    model.train()
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                  eps=opt.eps, weight_decay=opt.weight_decay, fused=True)
+    loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0)
+
+    def step() -> float:
+        ids = loader.tokens().cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    result = _timed(step, args.steps, args.warmup)
+    result["tokens_per_s_per_gpu"] = args.seq * args.micro_batch / (result["step_ms"] / 1e3)
+    return result
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--cp-mode", default="ring", choices=["ring", "ulysses"])
+    parser.add_argument("--data-parallel", default="fsdp", choices=["fsdp", "ddp"])
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="only time mpcore")
+    parser.add_argument("--run-dir", default="/tmp/bench_train_run")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and not dist.is_initialized():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "world_size": world, "shape": "llama3_1b", "seq": args.seq,
+              "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
+              "activation_checkpointing": args.activation_checkpointing}
+    report["mpcore"] = bench_mpcore(args)
+    _free()
+    if world == 1 and not args.skip_hf:
+        import transformers
+
+        report["transformers_version"] = transformers.__version__
+        report["hf"] = bench_hf(args, liger=False)
+        _free()
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError as e:
+            report["hf_liger"] = {"missing": str(e)}
+        else:
+            report["hf_liger"] = bench_hf(args, liger=True)
+            _free()
+        base = report["hf_liger"] if "step_ms" in report["hf_liger"] else report["hf"]
+        report["speedup_vs_best_baseline"] = (report["mpcore"]["tokens_per_s_per_gpu"]
+                                              / base["tokens_per_s_per_gpu"])
+        report["memory_ratio_vs_best_baseline"] = (report["mpcore"]["peak_gib"]
+                                                   / base["peak_gib"])
+    if rank == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
