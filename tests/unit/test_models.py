@@ -1,0 +1,189 @@
+"""Single-process model checks: config validation, HF config reading, RoPE frequencies against
+transformers, checkpoint errors (shape mismatch, missing tensor), sharded checkpoints, bad inputs.
+
+Numerical parity with transformers at every parallel layout is in tests/dist/test_models_dist.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from models import ModelConfig, build_model, config_from_hf, hf_config_dict, load_hf_model
+from models.rope import inverse_frequencies
+from mpcore.dist import ParallelState
+
+SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+TINY = dict(vocab_size=53, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+            intermediate_size=48)
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{**TINY, **kw})
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt", hf
+
+
+def test_config_defaults_and_validation():
+    assert _cfg().head_dim == 8 and _cfg(head_dim=16).q_size == 64
+    bad = [dict(num_kv_heads=3), dict(head_dim=7), dict(vocab_size=0), dict(num_layers=True),
+           dict(rope_theta=0.0), dict(rms_norm_eps=-1.0), dict(rope_scaling={"factor": 8.0}),
+           dict(rope_scaling={**SCALING, "high_freq_factor": 0.5}), dict(hidden_size=30)]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            _cfg(**kw)
+
+
+@pytest.mark.parametrize("tp, kw, match", [
+    (3, {}, "num_heads 4 is not divisible by tp 3"),
+    (4, dict(num_kv_heads=4, num_heads=8, intermediate_size=50), "intermediate_size 50"),
+    (2, dict(num_heads=6, num_kv_heads=3, head_dim=8), "neither divides the other"),
+])
+def test_parallel_mismatch_raises_before_building(tp, kw, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(_cfg(**kw), ParallelState(tp=tp))
+
+
+def test_parallel_checks_kv_replication_and_ulysses():
+    _cfg(num_kv_heads=1).check_parallel(4)  # kv heads replicated: allowed
+    _cfg(num_kv_heads=4).check_parallel(2)  # kv heads sharded
+    with pytest.raises(ValueError, match="Ulysses"):
+        _cfg().check_parallel(2, cp=4, cp_mode="ulysses")
+    with pytest.raises(ValueError, match="cp_mode 'ring' or 'ulysses'"):
+        build_model(_cfg(), ParallelState(cp=2))
+
+
+@pytest.mark.parametrize("scaling", [None, SCALING])
+def test_inverse_frequencies_match_transformers(scaling):
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    if scaling:
+        rope = {**rope, **scaling, "rope_type": "llama3"}
+    hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=2,
+                                          rope_parameters=rope))
+    ours = inverse_frequencies(128, 500000.0, scaling)
+    assert ours.shape == hf.inv_freq.shape
+    torch.testing.assert_close(ours, hf.inv_freq, rtol=1e-6, atol=0)
+    if scaling:  # the scaling really changes low frequencies
+        assert not torch.allclose(ours, inverse_frequencies(128, 500000.0, None))
+
+
+def test_hf_config_formats_and_variants(llama_dir):
+    folder, _ = llama_dir
+    hf = json.loads((folder / "config.json").read_text())
+    cfg = config_from_hf(folder)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.qkv_bias, cfg.qk_norm) == (2, 2, False, False)
+    legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=5e5, rope_scaling={**SCALING, "type": "llama3"})
+    assert config_from_hf(legacy).rope_scaling == SCALING
+    assert config_from_hf(legacy).rope_theta == 5e5
+    qwen3 = {**hf, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16,
+             "tie_word_embeddings": True}
+    cfg3 = config_from_hf(qwen3)
+    assert cfg3.qk_norm and cfg3.tie_embeddings and cfg3.head_dim == 16 and not cfg3.qkv_bias
+    assert config_from_hf({**hf, "architectures": ["Qwen2ForCausalLM"]}).qkv_bias
+    assert config_from_hf(hf_config_dict(cfg3)) == cfg3  # export config reads back
+    assert config_from_hf(hf_config_dict(config_from_hf(legacy))) == config_from_hf(legacy)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM.*supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "sliding"),
+])
+def test_hf_config_unsupported(llama_dir, change, match):
+    hf = json.loads((llama_dir[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match=match):
+        config_from_hf({**hf, **change})
+
+
+def test_export_config_refuses_unrepresentable():
+    with pytest.raises(ValueError, match="qk_norm with qkv_bias"):
+        hf_config_dict(_cfg(qk_norm=True, qkv_bias=True))
+
+
+def test_checkpoint_shape_mismatch_and_missing_tensor(llama_dir, tmp_path):
+    folder, _ = llama_dir
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(48, 32\).*\(64, 32\)"):
+        load_hf_model(folder, ParallelState())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 60}))
+    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(53, 32\).*\(60, 32\)"):
+        load_hf_model(folder, ParallelState())
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_proj.weight is missing"):
+        load_hf_model(folder, ParallelState())
+
+
+def test_sharded_checkpoint_and_logits(llama_dir, tmp_path):
+    folder, hf = llama_dir
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    one, _ = load_hf_model(folder, ParallelState())
+    many, _ = load_hf_model(tmp_path / "sharded", ParallelState())
+    for (name, a), (_, b) in zip(one.named_parameters(), many.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, 53, (11,))
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6])
+    with torch.no_grad():
+        ours = one(ids, positions, cu_seqlens=cu, output="logits")
+        ref = torch.cat([hf(ids[None, :4]).logits[0], hf(ids[None, 4:]).logits[0]])
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+
+
+def test_bad_inputs_raise_before_compute(llama_dir):
+    model, _ = load_hf_model(llama_dir[0], ParallelState())
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    ids, pos = torch.randint(0, 53, (6,)), torch.arange(6)
+    with pytest.raises(ValueError, match="outside the vocab"):
+        model(torch.tensor([1, 2, 53, 4, 5, 6]), pos, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="labels has shape"):
+        model(ids, pos, cu_seqlens=cu, labels=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="position_ids has shape"):
+        model(ids, torch.arange(5), cu_seqlens=cu, labels=ids)
+    with pytest.raises(ValueError, match="needs labels"):
+        model(ids, pos, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="output must be one of"):
+        model(ids, pos, cu_seqlens=cu, labels=ids, output="probs")
+
+
+def test_build_model_deterministic_and_checkpointing_same_grads():
+    cfg = _cfg(qkv_bias=True, qk_norm=True, tie_embeddings=True)
+    a = build_model(cfg, ParallelState(), seed=3)
+    b = build_model(cfg, ParallelState(), seed=3, activation_checkpointing=True)
+    c = build_model(cfg, ParallelState(), seed=4)
+    for (name, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(),
+                                            c.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name and "bias" not in name:
+            assert not torch.equal(pa, pc), name
+    ids = torch.randint(0, 53, (9,))
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    for model in (a, b):
+        model(ids, torch.arange(9), cu_seqlens=cu, labels=labels).sum().backward()
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert pa.grad is not None and pa.grad.abs().sum() > 0, name
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-7)
