@@ -8,7 +8,7 @@ All arithmetic is fp32 on ``z = logits * inv_temp``. One program handles one row
 in ``BLOCK`` (up to 8192) columns at a time: the pass is memory bound, so the point is to read
 each logit once per pass and write each gradient once.
 
-Three entry points, same math as the PyTorch functions in ``linear_cross_entropy.py``:
+Three entry points, same math as the PyTorch reference ``_lce_chunks.TorchRows``:
     row_stats        -> stats [4, n] fp32: max m, sum exp(z - m), target z, sum exp(z - m)(z - m)
     row_grad         writes d(out)/d(logits) given the global lse (and E_p[z] for entropy)
     row_stats_and_grad  both in one launch, for a single shard (the local stats are global)

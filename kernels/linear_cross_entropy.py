@@ -97,6 +97,9 @@ def _(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name,
 
 
 def _ce_sum_setup(ctx, inputs, output):
+    # dh and dw are outputs only to be saved; unmaterialized, their (unused) gradients stay
+    # None instead of zero tensors of the gradients' size.
+    ctx.set_materialize_grads(False)
     ctx.need = inputs[-2:]
     ctx.save_for_backward(output[1], output[2])
 
@@ -121,6 +124,8 @@ def _ce_sum_backward(ctx, g_loss, _g_dh, _g_dw):
     # The stored gradients are scaled in place: this graph can be backpropagated once.
     dh, dw = ctx.saved_tensors
     need_dh, need_dw = ctx.need
+    if g_loss is None:
+        return (None,) * 10
     for grad, needed in ((dh, need_dh), (dw, need_dw)):
         if needed:
             _scale_grad_op(grad, g_loss)
@@ -182,6 +187,7 @@ def _(hidden, weight, labels, lse, ez, g_lp, g_ent, ignore_index, temperature, v
 
 def _logprobs_setup(ctx, inputs, output):
     hidden, weight, labels = inputs[:3]
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
     ctx.args = inputs[3:8]  # ignore_index, temperature, vocab_size, group_name, impl
     ctx.with_entropy = inputs[8]
     ctx.save_for_backward(hidden, weight, labels, output[2], output[3])
