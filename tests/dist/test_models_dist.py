@@ -131,7 +131,22 @@ def _worker(rank, world, folders, ids, cu, refs, export_dir):
                   states[(2, 2)], Path(export_dir) / family)
     results["dp"] = _dp_case(folders["qwen2"], states[(1, 2)], ids, cu, refs["qwen2"])
     results["init"] = _init_case(folders["llama"], states, ids, cu)
+    results["errors"] = _bad_input_case(folders["qwen2"], states[(2, 1)])
     return results
+
+
+def _bad_input_case(folder, state):
+    """At tp=2: ids past the vocab (inside rank 1's padded shard) and an SP length that does not
+    split over tp raise ValueError on every rank, before any collective."""
+    model, _ = load_hf_model(folder, state, sequence_parallel=True)
+    errors = []
+    for ids in (torch.tensor([3, 5, VOCAB, 7]), torch.tensor([3, 5, 7])):
+        n = ids.numel()
+        try:
+            model(ids, torch.arange(n), cu_seqlens=torch.tensor([0, n]), labels=ids)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
 
 
 def _dp_case(folder, state, ids, cu, ref):
@@ -192,6 +207,8 @@ def test_models_match_transformers_at_every_layout(checkpoints):
                 assert r["loss"] <= 1e-4 and r["grad"] <= 1e-4, where
                 assert r.get("vs_base", 0.0) <= 1e-5 and r.get("grad_vs_base", 0.0) <= 1e-5, where
         assert res["init"] <= 1e-5, res["init"]
+        assert len(res["errors"]) == 2, res["errors"]
+        assert "outside the vocab" in res["errors"][0] and "pad_multiple=tp" in res["errors"][1]
     assert results[0]["dp"] is not None and results[0]["dp"] <= 1e-4, results[0]["dp"]
     from transformers import AutoModelForCausalLM
 
