@@ -1,6 +1,7 @@
 """Training is the same function at every layout: tp=1 vs tp=2 (with and without SP) vs cp=2
-(ring, ulysses) vs dp=2 (FSDP2, DDP), same seed and global batch, 8 steps. Checkpoints saved at
-tp=2 and at dp=2 load at tp=1 and give the same next-step loss (resharding).
+(ring, ulysses) vs dp=2 (FSDP2 with activation checkpointing, DDP), same seed and global batch,
+8 steps. Checkpoints saved at tp=2 and at dp=2 (FSDP2) load at tp=1, and at each other, and give
+the same next-step loss (resharding).
 
 One gloo spawn of 2 ranks runs every 2-rank layout; the tp=1 reference runs in this process.
 """
@@ -11,6 +12,7 @@ import math
 import shutil
 
 import pytest
+import torch.distributed as dist
 from harness import run_distributed
 
 from mpcore.config import load_config
@@ -50,6 +52,16 @@ def _layouts(rank, world, tmp):
         extra = [f"checkpoint.every={SAVE_AT}", "checkpoint.keep_last=5"] if name in SAVED else []
         result = train(tiny(tmp, name, *overrides, *extra))
         out[name] = (result.losses, result.grad_norms)
+    # Resharding between 2-rank layouts: tp=2 -> FSDP2 dp=2 and back, one step each.
+    for name, source in (("dp2_fsdp", "tp2"), ("tp2", "dp2_fsdp")):
+        run = f"{name}_from_{source}"
+        if rank == 0:
+            shutil.copytree(f"{tmp}/{source}/checkpoints/step-{SAVE_AT}",
+                            f"{tmp}/{run}/checkpoints/step-{SAVE_AT}")
+        dist.barrier()
+        result = train(tiny(tmp, run, *LAYOUTS[name], f"training.max_steps={SAVE_AT + 1}",
+                            f"schedule.total_steps={STEPS}"))
+        out[run] = result.losses
     return out
 
 
@@ -79,6 +91,14 @@ def test_every_layout_matches_tp1(runs):
             tol = 1e-6 if step == 0 else 1e-4
             assert math.isclose(got_norms[step], norms[step], rel_tol=tol), (
                 name, step + 1, got_norms[step], norms[step])
+
+
+def test_checkpoint_reshards_between_two_rank_layouts(runs):
+    _, (losses, _), by_rank = runs
+    for run in ("dp2_fsdp_from_tp2", "tp2_from_dp2_fsdp"):
+        assert len(by_rank[0][run]) == 1, run
+        assert math.isclose(by_rank[0][run][0], losses[SAVE_AT], rel_tol=1e-5), (
+            run, by_rank[0][run], losses[SAVE_AT])
 
 
 @pytest.mark.parametrize("saved", SAVED)

@@ -1,4 +1,4 @@
-"""A throwaway Slurm cluster on localhost: one munged, one slurmctld, two slurmd (n1, n2).
+"""A throwaway Slurm cluster on localhost: one munged, one slurmctld, two slurmd (two nodes).
 
 Everything lives in one temporary folder (``root``):
     key/      munge key and seed (mode 0700, munged insists)
@@ -9,12 +9,15 @@ Everything lives in one temporary folder (``root``):
     slurm.conf
 
 Both emulated nodes run on this host (Debian builds slurmd with multiple-slurmd support), each
-with its own port, both reached at 127.0.0.1. Daemons run in the foreground as children of this
+with its own port, both reached at 127.0.0.1. The first node is named after this host and the
+second sorts after it (HOST, HOST-b), so the allocation's first node, which the sbatch scripts
+take as the rendezvous host, resolves like a real node name. Daemons run in the foreground as children of this
 process, and ``stop()`` ends them by PID. Job processes (slurmstepd, srun, torchrun, workers) are
 not our children; they are found by the SLURM_CONF path in their environment, which is unique
 to this cluster, and ended by PID too. The system munged and any system Slurm are left alone.
 """
 
+import ctypes
 import os
 import shutil
 import signal
@@ -24,9 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "srun")
+BINARIES = "munged slurmctld slurmd sbatch squeue scontrol scancel sinfo srun".split()
 INSTALL_HINT = (
     "apt-get update && apt-get install -y --no-install-recommends "
     "slurmctld slurmd slurm-client munge"
@@ -39,6 +41,10 @@ def missing_binaries() -> list[str]:
     return [name for name in BINARIES if shutil.which(name, path=path) is None]
 
 
+def _short_hostname() -> str:
+    return socket.gethostname().split(".")[0]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,15 +52,16 @@ def _free_port() -> int:
 
 
 def _slurm_conf(root: Path, user: str, ctld_port: int, node_ports: dict[str, int]) -> str:
-    host = socket.gethostname().split(".")[0]
+    host = _short_hostname()
     lines = [
         "ClusterName=mpcoretest",
-        f"SlurmctldHost={host}",
+        f"SlurmctldHost={host}(127.0.0.1)",
         f"SlurmctldPort={ctld_port}",
         f"SlurmUser={user}",
         f"SlurmdUser={user}",
         "AuthType=auth/munge",
         "CredType=cred/munge",
+        # cred_expire also delays a requeued job's restart (default 120 s).
         f"AuthInfo=socket={root}/run/munge.sock,cred_expire=10",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/state/slurmd-%n",
@@ -74,9 +81,10 @@ def _slurm_conf(root: Path, user: str, ctld_port: int, node_ports: dict[str, int
         "ReturnToService=2",
         # Finished jobs leave the controller after 4 s; sbatch --wait then polls every 2 s.
         "MinJobAge=4",
-        # Seconds between SIGTERM and SIGKILL when a job is cancelled or requeued: the grace
-        # time in which training writes its checkpoint.
+        # Seconds between SIGTERM and SIGKILL when a job is cancelled, requeued or preempted:
+        # the grace time in which training writes its checkpoint.
         "KillWait=30",
+        # Schedule every 2 s, so a requeued job starts as soon as its delay ends.
         "SchedulerParameters=sched_interval=2",
     ]
     for name, port in node_ports.items():
@@ -84,8 +92,21 @@ def _slurm_conf(root: Path, user: str, ctld_port: int, node_ports: dict[str, int
             f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory=4000"
         )
-    lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+    # A job in "urgent" preempts jobs in "debug": they get SIGTERM, KillWait seconds to stop,
+    # and go back to the queue (PreemptMode=REQUEUE, GraceTime 0).
+    lines += [
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
+        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
+        "PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF",
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _die_with_parent() -> None:
+    """In a daemon's child before exec: SIGTERM when this (test) process dies, even by SIGKILL."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LocalCluster:
@@ -96,6 +117,7 @@ class LocalCluster:
         self.root.chmod(0o755)
         self.conf = self.root / "slurm.conf"
         self.user = ""
+        self.nodes = (_short_hostname(), _short_hostname() + "-b")
         self._daemons: list[tuple[str, subprocess.Popen]] = []
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -107,34 +129,44 @@ class LocalCluster:
         return env
 
     def start(self, timeout: float = 60.0) -> None:
-        for sub, mode in (("key", 0o700), ("run", 0o755), ("state", 0o755), ("log", 0o755),
-                          ("jobs", 0o755)):
+        for sub, mode in (
+            ("key", 0o700),
+            ("run", 0o755),
+            ("state", 0o755),
+            ("log", 0o755),
+            ("jobs", 0o755),
+        ):
             (self.root / sub).mkdir(mode=mode)
         key = self.root / "key" / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
         self.user = subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
-        ports = {name: _free_port() for name in NODES}
+        ports = {name: _free_port() for name in self.nodes}
         self.conf.write_text(_slurm_conf(self.root, self.user, _free_port(), ports))
 
         self._spawn(
             "munged",
             [
-                "munged", "--foreground", f"--socket={self.root}/run/munge.sock",
-                f"--key-file={key}", f"--pid-file={self.root}/run/munged.pid",
+                "munged",
+                "--foreground",
+                f"--socket={self.root}/run/munge.sock",
+                f"--key-file={key}",
+                f"--pid-file={self.root}/run/munged.pid",
                 f"--log-file={self.root}/log/munged.log",
                 f"--seed-file={self.root}/key/munged.seed",
             ],
         )
         self._wait_for(lambda: (self.root / "run" / "munge.sock").exists(), 10, "munged socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i"])
-        for name in NODES:
+        for name in self.nodes:
             self._spawn(f"slurmd-{name}", ["slurmd", "-D", "-N", name])
-        self._wait_for(self._all_idle, timeout, f"{len(NODES)} idle nodes")
+        self._wait_for(self._all_idle, timeout, f"{len(self.nodes)} idle nodes")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "wb")  # noqa: SIM115 - kept by the child
-        proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         log.close()
         self._daemons.append((name, proc))
 
@@ -151,23 +183,43 @@ class LocalCluster:
 
     def _all_idle(self) -> bool:
         out = self.run("sinfo", "-h", "-t", "idle", "-o", "%D", check=False).stdout.strip()
-        return out == str(len(NODES))
+        return out == str(len(self.nodes))
 
     def run(self, *argv: str, check: bool = True, timeout: float = 30.0, **kwargs):
         """Run a Slurm client command against this cluster; returns the CompletedProcess."""
         return subprocess.run(
-            argv, env=kwargs.pop("env", self.env()), capture_output=True, text=True,
-            check=check, timeout=timeout, **kwargs,
+            argv,
+            env=kwargs.pop("env", self.env()),
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+            **kwargs,
         )
 
-    def submit(self, script: Path, args: list[str], name: str, options: list[str],
-               env: dict[str, str], cwd: Path) -> "Submission":
+    def submit(
+        self,
+        script: Path,
+        args: list[str],
+        name: str,
+        options: list[str],
+        env: dict[str, str],
+        cwd: Path,
+    ) -> "Submission":
         """``sbatch --wait`` of ``script`` in the background; ``name`` must be unique."""
         output = self.root / "jobs" / f"{name}.out"
-        argv = ["sbatch", "--wait", f"--job-name={name}", f"--output={output}", *options,
-                str(script), *args]
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        argv = [
+            "sbatch",
+            "--wait",
+            f"--job-name={name}",
+            f"--output={output}",
+            *options,
+            str(script),
+            *args,
+        ]
+        proc = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         return Submission(self, proc, name, output)
 
     def queue_empty(self) -> bool:
@@ -233,8 +285,9 @@ class Submission:
             if out.stdout.strip():
                 self._job_id = out.stdout.split()[0]
             elif time.monotonic() > deadline or self.proc.poll() is not None:
-                raise AssertionError(f"job {self.name} never appeared in the queue\n"
-                                     f"{self.report()}")
+                raise AssertionError(
+                    f"job {self.name} never appeared in the queue\n{self.report()}"
+                )
             else:
                 time.sleep(0.2)
         return self._job_id
@@ -245,8 +298,10 @@ class Submission:
 
     def report(self, num_chars: int = 6000) -> str:
         sbatch = self.proc.stdout.read() if self.proc.poll() is not None else "(running)"
-        return (f"--- sbatch: {sbatch}\n--- job output (tail):\n{self.output()[-num_chars:]}\n"
-                f"--- daemon logs:\n{self.cluster.log_tails()}")
+        return (
+            f"--- sbatch: {sbatch}\n--- job output (tail):\n{self.output()[-num_chars:]}\n"
+            f"--- daemon logs:\n{self.cluster.log_tails()}"
+        )
 
     def wait(self, timeout: float) -> int:
         """sbatch's exit code (the job's); on timeout cancel the job and fail with the logs."""
@@ -256,5 +311,6 @@ class Submission:
             self.cluster.run("scancel", "-n", self.name, check=False)
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"job {self.name} still running after {timeout:.0f} s\n"
-                                 f"{self.report()}") from None
+            raise AssertionError(
+                f"job {self.name} still running after {timeout:.0f} s\n{self.report()}"
+            ) from None

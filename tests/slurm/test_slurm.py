@@ -1,9 +1,8 @@
 """launch/slurm/*.sbatch under a REAL Slurm: a controller and two emulated nodes on localhost.
 
 Every job is 2 nodes x 2 CPU processes (world 4, gloo), submitted with ``sbatch --wait`` from the
-repository root, as a user would. The emulated node names (n1, n2) do not resolve, so jobs get
-MASTER_ADDR=127.0.0.1; everything else (nodes, rendezvous id and port, srun, torchrun) comes from
-the allocation. Training runs use the tiny model on the shipped corpus with short sequences and
+repository root, as a user would: nodes, rendezvous host, port and id all come from the
+allocation (the first emulated node is named after this host, so it resolves). Training runs use the tiny model on the shipped corpus with short sequences and
 tp=2 x dp=2, so a step takes a fraction of a second.
 
 Skipped, with the reason, only when the Slurm or munge programs are not installed (see
@@ -44,8 +43,9 @@ TRAIN = [
 def cluster():
     missing = missing_binaries()
     if missing:
-        pytest.skip(f"Slurm is not installed (missing {', '.join(missing)}); install: "
-                    f"{INSTALL_HINT}")
+        pytest.skip(
+            f"Slurm is not installed (missing {', '.join(missing)}); install: {INSTALL_HINT}"
+        )
     if os.geteuid() != 0:
         pytest.skip("the Slurm daemons of this test run as root")
     local = LocalCluster()
@@ -58,7 +58,7 @@ def cluster():
 
 
 def job_env(cluster: LocalCluster, **extra: str) -> dict[str, str]:
-    return cluster.env(**{"MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "2", **extra})
+    return cluster.env(NPROC_PER_NODE="2", **extra)
 
 
 def train_args(cluster: LocalCluster, run: str, *extra: str) -> list[str]:
@@ -89,8 +89,7 @@ def latest_step(run_dir: Path) -> int | None:
 def sigterm_saves(output: str) -> list[int]:
     """Steps of the "SIGTERM: saved step N" lines rank 0 logs (mpcore.train)."""
     marker = "SIGTERM: saved step "
-    return [int(line.split(marker)[1].split()[0]) for line in output.splitlines()
-            if marker in line]
+    return [int(line.split(marker)[1].split()[0]) for line in output.splitlines() if marker in line]
 
 
 def wait_for_step(run_dir: Path, step: int, job, timeout: float = JOB_TIMEOUT) -> None:
@@ -108,8 +107,14 @@ def wait_for_step(run_dir: Path, step: int, job, timeout: float = JOB_TIMEOUT) -
 @pytest.mark.parametrize("script", [PRETRAIN, SCORE], ids=lambda p: p.name)
 def test_outside_slurm_fails_with_a_clear_message(script):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    result = subprocess.run(["bash", str(script), "training.max_steps=1"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["bash", str(script), "training.max_steps=1"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2, result
     assert "not inside a Slurm allocation" in result.stderr
     assert f"sbatch launch/slurm/{script.name}" in result.stderr
@@ -127,24 +132,28 @@ def test_rendezvous_spans_both_nodes(cluster):
     out = cluster.root / "probe_out"
     out.mkdir()
     cluster.wait_queue_empty()
-    job = cluster.submit(PRETRAIN, [str(out)], "probe", OPTIONS,
-                         job_env(cluster, MPCORE_DIR=str(fake)), cwd=REPO)
+    job = cluster.submit(
+        PRETRAIN, [str(out)], "probe", OPTIONS, job_env(cluster, MPCORE_DIR=str(fake)), cwd=REPO
+    )
     assert job.wait(JOB_TIMEOUT) == 0, job.report()
-    records = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
-                     key=lambda r: r["rank"])
+    records = sorted(
+        (json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"]
+    )
     assert [r["rank"] for r in records] == [0, 1, 2, 3], job.report()
     assert all(r["world"] == 4 and r["sum"] == 10.0 for r in records), records
     assert [r["local_rank"] for r in records] == [0, 1, 0, 1], records
     assert records[0]["node"] == records[1]["node"] != records[2]["node"] == records[3]["node"]
-    assert {r["node"] for r in records} == {"n1", "n2"}, records
+    assert {r["node"] for r in records} == set(cluster.nodes), records
+    assert f"rendezvous {cluster.nodes[0]}:" in job.output(), job.report()  # the first node
 
 
 def test_unreachable_rendezvous_fails_within_the_timeout(cluster):
     cluster.wait_queue_empty()
     env = job_env(cluster, MASTER_ADDR="192.0.2.1", RDZV_TIMEOUT="5")  # TEST-NET-1: no host
     start = time.monotonic()
-    job = cluster.submit(PRETRAIN, train_args(cluster, "unreachable"), "unreachable", OPTIONS,
-                         env, cwd=REPO)
+    job = cluster.submit(
+        PRETRAIN, train_args(cluster, "unreachable"), "unreachable", OPTIONS, env, cwd=REPO
+    )
     code = job.wait(120)
     assert code != 0, job.report()
     assert time.monotonic() - start < 90
@@ -155,8 +164,11 @@ def test_unreachable_rendezvous_fails_within_the_timeout(cluster):
 @pytest.fixture(scope="module")
 def reference_run(cluster):
     """An uninterrupted run of NUM_STEPS steps (checkpoints every 20 and at the end)."""
-    job = submit_pretrain(cluster, "reference", train_args(
-        cluster, "reference", f"training.max_steps={NUM_STEPS}", "checkpoint.every=20"))
+    job = submit_pretrain(
+        cluster,
+        "reference",
+        train_args(cluster, "reference", f"training.max_steps={NUM_STEPS}", "checkpoint.every=20"),
+    )
     assert job.wait(JOB_TIMEOUT) == 0, job.report()
     run_dir = cluster.root / "runs" / "reference"
     return run_dir, job, read_metrics(run_dir)
@@ -172,10 +184,13 @@ def test_pretrain_trains_then_a_second_submission_resumes(cluster, reference_run
     assert (run_dir / "config.yaml").is_file()
 
     more = NUM_STEPS + 4
-    resumed = submit_pretrain(cluster, "resume", train_args(
-        cluster, "reference", f"training.max_steps={more}", "checkpoint.every=20"))
+    resumed = submit_pretrain(
+        cluster,
+        "resume",
+        train_args(cluster, "reference", f"training.max_steps={more}", "checkpoint.every=20"),
+    )
     assert resumed.wait(JOB_TIMEOUT) == 0, resumed.report()
-    new = read_metrics(run_dir)[len(metrics):]
+    new = read_metrics(run_dir)[len(metrics) :]
     assert [m["step"] for m in new] == list(range(NUM_STEPS + 1, more + 1)), resumed.report()
     assert all(math.isfinite(m["loss"]) for m in new), new
     assert latest_step(run_dir) == more
@@ -184,13 +199,13 @@ def test_pretrain_trains_then_a_second_submission_resumes(cluster, reference_run
 
 def test_preempted_run_continues_with_the_same_losses(cluster, reference_run):
     """SIGTERM twice: from ``scancel --signal=TERM`` (then a resubmission), and from Slurm
-    requeueing the running job (``scontrol requeue``: what preemption with PreemptMode=REQUEUE
-    does). No periodic checkpoints: only the SIGTERM saves make the run resumable."""
+    preempting the job for one in a higher-priority partition (PreemptMode=REQUEUE: the same
+    job id goes back to the queue and restarts). No periodic checkpoints: only the SIGTERM saves
+    make the run resumable."""
     _, _, reference = reference_run
     expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in reference}
     run_dir = cluster.root / "runs" / "preempted"
-    args = train_args(cluster, "preempted", f"training.max_steps={NUM_STEPS}",
-                      "checkpoint.every=0")
+    args = train_args(cluster, "preempted", f"training.max_steps={NUM_STEPS}", "checkpoint.every=0")
 
     first = submit_pretrain(cluster, "preempted-1", args)
     wait_for_step(run_dir, 3, first)
@@ -203,7 +218,7 @@ def test_preempted_run_continues_with_the_same_losses(cluster, reference_run):
 
     second = submit_pretrain(cluster, "preempted-2", args)
     wait_for_step(run_dir, stopped + 3, second)
-    cluster.run("scontrol", "requeue", second.job_id())
+    cluster.run("sbatch", "--partition=urgent", "--nodes=2", "--output=/dev/null", "--wrap=true")
     assert second.wait(JOB_TIMEOUT) == 0, second.report()
     out = second.output()
     assert "(restart 1)" in out and f"done at step {NUM_STEPS}" in out, second.report()
@@ -217,3 +232,59 @@ def test_preempted_run_continues_with_the_same_losses(cluster, reference_run):
     assert resumed_at[0] == stopped + 1
     for m in metrics:  # steps run twice (after the last save, before the kill) included
         assert (m["loss"], m["grad_norm"]) == expected[m["step"]], (m, expected[m["step"]])
+
+
+def test_score_matches_transformers(cluster):
+    """score.sbatch with tp=2 x cp=2 over both nodes vs transformers in float64, per sequence."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # large enough to give peaked distributions
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    folder = cluster.root / "hf_tiny"
+    model.save_pretrained(folder)
+    sequences = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (7, 12, 3, 20, 9)]
+    src, dst = cluster.root / "score_in.jsonl", cluster.root / "score_out.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in sequences))
+
+    cluster.wait_queue_empty()
+    args = [
+        "--hf-checkpoint",
+        str(folder),
+        "--tp",
+        "2",
+        "--cp",
+        "2",
+        "--input",
+        str(src),
+        "--output",
+        str(dst),
+    ]
+    job = cluster.submit(SCORE, args, "score", OPTIONS, job_env(cluster), cwd=REPO)
+    assert job.wait(JOB_TIMEOUT) == 0, job.report()
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(rows) == len(sequences), job.report()
+    model.double()
+    for ids, row in zip(sequences, rows, strict=True):
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (S, V) float64
+        want_logprobs = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        want_entropy = -(logp.exp() * logp).sum(-1)[:-1]
+        got_logprobs = torch.tensor(row["logprobs"], dtype=torch.float64)
+        got_entropy = torch.tensor(row["entropy"], dtype=torch.float64)
+        assert got_logprobs.shape == want_logprobs.shape == (len(ids) - 1,)
+        torch.testing.assert_close(got_logprobs, want_logprobs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got_entropy, want_entropy, atol=1e-4, rtol=0)
