@@ -85,10 +85,18 @@ class GradNorm:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group = None if fsdp else tp_group
         self.world_reduce = fsdp
-        self.weights = []
+        self.device = device
+        # Most parameters weigh every element the same (1, or 1/tp for replicated ones): those
+        # go through one fused norm per weight value; the rest (replicated kv rows, vocab
+        # padding) multiply by their per-row weights.
+        self.uniform: dict[float, list[nn.Parameter]] = {}
+        self.weighted: list[tuple[nn.Parameter, torch.Tensor]] = []
         for p in self.params:
             name = names[id(p)]
             w = layout.norm_weight(name)
+            if bool((w == w[0]).all()):
+                self.uniform.setdefault(float(w[0]), []).append(p)
+                continue
             dim = layout.dim(name)
             if fsdp and dim == 0:  # this rank's dim-0 chunk, as FSDP2 shards it
                 mesh = p.device_mesh
@@ -97,17 +105,20 @@ class GradNorm:
                 w = chunks[rank] if rank < len(chunks) else w[:0]
             shape = [1] * p.dim()
             shape[dim] = -1
-            self.weights.append(w.view(shape).to(device))
+            self.weighted.append((p, w.view(shape).to(device)))
 
     def __call__(self) -> torch.Tensor:
         """fp32 scalar: the global gradient norm (one all-reduce). Missing gradients count 0."""
-        total = torch.zeros((), dtype=torch.float32, device=self.weights[0].device)
-        for p, w in zip(self.params, self.weights, strict=True):
-            if p.grad is None:
-                continue
-            g = _local(p.grad)
-            if g.numel():
-                total = total + (g.float().square() * w).sum()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for weight, params in self.uniform.items():
+            grads = [_local(p.grad) for p in params if p.grad is not None]
+            grads = [g for g in grads if g.numel()]
+            if grads:
+                norms = torch._foreach_norm([g.float() for g in grads])
+                total = total + weight * torch.stack(norms).square().sum()
+        for p, w in self.weighted:
+            if p.grad is not None and _local(p.grad).numel():
+                total = total + (_local(p.grad).float().square() * w).sum()
         if self.world_reduce and dist.is_initialized():
             dist.all_reduce(total)
         elif group_size(self.group) > 1:
@@ -120,6 +131,5 @@ class GradNorm:
         if max_norm <= 0 or norm <= max_norm:
             return
         coef = max_norm / (norm + 1e-6)
-        for p in self.params:
-            if p.grad is not None:
-                _local(p.grad).mul_(coef)
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        torch._foreach_mul_([g for g in grads if g.numel()], coef)
