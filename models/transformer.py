@@ -25,12 +25,12 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import Attention
 from models.config import ModelConfig
-from models.head import OUTPUTS, OutputWeight, head_forward
 from models.mlp import FeedForward
 from models.norm import RMSNorm
 from models.rope import RotaryEmbedding
 from mpcore.dist import ParallelState
 from parallel.collectives import copy_to_tp, sp_all_gather
+from parallel.head import OUTPUTS, OutputWeight, head_forward
 from parallel.layers import VocabParallelEmbedding
 from parallel.random import param_seed
 

@@ -56,6 +56,12 @@ def shard_parts(full: torch.Tensor, dim: int, parts: Sequence[int], tp: int, ran
     return torch.cat([p.chunk(tp, dim=dim)[rank] for p in pieces], dim=dim)
 
 
+def pad_vocab_rows(full: torch.Tensor, tp: int) -> torch.Tensor:
+    """``[V, ...] -> [ceil(V / tp) * tp, ...]`` with zero rows appended (vocab padding)."""
+    padded_rows = -(-full.shape[0] // tp) * tp
+    return torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` split along the output dim over ``group`` (tp).
 
@@ -175,12 +181,9 @@ class VocabParallelEmbedding(nn.Module):
                                                dtype=dtype))
 
     def reset_parameters(self, seed: int) -> None:
-        def take(full: torch.Tensor) -> torch.Tensor:
-            padded = torch.zeros(self.padded_vocab, self.embedding_dim)
-            padded[: self.num_embeddings] = full  # padding rows are zero and never looked up
-            return padded.chunk(self.tp, dim=0)[self.tp_rank]
-
-        init_shard_(self.weight, (self.num_embeddings, self.embedding_dim), take,
+        # Padding rows are zero and never looked up.
+        init_shard_(self.weight, (self.num_embeddings, self.embedding_dim),
+                    lambda full: pad_vocab_rows(full, self.tp).chunk(self.tp)[self.tp_rank],
                     normal_init(self.init_std), seed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

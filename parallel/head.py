@@ -18,15 +18,10 @@ from torch import nn
 
 from kernels.linear_cross_entropy import linear_cross_entropy, linear_logprobs
 from mpcore.dist import ProcessGroup, group_rank, group_size
+from parallel.layers import pad_vocab_rows
 from parallel.random import init_shard_, normal_init
 
 OUTPUTS = ("loss", "logprobs", "logits")
-
-
-def pad_vocab_rows(full: torch.Tensor, tp: int) -> torch.Tensor:
-    """``[V, H] -> [ceil(V / tp) * tp, H]`` with zero rows appended."""
-    padded_rows = -(-full.shape[0] // tp) * tp
-    return torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
 
 
 class OutputWeight(nn.Module):
