@@ -148,6 +148,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Under autocast the projections are bf16 but fp32 norm weights and rope tables promote
+        # q and k back to fp32; attention runs in the projections' dtype, as SDPA would.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         out = context_attention(q, k, v, doc_id=packing.doc_id, pos=packing.positions_in_doc,
                                 cu_seqlens=packing.cu_seqlens, mode=self.cp_mode,
                                 group=self.cp_group, softmax_scale=d ** -0.5)
