@@ -126,7 +126,8 @@ class Transformer(nn.Module):
             cu_seqlens: ``[S+1]`` int32 local segments (``RankLayout.cu_seqlens``).
             labels: int64 shifted next-token ids (``LabelShifter`` before the split) or -100.
             output: ``"loss"`` -> fp32 ``[L]`` (0 where ignored; the caller reduces it with
-                ``parallel.loss``); ``"logprobs"`` -> ``(logprobs [L], entropy [L])`` fp32;
+                ``parallel.loss``); ``"loss_sum"`` -> fp32 scalar sum of it (the training
+                path: the fused head's faster gradient); ``"logprobs"`` -> ``(logprobs [L], entropy [L])`` fp32;
                 ``"logits"`` -> ``[L, V_pad / tp]`` (tests).
             temperature: divides the logits.
         Outputs are replicated over the tp group (also under SP).

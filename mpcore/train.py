@@ -42,7 +42,7 @@ from mpcore.checkpoint import latest_checkpoint, read_meta, save_checkpoint
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.optim import lr_at, set_lr
-from parallel import LabelShifter, global_valid_count, loss_share
+from parallel import LabelShifter, global_valid_count
 from parallel.loss import sum_over_group
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,9 @@ class Trainer:
             sync = run.module.no_sync() if self.ddp and not last else contextlib.nullcontext()
             with sync:
                 with autocast:
-                    per_token = run.module(**inp, output="loss")  # (L,) fp32
-                share = loss_share(per_token, inp["labels"], count)
+                    local_sum = run.module(**inp, output="loss_sum")  # () fp32, valid tokens
+                # This rank's share of the global mean (parallel.loss): sum / global count.
+                share = local_sum / count.clamp(min=1).to(local_sum.dtype)
                 (share * self.scale).backward()
             total += share.detach()
         return sum_over_group(total, s.dp_cp_group)

@@ -21,7 +21,7 @@ from mpcore.dist import ProcessGroup, group_rank, group_size
 from parallel.layers import pad_vocab_rows
 from parallel.random import init_shard_, normal_init
 
-OUTPUTS = ("loss", "logprobs", "logits")
+OUTPUTS = ("loss", "loss_sum", "logprobs", "logits")
 
 
 class OutputWeight(nn.Module):
@@ -47,6 +47,7 @@ def head_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     """Per-token outputs of ``hidden [L, H]`` (see module docstring; group: tp).
 
     ``output="loss"``: fp32 ``[L]`` cross entropy, 0 where ``labels == ignore_index``.
+    ``output="loss_sum"``: fp32 scalar, the sum of that over the L tokens (training).
     ``output="logprobs"``: ``(logprobs [L], entropy [L])`` fp32; logprob 0 where ignored.
     ``output="logits"``: ``[L, V_pad / tp]`` in ``hidden``'s dtype, divided by ``temperature``.
     """
@@ -61,9 +62,11 @@ def head_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     if labels is None:
         raise ValueError(f"output={output!r} needs labels [L] (shifted next-token ids from "
                          f"LabelShifter, split like the input ids)")
-    if output == "loss":
+    if output in ("loss", "loss_sum"):
+        # "loss_sum" takes the kernels' fast path: with a scalar upstream gradient they compute
+        # the gradients inside the forward (3 GEMMs) instead of recomputing logits (4 GEMMs).
         return linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index,
-                                    reduction="none", temperature=temperature,
-                                    vocab_size=vocab_size, group=group)
+                                    reduction="none" if output == "loss" else "sum",
+                                    temperature=temperature, vocab_size=vocab_size, group=group)
     return linear_logprobs(hidden, weight, labels, temperature=temperature,
                            vocab_size=vocab_size, group=group, ignore_index=ignore_index)
