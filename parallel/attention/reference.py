@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 _MAX_SCORES = 1 << 22  # score elements per query chunk (16 MiB in fp32)
+_MAX_QUERY_CHUNK = 256
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -24,9 +25,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunks(num_q: int, num_k: int, num_heads: int):
-    step = max(1, _MAX_SCORES // max(1, num_k * num_heads))
+    # Short chunks let _keys_for skip the keys of other documents (and of later positions):
+    # packed streams then cost about the sum of per-document squares, not (T * S).
+    step = max(1, min(_MAX_QUERY_CHUNK, _MAX_SCORES // max(1, num_k * num_heads)))
     for start in range(0, num_q, step):
         yield start, min(num_q, start + step)
+
+
+def _keys_for(doc_q, pos_q, doc_k, pos_k) -> torch.Tensor:
+    """Indices of the keys that any of these queries may see (same doc, pos not after the
+    latest query position): a superset of the visible keys, in key order."""
+    docs = torch.unique(doc_q)
+    maybe = torch.isin(doc_k, docs) & (pos_k <= pos_q.max())
+    return maybe.nonzero().squeeze(1)
 
 
 def _visible(doc_q, pos_q, doc_k, pos_k) -> torch.Tensor:
@@ -58,14 +69,18 @@ def reference_forward(q, k, v, doc_q, pos_q, doc_k, pos_k, scale: float):
     out = torch.empty(num_q, num_heads, dim, dtype=ct, device=q.device)
     lse = torch.empty(num_heads, num_q, dtype=ct, device=q.device)
     for a, b in _chunks(num_q, num_k, num_heads):
-        scores = torch.einsum("thgd,shd->hgts", qc[a:b], kc) * scale  # (H_kv, G, t, S)
-        mask = _visible(doc_q[a:b], pos_q[a:b], doc_k, pos_k)
+        keys = _keys_for(doc_q[a:b], pos_q[a:b], doc_k, pos_k)  # (S',)
+        if keys.numel() == 0:  # no query of this chunk sees any key
+            out[a:b], lse[:, a:b] = 0.0, float("-inf")
+            continue
+        scores = torch.einsum("thgd,shd->hgts", qc[a:b], kc[keys]) * scale  # (H_kv, G, t, S')
+        mask = _visible(doc_q[a:b], pos_q[a:b], doc_k[keys], pos_k[keys])
         scores = scores.masked_fill(~mask, float("-inf"))
         m = scores.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing
         p = torch.exp(scores - m)
         denom = p.sum(-1, keepdim=True)  # (H_kv, G, t, 1)
-        o = torch.einsum("hgts,shd->thgd", p, vc)
+        o = torch.einsum("hgts,shd->thgd", p, vc[keys])
         o = o / torch.where(denom > 0, denom, torch.ones_like(denom)).permute(2, 0, 1, 3)
         out[a:b] = o.reshape(b - a, num_heads, dim)
         lse[:, a:b] = (m + torch.log(denom)).reshape(num_heads, b - a)
@@ -89,15 +104,20 @@ def reference_backward(dout, q, k, v, out, lse, doc_q, pos_q, doc_k, pos_k, scal
     dk = torch.zeros(num_k, num_kv, dim, dtype=ct, device=q.device)
     dv = torch.zeros_like(dk)
     for a, b in _chunks(num_q, num_k, num_heads):
-        scores = torch.einsum("thgd,shd->hgts", qc[a:b], kc) * scale
-        mask = _visible(doc_q[a:b], pos_q[a:b], doc_k, pos_k)
+        keys = _keys_for(doc_q[a:b], pos_q[a:b], doc_k, pos_k)  # (S',)
+        if keys.numel() == 0:
+            dq[a:b] = 0.0
+            continue
+        kk, vk = kc[keys], vc[keys]
+        scores = torch.einsum("thgd,shd->hgts", qc[a:b], kk) * scale
+        mask = _visible(doc_q[a:b], pos_q[a:b], doc_k[keys], pos_k[keys])
         # A visible entry implies a finite lse; masked entries are zeroed whatever exp gives.
         p = torch.where(mask, torch.exp(scores - lse[:, :, a:b, None]), torch.zeros_like(scores))
-        dv += torch.einsum("hgts,thgd->shd", p, do[a:b])
-        dp = torch.einsum("thgd,shd->hgts", do[a:b], vc)
+        dv.index_add_(0, keys, torch.einsum("hgts,thgd->shd", p, do[a:b]))
+        dp = torch.einsum("thgd,shd->hgts", do[a:b], vk)
         ds = p * (dp - delta[a:b].permute(1, 2, 0)[..., None]) * scale
-        dq[a:b] = torch.einsum("hgts,shd->thgd", ds, kc)
-        dk += torch.einsum("hgts,thgd->shd", ds, qc[a:b])
+        dq[a:b] = torch.einsum("hgts,shd->thgd", ds, kk)
+        dk.index_add_(0, keys, torch.einsum("hgts,thgd->shd", ds, qc[a:b]))
     return dq.view(num_q, num_heads, dim), dk, dv
 
 

@@ -259,3 +259,19 @@ def test_context_attention_rejects_bad_input(change, match):
     args.update({name: fn(args[name]) for name, fn in change.items()})
     with pytest.raises(ValueError, match=match):
         context_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_query_chunk_without_any_key_of_its_document():
+    """A whole query chunk whose documents have no keys here: out 0, lse -inf, zero grads."""
+    from parallel.attention.reference import reference_backward, reference_forward
+
+    q = torch.randn(300, 2, 8, dtype=torch.float64)
+    k = torch.randn(5, 2, 8, dtype=torch.float64)
+    v = torch.randn(5, 2, 8, dtype=torch.float64)
+    doc_q, pos_q = torch.zeros(300, dtype=torch.long), torch.arange(300)
+    doc_k, pos_k = torch.ones(5, dtype=torch.long), torch.arange(5)
+    out, lse = reference_forward(q, k, v, doc_q, pos_q, doc_k, pos_k, 0.3)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+    dq, dk, dv = reference_backward(torch.randn_like(q), q, k, v, out, lse, doc_q, pos_q,
+                                    doc_k, pos_k, 0.3)
+    assert not dq.any() and not dk.any() and not dv.any()
