@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 CPUS_PER_NODE = 2
+# Daemons and their helper (slurmctld forks slurmscriptd): stopped in order, not killed as strays.
+DAEMON_NAMES = ("munged", "slurmctld", "slurmscriptd", "slurmd")
 BINARIES = "munged slurmctld slurmd sbatch squeue scontrol scancel sinfo srun".split()
 INSTALL_HINT = (
     "apt-get update && apt-get install -y --no-install-recommends "
@@ -62,7 +64,7 @@ def _slurm_conf(root: Path, user: str, ctld_port: int, node_ports: dict[str, int
         "AuthType=auth/munge",
         "CredType=cred/munge",
         # cred_expire also delays a requeued job's restart (default 120 s).
-        f"AuthInfo=socket={root}/run/munge.sock,cred_expire=10",
+        f"AuthInfo=socket={root}/run/munge.sock,cred_expire=5",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/state/slurmd-%n",
         f"SlurmctldPidFile={root}/run/slurmctld.pid",
@@ -251,24 +253,28 @@ class LocalCluster:
         return pids
 
     def stop(self) -> None:
-        """Cancel jobs, stop daemons by PID, end leftover job processes, delete the folder."""
-        if self._daemons and self.conf.exists():
-            self.run("scancel", "--user", self.user, check=False)
-        for _name, proc in reversed(self._daemons):
+        """End job processes, then the daemons, by PID; delete the folder. Safe to call twice."""
+        self._kill_strays(keep=DAEMON_NAMES)  # jobs first: a daemon may wait on their steps
+        for _name, proc in reversed(self._daemons):  # slurmds, slurmctld, munged last
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for _name, proc in self._daemons:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._kill_strays(keep=())
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _kill_strays(self, keep: tuple[str, ...]) -> None:
+        """SIGKILL this cluster's processes but those whose command name is in ``keep``."""
         for pid in self._stray_pids():
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                if name not in keep:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
                 pass
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 class Submission:

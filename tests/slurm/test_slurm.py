@@ -26,7 +26,7 @@ SCORE = REPO / "launch" / "slurm" / "score.sbatch"
 # Command-line options win over the scripts' #SBATCH defaults (8 GPUs, 64 CPUs a node).
 OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "--time=15"]
 JOB_TIMEOUT = 240.0
-NUM_STEPS = 40  # long enough to interrupt a run in its middle
+NUM_STEPS = 24  # long enough to interrupt a run twice in its middle
 TRAIN = [
     "parallel.tp=2",
     "training.device=cpu",
@@ -163,11 +163,11 @@ def test_unreachable_rendezvous_fails_within_the_timeout(cluster):
 
 @pytest.fixture(scope="module")
 def reference_run(cluster):
-    """An uninterrupted run of NUM_STEPS steps (checkpoints every 20 and at the end)."""
+    """An uninterrupted run of NUM_STEPS steps (checkpoints every 10 and at the end)."""
     job = submit_pretrain(
         cluster,
         "reference",
-        train_args(cluster, "reference", f"training.max_steps={NUM_STEPS}", "checkpoint.every=20"),
+        train_args(cluster, "reference", f"training.max_steps={NUM_STEPS}", "checkpoint.every=10"),
     )
     assert job.wait(JOB_TIMEOUT) == 0, job.report()
     run_dir = cluster.root / "runs" / "reference"
@@ -187,7 +187,7 @@ def test_pretrain_trains_then_a_second_submission_resumes(cluster, reference_run
     resumed = submit_pretrain(
         cluster,
         "resume",
-        train_args(cluster, "reference", f"training.max_steps={more}", "checkpoint.every=20"),
+        train_args(cluster, "reference", f"training.max_steps={more}", "checkpoint.every=10"),
     )
     assert resumed.wait(JOB_TIMEOUT) == 0, resumed.report()
     new = read_metrics(run_dir)[len(metrics) :]
@@ -202,36 +202,40 @@ def test_preempted_run_continues_with_the_same_losses(cluster, reference_run):
     preempting the job for one in a higher-priority partition (PreemptMode=REQUEUE: the same
     job id goes back to the queue and restarts). No periodic checkpoints: only the SIGTERM saves
     make the run resumable."""
-    _, _, reference = reference_run
-    expected = {m["step"]: (m["loss"], m["grad_norm"]) for m in reference}
+    _, _, reference = reference_run  # one entry per step, in order (checked above)
     run_dir = cluster.root / "runs" / "preempted"
     args = train_args(cluster, "preempted", f"training.max_steps={NUM_STEPS}", "checkpoint.every=0")
 
     first = submit_pretrain(cluster, "preempted-1", args)
-    wait_for_step(run_dir, 3, first)
+    wait_for_step(run_dir, 2, first)
     cluster.run("scancel", "--signal=TERM", first.job_id())
     first.wait(JOB_TIMEOUT)  # torchrun exits non-zero after a signal; the workers saved
     stopped = latest_step(run_dir)
-    assert stopped is not None and 3 <= stopped < NUM_STEPS, first.report()
+    assert stopped is not None and 2 <= stopped < NUM_STEPS, first.report()
     assert sigterm_saves(first.output()) == [stopped], first.report()
     assert max(m["step"] for m in read_metrics(run_dir)) == stopped, first.report()
 
     second = submit_pretrain(cluster, "preempted-2", args)
-    wait_for_step(run_dir, stopped + 3, second)
+    wait_for_step(run_dir, stopped + 2, second)
     cluster.run("sbatch", "--partition=urgent", "--nodes=2", "--output=/dev/null", "--wrap=true")
     assert second.wait(JOB_TIMEOUT) == 0, second.report()
     out = second.output()
     assert "(restart 1)" in out and f"done at step {NUM_STEPS}" in out, second.report()
     (requeued,) = sigterm_saves(out)
-    assert stopped + 3 <= requeued < NUM_STEPS, second.report()
+    assert stopped + 2 <= requeued < NUM_STEPS, second.report()
     assert latest_step(run_dir) == requeued  # checkpoint.every=0: no save at the end
 
     metrics = read_metrics(run_dir)
     assert {m["step"] for m in metrics} == set(range(1, NUM_STEPS + 1)), second.report()
     resumed_at = [m["step"] for m in metrics if m["step"] > stopped]
     assert resumed_at[0] == stopped + 1
-    for m in metrics:  # steps run twice (after the last save, before the kill) included
-        assert (m["loss"], m["grad_norm"]) == expected[m["step"]], (m, expected[m["step"]])
+    assert all(m["lr"] == reference[m["step"] - 1]["lr"] for m in metrics)
+    # Same losses up to float32 noise: identical fresh runs of this 4-rank CPU job were seen
+    # to differ in the 7th digit of the first gradient norm. A resume that lost the optimizer
+    # moments or the data position moves the loss by far more than 1e-4.
+    for key, tol in (("loss", 1e-4), ("grad_norm", 1e-3)):
+        diffs = [abs(m[key] / reference[m["step"] - 1][key] - 1) for m in metrics]
+        assert max(diffs) <= tol, (key, diffs)
 
 
 def test_score_matches_transformers(cluster):
