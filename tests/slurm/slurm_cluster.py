@@ -11,10 +11,13 @@ Everything lives in one temporary folder (``root``):
 Both emulated nodes run on this host (Debian builds slurmd with multiple-slurmd support), each
 with its own port, both reached at 127.0.0.1. The first node is named after this host and the
 second sorts after it (HOST, HOST-b), so the allocation's first node, which the sbatch scripts
-take as the rendezvous host, resolves like a real node name. Daemons run in the foreground as children of this
-process, and ``stop()`` ends them by PID. Job processes (slurmstepd, srun, torchrun, workers) are
-not our children; they are found by the SLURM_CONF path in their environment, which is unique
-to this cluster, and ended by PID too. The system munged and any system Slurm are left alone.
+take as the rendezvous host, resolves like a real node name. A second partition, "urgent",
+preempts the default one (PreemptMode=REQUEUE), to test preemption for real.
+
+Daemons run in the foreground as children of this process (and get SIGTERM if it dies), and
+``stop()`` ends them by PID. Job processes (slurmstepd, srun, torchrun, workers) are not our
+children; they are found by the SLURM_CONF path in their environment, which is unique to this
+cluster, and ended by PID too. The system munged and any system Slurm are left alone.
 """
 
 import ctypes

@@ -2,11 +2,12 @@
 
 Every job is 2 nodes x 2 CPU processes (world 4, gloo), submitted with ``sbatch --wait`` from the
 repository root, as a user would: nodes, rendezvous host, port and id all come from the
-allocation (the first emulated node is named after this host, so it resolves). Training runs use the tiny model on the shipped corpus with short sequences and
-tp=2 x dp=2, so a step takes a fraction of a second.
+allocation (the first emulated node is named after this host, so it resolves). Training runs
+use the tiny model on the shipped corpus with short sequences and tp=2 x dp=2, so a step takes
+a fraction of a second; every run shares one prepared corpus.
 
 Skipped, with the reason, only when the Slurm or munge programs are not installed (see
-slurm_cluster.INSTALL_HINT); the daemons need root.
+slurm_cluster.INSTALL_HINT) or when not root (the daemons run as root).
 """
 
 import json
@@ -58,7 +59,12 @@ def cluster():
 
 
 def job_env(cluster: LocalCluster, **extra: str) -> dict[str, str]:
-    return cluster.env(NPROC_PER_NODE="2", **extra)
+    """The jobs' environment: the scripts' knobs only as given here, never from the outside."""
+    env = cluster.env(NPROC_PER_NODE="2", **extra)
+    for knob in ("MASTER_ADDR", "MASTER_PORT", "RDZV_TIMEOUT", "MPCORE_DIR", "RANK", "WORLD_SIZE"):
+        if knob not in extra:
+            env.pop(knob, None)
+    return env
 
 
 def train_args(cluster: LocalCluster, run: str, *extra: str) -> list[str]:
