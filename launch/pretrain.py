@@ -8,8 +8,9 @@ the rest are overrides such as ``optimizer.lr=1e-3 parallel.tp=2``. Under torchr
 group uses NCCL on CUDA and gloo on CPU. Resumes from ``<checkpoint dir>/latest`` by itself, so
 ``torchrun --max-restarts K`` restarts a failed run from its last checkpoint.
 
-Exit codes: 0 done, or stopped by SIGTERM after saving a checkpoint (rerun to resume);
-2 a configuration or input error (the message says what to fix); 3 the run diverged
+Exit codes (of this process): 0 done, or stopped by SIGTERM after saving a checkpoint (rerun to
+resume; under torchrun the launcher itself catches SIGTERM and exits 1, so a scheduler sees a
+failed job even though the checkpoint is complete); 2 a configuration or input error (the message says what to fix); 3 the run diverged
 (training.max_bad_steps non-finite steps in a row; the last good checkpoint is kept).
 """
 

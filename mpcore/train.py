@@ -16,8 +16,8 @@ One optimizer step, on every rank:
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
 the first step boundary after SIGTERM. A SIGTERM handler only sets a flag; the ranks agree on it
 with one all-reduce per step, save, and :func:`fit` returns ``"preempted"``: launch/pretrain.py
-then exits with code 0 (torchrun and schedulers see a clean stop; rerunning the same command
-resumes from ``latest``). Resume is automatic when ``checkpoint.resume`` and ``latest`` exist.
+then exits with code 0 (rerunning the same command resumes from ``latest``). Under torchrun
+the launcher catches SIGTERM itself and exits 1: the job looks failed, the checkpoint is whole. Resume is automatic when ``checkpoint.resume`` and ``latest`` exist.
 """
 
 from __future__ import annotations
