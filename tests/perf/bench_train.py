@@ -107,7 +107,14 @@ def bench_mpcore(args) -> dict:
                           dp_rank=state.dp_rank)
     run = build(cfg, state, device, loader=loader)
     trainer = Trainer(run)
-    result = _timed(lambda: trainer.train_step()[0], args.steps, args.warmup)
+
+    def forward_backward() -> float:  # the model alone: no grad norm, no optimizer step
+        loss = trainer._forward_backward(run.loader.next_step())
+        run.optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    step = forward_backward if args.forward_backward_only else lambda: trainer.train_step()[0]
+    result = _timed(step, args.steps, args.warmup)
     tokens = args.seq * args.micro_batch * state.dp  # per step, whole world
     result["tokens_per_s_per_gpu"] = tokens / (result["step_ms"] / 1e3) / state.world_size
     result["layout"] = {"tp": state.tp, "cp": state.cp, "dp": state.dp,
@@ -150,8 +157,9 @@ def bench_hf(args, liger: bool) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
-        optimizer.step()
+        if not args.forward_backward_only:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
@@ -178,6 +186,8 @@ def parse_args(argv):
     parser.add_argument("--data-parallel", default="fsdp", choices=["fsdp", "ddp"])
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="only time mpcore")
+    parser.add_argument("--forward-backward-only", action="store_true",
+                        help="time forward + backward only (no clipping, no optimizer step)")
     parser.add_argument("--run-dir", default="/tmp/bench_train_run")
     return parser.parse_args(argv)
 
@@ -192,7 +202,8 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "world_size": world, "shape": "llama3_1b", "seq": args.seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
-              "activation_checkpointing": args.activation_checkpointing}
+              "activation_checkpointing": args.activation_checkpointing,
+              "forward_backward_only": args.forward_backward_only}
     report["mpcore"] = bench_mpcore(args)
     _free()
     if world == 1 and not args.skip_hf:

@@ -1,0 +1,25 @@
+"""Benchmark: forward + backward of the Llama-3.2-1B shape, mpcore vs transformers (+ liger).
+
+    python tests/perf/bench_model.py [OUT.json] [--steps 20] [--seq 4096] [--micro-batch 4]
+
+The model alone (issue: decoder models): ``bench_train.py`` with ``--forward-backward-only``,
+so both sides build, feed and autocast exactly as in the training benchmark, without gradient
+clipping and optimizer steps. Tokens/s and peak memory per side; JSON to OUT (default
+tests/perf/results/model_h200.json).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_train  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "model_h200.json"
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if not argv or argv[0].startswith("--"):
+        argv = [str(DEFAULT_OUT), *argv]
+    sys.exit(bench_train.main([*argv, "--forward-backward-only"]))
