@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mpcore.dist import ProcessGroup, group_size
+from parallel.collectives import reduce_from_tp
 
 __all__ = ["global_mean_loss", "global_valid_count", "loss_share", "sum_over_group",
            "valid_mask"]
@@ -102,18 +103,6 @@ def loss_share(per_token_loss: torch.Tensor, labels_or_valid_mask: torch.Tensor,
     return masked.sum() / count.to(per_token_loss.dtype)
 
 
-class _SumShares(torch.autograd.Function):
-    """forward: SUM all-reduce over the group; backward: identity (each rank keeps its share)."""
-
-    @staticmethod
-    def forward(ctx, share, group):
-        return sum_over_group(share, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def global_mean_loss(per_token_loss: torch.Tensor, labels_or_valid_mask: torch.Tensor,
                      group: ProcessGroup | None, ignore_index: int = -100) -> torch.Tensor:
     """Global mean over valid labels of one micro-batch step, over ``group`` (dp_cp).
@@ -125,4 +114,6 @@ def global_mean_loss(per_token_loss: torch.Tensor, labels_or_valid_mask: torch.T
     """
     count = global_valid_count(labels_or_valid_mask, group, ignore_index)
     share = loss_share(per_token_loss, labels_or_valid_mask, count, ignore_index)
-    return _SumShares.apply(share, group)
+    # Megatron's g over dp_cp: forward sum of the shares, backward identity (each rank keeps
+    # the gradient of its own share).
+    return reduce_from_tp(share, group)
