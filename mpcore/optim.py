@@ -12,7 +12,8 @@ over dp x cp by DDP. Every logical element must be counted once:
 
 with ``w = 1 / (tp ranks holding the element)`` (``LogicalLayout.norm_weight``) and R = the tp
 group (gradients replicated over dp x cp) or the whole world (FSDP: each dp x cp rank holds a
-disjoint dim-0 slice). One fp32 all-reduce per step.
+disjoint dim-0 slice). One all-gather of one fp32 scalar per rank per step, summed in rank order
+(bit-reproducible across runs).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import Config
 from mpcore.dist import ProcessGroup, group_size
 from mpcore.logical import LogicalLayout
+from parallel.collectives import all_gather
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +72,21 @@ def lr_at(step: int, cfg: Config) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def _sum_in_rank_order(value: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum of a scalar over ``group`` (None: the world), added in rank order on every rank.
+
+    An all-reduce may add the partial sums in an order that depends on the backend's algorithm
+    and timing; the clipping coefficient would then differ in the last bits between two runs of
+    the same seed (seen across two Slurm nodes with gloo). Gathering the few scalars and adding
+    them in a fixed order makes the norm bit-reproducible for the same cost (one collective).
+    """
+    parts = all_gather(value.reshape(1), 0, dist.group.WORLD if group is None else group)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 class GradNorm:
@@ -120,9 +137,9 @@ class GradNorm:
             if p.grad is not None and _local(p.grad).numel():
                 total = total + (_local(p.grad).float().square() * w).sum()
         if self.world_reduce and dist.is_initialized():
-            dist.all_reduce(total)
+            total = _sum_in_rank_order(total, None)
         elif group_size(self.group) > 1:
-            dist.all_reduce(total, group=self.group)
+            total = _sum_in_rank_order(total, self.group)
         return total.sqrt()
 
     @torch.no_grad()
