@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for the benchmarks that still need numbers (see tests/perf/NOTES.md).
+#   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
+#   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
+# Carry .whl (../shared/scripts/fetch-peer-wheels) for the liger-kernel baseline. JSON and logs
+# go to $OUT (the device tool brings them back) or tests/perf/results/.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-tests/perf/results}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+run() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "   exit $? ($(grep -cE 'Error|error' "$out/$name.log") error lines)"
+  grep -E '"tokens_per_s_per_gpu"|"peak_gib"|speedup|memory_ratio' "$out/$name.log" | head -8
+}
+if [ "${1:-}" = x2 ]; then
+  two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
+  run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3
+  run train_cp2_ring 240 "${two[@]}" "$out/train_h200x2_cp2_ring.json" --cp 2 --cp-mode ring \
+    --steps 10 --warmup 3
+  run train_cp2_ulysses 240 "${two[@]}" "$out/train_h200x2_cp2_ulysses.json" --cp 2 \
+    --cp-mode ulysses --steps 10 --warmup 3
+  run train_dp2_fsdp 240 "${two[@]}" "$out/train_h200x2_dp2_fsdp.json" --steps 10 --warmup 3
+else
+  run model 240 python tests/perf/bench_model.py "$out/model_h200.json" --steps 10 --warmup 3
+  run train 240 python tests/perf/bench_train.py "$out/train_h200.json" --steps 10 --warmup 3
+fi
