@@ -187,9 +187,15 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceFromParallel.apply(x, group)
 
 
+def gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward all-gather along ``dim`` in rank order, backward keep this rank's slice: for a
+    result that every rank of ``group`` then uses identically."""
+    return x if group_size(group) == 1 else _Gather.apply(x, dim % x.dim(), group)
+
+
 def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[..., F/tp] -> [..., F]``: forward all-gather on the last dim, backward split."""
-    return x if group_size(group) == 1 else _Gather.apply(x, x.dim() - 1, group)
+    return gather_along(x, -1, group)
 
 
 def scatter_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -210,7 +216,7 @@ def sp_all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def sp_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[T/tp, ...] -> [T, ...]``: forward all-gather tokens, backward keep own slice. For
     outputs that each rank then uses identically (e.g. a replicated final result)."""
-    return x if group_size(group) == 1 else _Gather.apply(x, 0, group)
+    return gather_along(x, 0, group)
 
 
 def sp_reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from mpcore.dist import ProcessGroup, group_rank, group_size
+from mpcore.dist import ProcessGroup, group_size
+from parallel.collectives import gather_along
 from parallel.labels import check_cu_seqlens
 
 __all__ = ["LAYOUTS", "Chunk", "ContextPlan", "RankLayout", "split_batch"]
@@ -260,25 +260,8 @@ class ContextPlan:
         dim = self._check_local(local, dim, "local")
         if self.cp == 1:
             return self._reorder(local, dim)
-        stacked = _AllGatherTokens.apply(local, group, dim)
+        stacked = gather_along(local, dim, group)
         return self._reorder(stacked, dim)
-
-
-class _AllGatherTokens(torch.autograd.Function):
-    """forward: all-gather along ``dim`` in rank order; backward: this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, local, group, dim):
-        ctx.group, ctx.dim, ctx.length = group, dim, local.shape[dim]
-        local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(group_size(group))]
-        dist.all_gather(parts, local, group=group)
-        return torch.cat(parts, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = group_rank(ctx.group) * ctx.length
-        return grad.narrow(ctx.dim, start, ctx.length), None, None
 
 
 def _pad_value(key: str, tensor: torch.Tensor, ignore_index: int, pad_id: int, pad_values):
