@@ -190,7 +190,8 @@ class VocabParallelEmbedding(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
         if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())  # CPU-GPU sync point: worth it, see DESIGN
+            # One CPU-GPU sync per call: an id outside the vocab must raise, not embed zeros.
+            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"token id {hi if hi >= self.num_embeddings else lo} is outside "
                                  f"the vocab [0, {self.num_embeddings}); check the tokenizer and "
