@@ -24,13 +24,23 @@ def _worker(fn, rank, world_size, store_path, results, args):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # world_size processes share CI's 2 cores
+    ok = False
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        results.put((rank, True, fn(rank, world_size, *args)))
+        ok = True
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
+    try:
+        if ok:
+            # Leave together: a rank that tore its process group down while a peer was still
+            # connecting a group (new_group is collective) made that peer fail with
+            # "Connection closed by peer" (seen on CI). If a peer failed, this barrier fails
+            # too, and that peer's own traceback is what the parent reports.
+            dist.barrier()
+    except Exception:  # noqa: BLE001
+        pass
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
