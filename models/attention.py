@@ -25,7 +25,7 @@ from models.config import ModelConfig
 from models.norm import RMSNorm
 from models.rope import apply_rope
 from mpcore.dist import ProcessGroup, group_size
-from parallel.attention import context_attention
+from parallel.attention import AttentionPlan, context_attention
 from parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
@@ -111,18 +111,16 @@ class QKVProjection(ColumnParallelLinear):
 
 
 class Attention(nn.Module):
-    """Self-attention of one decoder layer (module docstring). ``tp_group`` shards heads,
-    ``cp_group`` with ``cp_mode`` spreads the sequence."""
+    """Self-attention of one decoder layer (module docstring). ``tp_group`` shards heads; the
+    cp group and mode that spread the sequence come with the forward's ``AttentionPlan``."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None,
-                 cp_group: ProcessGroup | None, cp_mode: str, sequence_parallel: bool,
-                 device=None, dtype=None):
+                 sequence_parallel: bool, device=None, dtype=None):
         super().__init__()
         tp = group_size(tp_group)
         self.head_dim = cfg.head_dim
         self.num_local_heads = cfg.num_heads // tp
         self.num_local_kv_heads = cfg.local_kv_heads(tp)
-        self.cp_group, self.cp_mode = cp_group, cp_mode
         self.wqkv = QKVProjection(cfg, group=tp_group, sequence_parallel=sequence_parallel,
                                   device=device, dtype=dtype)
         self.wo = RowParallelLinear(cfg.q_size, cfg.hidden_size, group=tp_group,
@@ -136,9 +134,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                packing) -> torch.Tensor:
-        """``x [L(/tp), hidden]``, ``cos, sin [L, D]``, ``packing`` (doc_id, positions_in_doc,
-        cu_seqlens) of the L local tokens -> ``[L(/tp), hidden]``."""
+                plan: AttentionPlan) -> torch.Tensor:
+        """``x [L(/tp), hidden]``, ``cos, sin [L, D]``, ``plan``: the attention metadata of the
+        L local tokens (made once per forward by the model, with this layer's cp group and
+        mode) -> ``[L(/tp), hidden]``."""
         d = self.head_dim
         q_width, kv_width = self.num_local_heads * d, self.num_local_kv_heads * d
         q, k, v = self.wqkv(x).split([q_width, kv_width, kv_width], dim=-1)
@@ -151,7 +150,5 @@ class Attention(nn.Module):
         # Under autocast the projections are bf16 but fp32 norm weights and rope tables promote
         # q and k back to fp32; attention runs in the projections' dtype, as SDPA would.
         q, k = q.to(v.dtype), k.to(v.dtype)
-        out = context_attention(q, k, v, doc_id=packing.doc_id, pos=packing.positions_in_doc,
-                                cu_seqlens=packing.cu_seqlens, mode=self.cp_mode,
-                                group=self.cp_group, softmax_scale=d ** -0.5)
+        out = context_attention(q, k, v, plan=plan, softmax_scale=d ** -0.5)
         return self.wo(out.reshape(out.shape[0], q_width))

@@ -29,6 +29,7 @@ from models.mlp import FeedForward
 from models.norm import RMSNorm
 from models.rope import RotaryEmbedding
 from mpcore.dist import ParallelState
+from parallel.attention import AttentionPlan
 from parallel.collectives import copy_to_tp, sp_all_gather
 from parallel.head import OUTPUTS, OutputWeight, head_forward
 from parallel.layers import VocabParallelEmbedding
@@ -47,20 +48,19 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then SwiGLU feed-forward."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bool,
-                 cp_mode: str, dtype=None):
+                 dtype=None):
         super().__init__()
         norm = dict(group=state.tp_group, sum_grad_over_tp=sequence_parallel and state.tp > 1,
                     dtype=dtype)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
-        self.attention = Attention(cfg, tp_group=state.tp_group, cp_group=state.cp_group,
-                                   cp_mode=cp_mode, sequence_parallel=sequence_parallel,
-                                   dtype=dtype)
+        self.attention = Attention(cfg, tp_group=state.tp_group,
+                                   sequence_parallel=sequence_parallel, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.feed_forward = FeedForward(cfg, tp_group=state.tp_group,
                                         sequence_parallel=sequence_parallel, dtype=dtype)
 
-    def forward(self, h, cos, sin, packing: Packing):
-        h = h + self.attention(self.attention_norm(h), cos, sin, packing)
+    def forward(self, h, cos, sin, plan: AttentionPlan):
+        h = h + self.attention(self.attention_norm(h), cos, sin, plan)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -75,6 +75,7 @@ class Transformer(nn.Module):
         if state.cp > 1 and cp_mode == "none":
             raise ValueError(f"cp = {state.cp} needs cp_mode 'ring' or 'ulysses', got 'none'")
         self.cfg, self.tp, self.tp_group = cfg, state.tp, state.tp_group
+        self.cp_group, self.cp_mode = state.cp_group, cp_mode
         self.sequence_parallel = sequence_parallel and state.tp > 1
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = VocabParallelEmbedding(
@@ -82,8 +83,8 @@ class Transformer(nn.Module):
             sequence_parallel=self.sequence_parallel, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, cp_mode=cp_mode,
-                         dtype=dtype) for _ in range(cfg.num_layers))
+            DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, dtype=dtype)
+            for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
                             sum_grad_over_tp=self.sequence_parallel, dtype=dtype)
         self.output = None if cfg.tie_embeddings else OutputWeight(
@@ -134,13 +135,16 @@ class Transformer(nn.Module):
         """
         packing = _packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
         self._check_inputs(input_ids, position_ids, packing, labels, output)
+        # Checked and planned once for all layers (no per-layer sync or cp metadata gather).
+        plan = AttentionPlan(packing.doc_id, packing.positions_in_doc, packing.cu_seqlens,
+                             mode=self.cp_mode, group=self.cp_group)
         h = self.tok_embeddings(input_ids)  # (L or L/tp, hidden); raises on ids out of vocab
         cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, packing, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, plan, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, packing)
+                h = layer(h, cos, sin, plan)
         h = self.norm(h)
         # The head's kernels return partial hidden grads: both mappings sum them over tp.
         h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(

@@ -109,5 +109,10 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if doc_k is None or pos_k is None:
         doc_k, pos_k = doc_q, pos_q
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    block = plan_block(q, doc_q, pos_q, doc_k, pos_k, cu_seqlens)
+    return attend_block(q, k, v, plan_block(q, doc_q, pos_q, doc_k, pos_k, cu_seqlens), scale)
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,
+                 scale: float):
+    """:func:`attention_with_lse` with the block already planned (``plan_block``)."""
     return _Attention.apply(q, k, v, block, scale)

@@ -89,6 +89,25 @@ class _RingAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
 
 
+def plan_ring(q: torch.Tensor, doc_id: torch.Tensor, pos: torch.Tensor,
+              group: ProcessGroup | None, cu_seqlens: torch.Tensor | None = None) -> list[Block]:
+    """The ``cp`` blocks of the ring for ``q``'s path (step s: this rank's queries over the
+    keys of rank ``rank - s``). All-gathers the metadata: a collective over ``group``."""
+    cp, rank = group_size(group), group_rank(group)
+    docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T) each, on the CPU
+    me = (docs[rank], poss[rank])
+    blocks = [plan_block(q, *me, *me, cu_seqlens)]
+    blocks += [plan_block(q, *me, docs[(rank - s) % cp], poss[(rank - s) % cp])
+               for s in range(1, cp)]
+    return blocks
+
+
+def ring_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],
+                scale: float, group: ProcessGroup | None):
+    """Ring attention over planned ``blocks`` (:func:`plan_ring`); ``(out, lse)``."""
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), blocks, scale, group)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, doc_id: torch.Tensor,
                    pos: torch.Tensor, group: ProcessGroup | None,
                    cu_seqlens: torch.Tensor | None = None,
@@ -103,10 +122,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, doc_id:
     are validated by ``context_attention``.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    cp, rank = group_size(group), group_rank(group)
-    docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T) each, on the CPU
-    me = (docs[rank], poss[rank])
-    blocks = [plan_block(q, *me, *me, cu_seqlens)]
-    blocks += [plan_block(q, *me, docs[(rank - s) % cp], poss[(rank - s) % cp])
-               for s in range(1, cp)]
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), blocks, scale, group)
+    return ring_attend(q, k, v, plan_ring(q, doc_id, pos, group, cu_seqlens), scale, group)

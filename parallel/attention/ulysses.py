@@ -25,7 +25,7 @@ import torch
 
 from mpcore.dist import ProcessGroup, group_size
 from parallel.attention.comm import gather_metadata
-from parallel.attention.primitive import attention_with_lse
+from parallel.attention.primitive import Block, attend_block, plan_block
 from parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
 
 
@@ -36,18 +36,32 @@ def check_ulysses_heads(num_heads: int, cp: int) -> None:
                          f"cp={cp}; choose cp dividing {num_heads} or use mode='ring'")
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      doc_id: torch.Tensor, pos: torch.Tensor, group: ProcessGroup | None,
-                      softmax_scale: float | None = None) -> torch.Tensor:
-    """Causal attention within documents over the cp group's whole stream; returns this rank's
-    ``out [T, H, D]`` (q's dtype). Shapes are validated by ``context_attention``."""
+def plan_ulysses(q: torch.Tensor, doc_id: torch.Tensor, pos: torch.Tensor,
+                 group: ProcessGroup | None) -> Block:
+    """The block of the gathered (rank-major) stream for ``q``'s path. All-gathers the
+    metadata: a collective over ``group``."""
+    docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T): rank-major
+    flat_doc, flat_pos = docs.reshape(-1), poss.reshape(-1)
+    return plan_block(q, flat_doc, flat_pos, flat_doc, flat_pos)
+
+
+def ulysses_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,
+                   scale: float, group: ProcessGroup | None) -> torch.Tensor:
+    """Ulysses attention with the gathered stream's block planned (:func:`plan_ulysses`)."""
     cp = group_size(group)
     check_ulysses_heads(q.shape[1], cp)
     repeat = cp // math.gcd(k.shape[1], cp)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T): rank-major
     q_h, k_h, v_h = (all_to_all_tokens_to_heads(t.contiguous(), group) for t in (q, k, v))
-    out_h, _ = attention_with_lse(q_h, k_h, v_h, doc_q=docs.reshape(-1), pos_q=poss.reshape(-1),
-                                  softmax_scale=softmax_scale)
+    out_h, _ = attend_block(q_h, k_h, v_h, block, scale)
     return all_to_all_heads_to_tokens(out_h, group)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      doc_id: torch.Tensor, pos: torch.Tensor, group: ProcessGroup | None,
+                      softmax_scale: float | None = None) -> torch.Tensor:
+    """Causal attention within documents over the cp group's whole stream; returns this rank's
+    ``out [T, H, D]`` (q's dtype). Shapes are validated by ``context_attention``."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return ulysses_attend(q, k, v, plan_ulysses(q, doc_id, pos, group), scale, group)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from harness import run_distributed
 
 from mpcore.dist import ParallelState
-from parallel.attention import context_attention
+from parallel.attention import AttentionPlan, context_attention
 
 LENGTHS = [7, 1, 13, 4, 10]  # odd lengths and a length-1 document
 HEADS = [(4, 2), (4, 1), (6, 3)]  # (H, H_kv): GQA, H_kv < cp, H_kv not dividing cp
@@ -114,7 +114,41 @@ def _all_cases(rank, world):
                 results[case] = _one_case(rank, world, group, mode, layout, heads, kv_heads,
                                           seed)
     results["errors"] = _bad_inputs(rank, world, group)
+    results["plan"] = _plan_reuse(rank, world, group)
     return results
+
+
+def _plan_reuse(rank, world, group):
+    """One AttentionPlan serving three "layers": the metadata is gathered once per mode, and
+    every layer's output and gradients equal those of a call planned on its own."""
+    from parallel.attention import ring, ulysses
+
+    index, doc_id, pos = _split(LENGTHS, world, "zigzag")[rank]
+    gathers = []
+    for module in (ring, ulysses):
+        original = module.gather_metadata
+        def counting(*args, _original=original, **kwargs):
+            gathers.append(1)
+            return _original(*args, **kwargs)
+        module.gather_metadata = counting
+    diffs = {}
+    for mode in ("ring", "ulysses"):
+        plan = AttentionPlan(doc_id, pos, mode=mode, group=group)
+        gathers.clear()
+        worst = 0.0
+        for layer in range(3):
+            g = torch.Generator().manual_seed(100 * rank + layer)
+            q, k, v = (torch.randn(len(index), 4, 8, generator=g).requires_grad_()
+                       for _ in "qkv")
+            shared = context_attention(q, k, v, plan=plan)
+            grads = torch.autograd.grad(shared.sum(), (q, k, v))
+            alone = context_attention(q, k, v, doc_id=doc_id, pos=pos, mode=mode, group=group)
+            grads_alone = torch.autograd.grad(alone.sum(), (q, k, v))
+            worst = max([worst, (shared - alone).abs().max().item()]
+                        + [(a - b).abs().max().item() for a, b in zip(grads, grads_alone,
+                                                                     strict=True)])
+        diffs[mode] = (worst, len(gathers))  # 1 gather for the plan + 3 for the lone calls
+    return diffs
 
 
 def _bad_inputs(rank, world, group):
@@ -137,6 +171,8 @@ def _check(results):
         assert len(messages) == 2, messages
         assert "heads % cp == 0" in messages[0] and "mode='ring'" in messages[0]
         assert "mode='none'" in messages[1]
+        plan = r.pop("plan")
+        assert plan == {"ring": (0.0, 4), "ulysses": (0.0, 4)}, plan
     worst = {}
     for r in results:
         for case, diffs in r.items():

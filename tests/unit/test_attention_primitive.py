@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.attention import context_attention, flash, reference
+from parallel.attention import AttentionPlan, context_attention, flash, reference
 from parallel.attention.primitive import attention_with_lse, use_flash
 
 F64 = torch.float64
@@ -259,6 +259,32 @@ def test_context_attention_rejects_bad_input(change, match):
     args.update({name: fn(args[name]) for name, fn in change.items()})
     with pytest.raises(ValueError, match=match):
         context_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_attention_plan_is_checked_once_and_planned_once(monkeypatch):
+    """A model's layers share one AttentionPlan: the block is planned at the first layer only,
+    and every layer's result is that of a call planned on its own."""
+    from parallel.attention import api
+
+    q, k, v, doc, pos = _stream(LENGTHS, seed=3)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).int()
+    calls = []
+    original = api.plan_block
+    monkeypatch.setattr(api, "plan_block", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    plan = AttentionPlan(doc, pos, cu)
+    for scale in (0.1, 0.2, 0.3):
+        shared = context_attention(q * scale, k, v, plan=plan)
+        alone = context_attention(q * scale, k, v, doc_id=doc, pos=pos, cu_seqlens=cu)
+        assert torch.equal(shared, alone)
+    assert len(calls) == 4  # once for the plan, once for each of the three lone calls
+    with pytest.raises(ValueError, match="either a plan or"):
+        context_attention(q, k, v, plan=plan, doc_id=doc, pos=pos)
+    with pytest.raises(ValueError, match="doc_id and pos"):
+        context_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"\[T_local\] = \[24\] like q"):
+        context_attention(q[:24], k[:24], v[:24], plan=plan)
+    with pytest.raises(ValueError, match="increase strictly"):
+        AttentionPlan(doc, pos, torch.tensor([0, 9, 9, 25]))
 
 
 def test_query_chunk_without_any_key_of_its_document():
