@@ -1,11 +1,13 @@
 """Benchmark: forward + backward of the Llama-3.2-1B shape, mpcore vs transformers (+ liger).
 
-    python tests/perf/bench_model.py [OUT.json] [--steps 20] [--seq 4096] [--micro-batch 4]
+    python tests/perf/bench_model.py [OUT.json] [--config PATH] [--steps 20] [--seq 4096]
+        [--micro-batch 4]   (any other bench_train.py option too, torchrun layouts included)
 
 The model alone (issue: decoder models): ``bench_train.py`` with ``--forward-backward-only``,
 so both sides build, feed and autocast exactly as in the training benchmark, without gradient
 clipping and optimizer steps. Tokens/s and peak memory per side; JSON to OUT (default
-tests/perf/results/model_h200.json).
+tests/perf/results/model_h200.json). Without CUDA it runs on the CPU as bench_train.py does
+(tests/unit/test_bench_smoke.py runs it that way with launch/configs/tiny.yaml).
 """
 
 from __future__ import annotations

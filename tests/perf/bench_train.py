@@ -1,21 +1,27 @@
 """Benchmark: training steps of the Llama-3.2-1B shape, mpcore vs transformers (+ liger-kernel).
 
 Usage (one GPU, both sides in one run):
-    python tests/perf/bench_train.py [OUT.json] [--steps 20] [--warmup 5] [--seq 4096]
-        [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
+    python tests/perf/bench_train.py [OUT.json] [--config PATH] [--steps 20] [--warmup 5]
+        [--seq 4096] [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
 Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
     torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
         neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
 
 mpcore runs through pretrain's own code path (``mpcore.build.build`` + ``Trainer.train_step``:
 label shift, CP split, loss over the global valid-token count, true global grad norm, clipping,
-fused AdamW, fp32 master weights + bf16 autocast) on launch/configs/llama3_1b.yaml, with random
-token data instead of the corpus (one document per sample, ``micro_batch`` samples of ``seq``
-tokens per step on each dp rank). The baselines: ``LlamaForCausalLM`` of the same shape (tied,
-rope theta 500000 with llama3 scaling), fp32 parameters, bf16 autocast, SDPA attention, fused
-AdamW with the same hyper-parameters, gradient clipping at 1.0, the same token batches
-``[micro_batch, seq]``; then again with liger-kernel's Llama patches (fused linear cross entropy,
-RMSNorm, SwiGLU, RoPE) when liger_kernel imports, else reported as missing.
+fused AdamW, fp32 master weights + bf16 autocast) on ``--config`` (default
+launch/configs/llama3_1b.yaml), with random token data instead of the corpus (one document per
+sample, ``micro_batch`` samples of ``seq`` tokens per step on each dp rank). The baselines:
+``LlamaForCausalLM`` of the same shape (``models.hf_config_dict`` of the config: tied, rope
+theta 500000 with llama3 scaling for the default), fp32 parameters, bf16 autocast, SDPA
+attention, fused AdamW with the same hyper-parameters, gradient clipping at 1.0, the same token
+batches ``[micro_batch, seq]``; then again with liger-kernel's Llama patches (fused linear cross
+entropy, RMSNorm, SwiGLU, RoPE) when liger_kernel imports, else reported as missing.
+
+Without CUDA (a smoke check, e.g. tests/unit/test_bench_smoke.py with launch/configs/tiny.yaml)
+both sides run on the CPU the way pretrain does there: fp32 without autocast, unfused AdamW,
+gloo under torchrun. The JSON's ``device`` is then "cpu", ``peak_gib`` is null (there is no
+allocator peak to read) and ``tokens_per_s_per_gpu`` is per process.
 
 Reported per side: median step time over ``--steps`` timed steps (after ``--warmup``), tokens/s
 per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
@@ -28,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -40,7 +45,9 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from mpcore.build import build, resolve_device, setup  # noqa: E402
+from launch.pretrain import init_distributed  # noqa: E402
+from models import hf_config_dict  # noqa: E402
+from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
 
@@ -74,20 +81,32 @@ class RandomTokens:
         return {}
 
 
+def _device_kind() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(step, steps: int, warmup: int) -> dict:
-    """Run ``step()`` (returns a loss float) warmup + steps times; median time, peak memory."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    """Run ``step()`` (returns a loss float) warmup + steps times; median time, peak memory
+    (CUDA's allocator peak; None on CPU)."""
+    cuda = torch.cuda.is_available()
+    _sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
     for i in range(warmup + steps):
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         losses.append(step())  # the float() inside syncs
-        torch.cuda.synchronize()
+        _sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return {"step_ms": 1e3 * statistics.median(times),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "first_loss": losses[0], "last_loss": losses[-1]}
 
 
@@ -97,11 +116,11 @@ def bench_mpcore(args) -> dict:
                  f"parallel.cp_mode={args.cp_mode}", f"parallel.data_parallel={args.data_parallel}",
                  f"parallel.sequence_parallel={args.tp > 1}",
                  f"parallel.activation_checkpointing={args.activation_checkpointing}",
-                 "training.device=cuda", "training.dtype=bfloat16", "checkpoint.resume=false",
-                 "checkpoint.every=0", "optimizer.backend=torch", "schedule.warmup_steps=10",
-                 f"logging.run_dir={args.run_dir}"]
-    cfg = load_config(CONFIG, overrides)
-    state = setup(cfg, str(CONFIG))
+                 f"training.device={_device_kind()}", "training.dtype=bfloat16",
+                 "checkpoint.resume=false", "checkpoint.every=0", "optimizer.backend=torch",
+                 "schedule.warmup_steps=10", f"logging.run_dir={args.run_dir}"]
+    cfg = load_config(args.config, overrides)
+    state = setup(cfg, str(args.config))
     device = resolve_device(cfg)
     loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0,
                           dp_rank=state.dp_rank)
@@ -123,17 +142,19 @@ def bench_mpcore(args) -> dict:
     return result  # the model and optimizer go with this frame
 
 
-def _hf_config(cfg):
+def _hf_config(cfg, source: str):
+    """transformers' LlamaConfig of ``cfg``'s model (the fields pretrain's HF export writes)."""
     from transformers import LlamaConfig
 
-    m = cfg.model
-    return LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=m.rms_norm_eps,
-        max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=m.tie_embeddings,
-        rope_theta=m.rope_theta, rope_scaling={**m.rope_scaling, "rope_type": "llama3"},
-        attention_bias=False, mlp_bias=False, use_cache=False)
+    _, model_cfg = resolve_model_config(cfg)
+    fields = hf_config_dict(model_cfg)
+    arch = fields.pop("architectures")[0]
+    fields.pop("model_type")
+    if arch != "LlamaForCausalLM":
+        raise ValueError(f"{source}: the HF baseline is LlamaForCausalLM (and liger's Llama "
+                         f"patches) but this model exports as {arch}; pass --skip-hf or a "
+                         f"Llama-shaped config")
+    return LlamaConfig(**fields, use_cache=False)
 
 
 def bench_hf(args, liger: bool) -> dict:
@@ -143,25 +164,28 @@ def bench_hf(args, liger: bool) -> dict:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
-    cfg = load_config(CONFIG)
+    cfg = load_config(args.config)
+    device = torch.device(_device_kind())
+    cuda = device.type == "cuda"  # as pretrain: bf16 autocast and fused AdamW on CUDA only
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(_hf_config(cfg), attn_implementation="sdpa").cuda()
+    model = LlamaForCausalLM._from_config(_hf_config(cfg, str(args.config)),
+                                          attn_implementation="sdpa").to(device)
     model.train()
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                  eps=opt.eps, weight_decay=opt.weight_decay, fused=True)
+                                  eps=opt.eps, weight_decay=opt.weight_decay, fused=cuda or None)
     loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0)
 
     def step() -> float:
-        ids = loader.tokens().cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        ids = loader.tokens().to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if not args.forward_backward_only:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     result = _timed(step, args.steps, args.warmup)
     result["tokens_per_s_per_gpu"] = args.seq * args.micro_batch / (result["step_ms"] / 1e3)
@@ -170,12 +194,15 @@ def bench_hf(args, liger: bool) -> dict:
 
 def _free() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
+    parser.add_argument("--config", type=Path, default=CONFIG,
+                        help="model config (default: launch/configs/llama3_1b.yaml)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seq", type=int, default=4096)
@@ -194,19 +221,21 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and not dist.is_initialized():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+    init_distributed()  # pretrain's: NCCL on CUDA, gloo on CPU
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "world_size": world, "shape": "llama3_1b", "seq": args.seq,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = {"device": device, "torch": torch.__version__,
+              "world_size": world, "shape": args.config.stem, "seq": args.seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
               "activation_checkpointing": args.activation_checkpointing,
               "forward_backward_only": args.forward_backward_only}
+    hf = world == 1 and not args.skip_hf
+    if hf:  # a config the baseline cannot build fails here, before the mpcore run
+        _hf_config(load_config(args.config), str(args.config))
     report["mpcore"] = bench_mpcore(args)
     _free()
-    if world == 1 and not args.skip_hf:
+    if hf:
         import transformers
 
         report["transformers_version"] = transformers.__version__
@@ -217,13 +246,17 @@ def main(argv=None) -> int:
         except ImportError as e:
             report["hf_liger"] = {"missing": str(e)}
         else:
-            report["hf_liger"] = bench_hf(args, liger=True)
-            _free()
+            if torch.cuda.is_available():
+                report["hf_liger"] = bench_hf(args, liger=True)
+                _free()
+            else:  # its Triton kernels take CUDA tensors only
+                report["hf_liger"] = {"missing": "liger-kernel imports but needs CUDA"}
         base = report["hf_liger"] if "step_ms" in report["hf_liger"] else report["hf"]
         report["speedup_vs_best_baseline"] = (report["mpcore"]["tokens_per_s_per_gpu"]
                                               / base["tokens_per_s_per_gpu"])
-        report["memory_ratio_vs_best_baseline"] = (report["mpcore"]["peak_gib"]
-                                                   / base["peak_gib"])
+        peak, base_peak = report["mpcore"]["peak_gib"], base["peak_gib"]
+        report["memory_ratio_vs_best_baseline"] = (None if peak is None or base_peak is None
+                                                   else peak / base_peak)
     if rank == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
