@@ -5,14 +5,19 @@ column-parallel ``[gate; up]`` projection (parts ``[I, I]``, so rank r holds ``[
 ``[2 * I / tp, hidden]``); ``silu(gate) * up`` is ``[L, I / tp]``; the row-parallel ``w2`` sums
 the partial outputs over the tp group: ``[L, hidden]`` (all-reduce) or ``[L / tp, hidden]``
 (reduce-scatter under SP).
+
+The activation is ``kernels.swiglu`` on w13's ``[L, 2 * I / tp]`` output as it stands (gate in
+the first half, up in the second, per rank): one fused pass each way on CUDA, and only that
+output is saved for backward, not ``silu(gate)`` too as eager autograd would (an ``[L, I / tp]``
+less per layer: 256 MiB at 16k tokens x 8192 in bf16). Same rounding as eager ``F.silu(gate) * up``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.swiglu import swiglu
 from models.config import ModelConfig
 from mpcore.dist import ProcessGroup
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -34,5 +39,4 @@ class FeedForward(nn.Module):
                                     dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)  # (L, I/tp) each
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(self.w13(x)))  # (L, 2I/tp) -> (L, I/tp) -> w2
