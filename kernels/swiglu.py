@@ -44,10 +44,9 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
-    gu_ptr, y_ptr, gu_row_stride, y_row_stride, num_rows, inter,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-):  # fmt: skip
+def _load_tile(gu_ptr, gu_row_stride, num_rows, inter, BLOCK_M: tl.constexpr,
+               BLOCK_I: tl.constexpr):
+    """This program's tile: row and column indices, mask, gate and up in float32."""
     # int64 rows, so row offsets cannot overflow at 16k tokens x 2 * I.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -55,6 +54,15 @@ def _swiglu_fwd_kernel(
     gate_offs = rows[:, None] * gu_row_stride + cols[None, :]
     g = tl.load(gu_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + gate_offs + inter, mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, mask, g, u
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    gu_ptr, y_ptr, gu_row_stride, y_row_stride, num_rows, inter,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
+    rows, cols, mask, g, u = _load_tile(gu_ptr, gu_row_stride, num_rows, inter, BLOCK_M, BLOCK_I)
     # Round silu(g) to the input dtype before the multiply, as eager PyTorch does.
     silu = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
     y = silu * u
@@ -67,12 +75,7 @@ def _swiglu_bwd_kernel(
     gu_ptr, dy_ptr, dgu_ptr, gu_row_stride, dy_row_stride, dgu_row_stride, num_rows, inter,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = (rows < num_rows)[:, None] & (cols < inter)[None, :]
-    gate_offs = rows[:, None] * gu_row_stride + cols[None, :]
-    g = tl.load(gu_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + gate_offs + inter, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _load_tile(gu_ptr, gu_row_stride, num_rows, inter, BLOCK_M, BLOCK_I)
     dy_offs = rows[:, None] * dy_row_stride + cols[None, :]
     dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
     denom = 1.0 + tl.exp(-g)
