@@ -206,11 +206,27 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, 
     return dq, dk, dv
 
 
+def _whole(calls: list[FlashCall]) -> FlashCall | None:
+    """The one call when a single call covers every query and key row in order (the local
+    causal step of a model: nothing to gather, scatter or merge), else None."""
+    if len(calls) == 1 and calls[0].q_index is None and calls[0].k_index is None:
+        return calls[0]
+    return None
+
+
 def run_forward(q, k, v, calls: list[FlashCall], scale: float, kernel=flash_forward):
-    """Execute planned calls; returns ``out [T, H, D]`` and ``lse [H, T]`` in fp32 (rows no
-    call covers: 0 and -inf). ``kernel`` has ``flash_forward``'s signature."""
+    """Execute planned calls; returns ``out [T, H, D]`` and ``lse [H, T]`` (rows no call
+    covers: 0 and -inf). ``out`` is in the accumulation dtype (fp32) when partial results are
+    merged, and the kernel's own output (q's dtype) when one call covers every row: the merge
+    would return it unchanged, after five passes over ``[T, H, D]`` in fp32. ``kernel`` has
+    ``flash_forward``'s signature."""
     num_q, num_heads, dim = q.shape
     acc = compute_dtype(q.dtype)
+    whole = _whole(calls)
+    if whole is not None:
+        o, lse_c = kernel(q.contiguous(), k.contiguous(), v.contiguous(), whole.cu_q,
+                          whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale)
+        return o, lse_c.to(acc)
     out = torch.zeros(num_q, num_heads, dim, dtype=acc, device=q.device)
     lse = torch.full((num_heads, num_q), float("-inf"), dtype=acc, device=q.device)
     for c in calls:
@@ -225,8 +241,14 @@ def run_forward(q, k, v, calls: list[FlashCall], scale: float, kernel=flash_forw
 def run_backward(dout, q, k, v, out, lse, calls: list[FlashCall], scale: float,
                  kernel=flash_backward):
     """Gradients through planned calls given the final ``out``/``lse``; returns ``dq``, ``dk``,
-    ``dv`` in fp32 (the contribution of these keys)."""
+    ``dv`` (the contribution of these keys) in the accumulation dtype (fp32), or as the kernel
+    gives them (the inputs' dtype) when one call covers every row."""
     acc = compute_dtype(q.dtype)
+    whole = _whole(calls)
+    if whole is not None:
+        return kernel(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                      out.to(q.dtype).contiguous(), lse.to(acc).contiguous(), whole.cu_q,
+                      whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)

@@ -61,16 +61,18 @@ def plan_block(q: torch.Tensor, doc_q, pos_q, doc_k, pos_k,
 
 
 def block_forward(q, k, v, block: Block, scale: float):
-    """``out [T, H, D]`` and ``lse [H, T]`` in the accumulation dtype (fp32) for one block;
-    rows that see nothing get 0 and -inf. No autograd."""
+    """``out [T, H, D]`` and ``lse [H, T]`` for one block (lse in the accumulation dtype, fp32;
+    out too, or in q's dtype where ``flash.run_forward`` says so); rows that see nothing get
+    0 and -inf. No autograd."""
     if block.calls is not None:
         return flash.run_forward(q, k, v, block.calls, scale)
     return reference_forward(q, k, v, *block.meta, scale)
 
 
 def block_backward(dout, q, k, v, out, lse, block: Block, scale: float):
-    """``dq [T, H, D]``, ``dk, dv [S, H_kv, D]`` (accumulation dtype) of one block, given the
-    final ``out`` and ``lse`` of every query row over all blocks. No autograd."""
+    """``dq [T, H, D]``, ``dk, dv [S, H_kv, D]`` of one block (accumulation dtype, or the
+    inputs' where ``flash.run_backward`` says so), given the final ``out`` and ``lse`` of every
+    query row over all blocks. No autograd."""
     if block.calls is not None:
         return flash.run_backward(dout, q, k, v, out, lse, block.calls, scale)
     return reference_backward(dout, q, k, v, out, lse, *block.meta, scale)

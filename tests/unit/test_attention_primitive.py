@@ -192,6 +192,43 @@ def test_flash_plans_compute_the_masked_attention():
             torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11, msg=f"{name} {n}")
 
 
+def test_one_call_covering_every_row_skips_the_merge():
+    """The local causal step (one call, rows in order) returns the kernel's results as they
+    are, equal to what the general path (scatter, fp32 merge, cast back) makes of them."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(24, 4, 8, generator=g)
+    k, v = (torch.randn(24, 2, 8, generator=g) for _ in range(2))
+    (call,) = flash.plan_cu_seqlens(torch.tensor([0, 9, 10, 24]), "cpu")
+    returned = []
+
+    def bf16_forward(*args):  # a kernel whose output is in a lower dtype than fp32
+        out, lse = _emulated_forward(*args)
+        returned.append(out.to(torch.bfloat16))
+        return returned[-1], lse
+
+    def bf16_backward(*args):
+        grads = tuple(t.to(torch.bfloat16) for t in _emulated_backward(*args))
+        returned.append(grads)
+        return grads
+
+    indexed = replace(call, q_index=torch.arange(24), k_index=torch.arange(24))
+    out, lse = flash.run_forward(q, k, v, [call], 0.4, kernel=bf16_forward)
+    assert out is returned[-1]  # no copy, no merge
+    out_general, lse_general = flash.run_forward(q, k, v, [indexed], 0.4, kernel=bf16_forward)
+    assert out_general.dtype == torch.float32
+    assert torch.equal(out, out_general.to(out.dtype)) and torch.equal(lse, lse_general)
+    dout = torch.randn(q.shape, generator=g)
+    grads = flash.run_backward(dout, q, k, v, out_general, lse, [call], 0.4,
+                               kernel=bf16_backward)
+    assert grads is returned[-1]
+    general = flash.run_backward(dout, q, k, v, out_general, lse, [indexed], 0.4,
+                                 kernel=bf16_backward)
+    for a, b in zip(grads, general, strict=True):
+        assert b.dtype == torch.float32 and torch.equal(a, b.to(a.dtype))
+
+
 def test_local_cu_seqlens_give_the_own_block_of_a_zigzag_rank():
     # parallel.context's local cu_seqlens: one segment per document (chunk r, then 2cp-1-r).
     g = torch.Generator().manual_seed(8)
