@@ -146,9 +146,10 @@ class Attention(nn.Module):
         v = v.view(v.shape[0], self.num_local_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Under autocast the projections are bf16 but fp32 norm weights and rope tables promote
-        # q and k back to fp32; attention runs in the projections' dtype, as SDPA would.
-        q, k = q.to(v.dtype), k.to(v.dtype)
+        # Under autocast the projections are bf16 but fp32 norm weights and rope tables would
+        # promote q and k to fp32; attention runs in the projections' dtype, as SDPA would, so
+        # the rotation (computed in fp32) is rounded once straight to v's dtype.
+        q = apply_rope(q, cos, sin, out_dtype=v.dtype)
+        k = apply_rope(k, cos, sin, out_dtype=v.dtype)
         out = context_attention(q, k, v, plan=plan, softmax_scale=d ** -0.5)
         return self.wo(out.reshape(out.shape[0], q_width))

@@ -6,7 +6,7 @@ their true positions). ``cos, sin [T, head_dim]``; ``x [T, heads, head_dim]``. T
 "rotate half" form of Hugging Face's Llama: pairs ``(x[i], x[i + head_dim / 2])``.
 
 Numerics follow transformers: inverse frequencies and angles in fp32, cos/sin cast to the
-activation dtype before the rotation.
+residual stream's dtype (fp32 under autocast); the rotation itself is ``kernels.rope.rope``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import math
 
 import torch
 from torch import nn
+
+from kernels.rope import rope
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -64,8 +66,14 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (``kernels.rope.rope``:
+    one fused Triton kernel per pass on CUDA, the PyTorch reference elsewhere).
+
+    The rotation runs in float32 (float64 for float64 operands) and is rounded once to
+    ``out_dtype``, by default ``torch.result_type(x, cos)`` as in eager; on CPU the result
+    equals eager ``x * cos + rotate_half(x) * sin`` cast to ``out_dtype``, bitwise, for fp32 x
+    and for bf16 x with fp32 tables. Differentiable in x only; the tables must not require grad.
+    """
+    return rope(x, cos, sin, out_dtype)
