@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the benchmarks that still need numbers (see tests/perf/NOTES.md).
+#   bash tests/perf/run_device.sh tests    # tests/gpu (on either kind; run it first)
 #   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
 # Carry .whl (../shared/scripts/fetch-peer-wheels) for the liger-kernel baseline. JSON and logs
@@ -19,7 +20,12 @@ run() {  # name, timeout, command...
   echo "   exit $? ($(grep -cE 'Error|error' "$out/$name.log") error lines)"
   grep -E '"tokens_per_s_per_gpu"|"peak_gib"|speedup|memory_ratio' "$out/$name.log" | head -8
 }
-if [ "${1:-}" = x2 ]; then
+if [ "${1:-}" = tests ]; then
+  # Run this first: kernels written since the last GPU run (swiglu, rope, the flash single-call
+  # path) have only run in Triton's CPU interpreter and on the CPU reference.
+  run gpu_tests 540 python3 -m pytest -q tests/gpu
+  tail -5 "$out/gpu_tests.log"
+elif [ "${1:-}" = x2 ]; then
   two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
   run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3
   run train_cp2_ring 240 "${two[@]}" "$out/train_h200x2_cp2_ring.json" --cp 2 --cp-mode ring \
