@@ -41,7 +41,9 @@ Per rank, :meth:`ContextPlan.rank_layout` gives a :class:`RankLayout` of L local
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from typing import NamedTuple
 
 import torch
@@ -72,7 +74,13 @@ class RankLayout:
     positions_in_doc: torch.Tensor  # (L,) int64, position inside the segment
     cu_seqlens: torch.Tensor  # (S+1,) int32, local attention segments
     max_seqlen: int
-    chunks: tuple[Chunk, ...]
+    _make_chunks: Callable[[], tuple[Chunk, ...]] = field(repr=False, compare=False)
+
+    @cached_property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """Runs of local tokens contiguous in one document chunk (made on first use: a batch
+        of short documents has thousands, and training never reads them)."""
+        return self._make_chunks()
 
 
 def _positive_int(value, name: str) -> int:
@@ -190,7 +198,7 @@ class ContextPlan:
                           positions_in_doc=self._position[local],
                           cu_seqlens=bounds.to(torch.int32),
                           max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
-                          chunks=self._chunks(local))
+                          _make_chunks=partial(self._chunks, local))
 
     def _chunks(self, local: torch.Tensor) -> tuple[Chunk, ...]:
         """Runs of ``local`` (padded positions) that are contiguous in one (zigzag) chunk."""
@@ -198,10 +206,14 @@ class ContextPlan:
         firsts = torch.ones_like(local, dtype=torch.bool)
         firsts[1:] = ((local[1:] != local[:-1] + 1) | (doc[1:] != doc[:-1])
                       | (chunk[1:] != chunk[:-1]))
-        starts = firsts.nonzero().view(-1).tolist()
+        first = firsts.nonzero().view(-1)
+        # Python ints in three lists: indexing a tensor per chunk costs microseconds each, and
+        # a batch of short documents has thousands of chunks.
+        starts, docs = first.tolist(), doc[first].tolist()
+        offsets = self._offset[local[first]].tolist()
         ends = [*starts[1:], local.numel()]
-        return tuple(Chunk(int(doc[s]), s, int(self._offset[local[s]]), e - s)
-                     for s, e in zip(starts, ends, strict=True))
+        return tuple(Chunk(d, s, o, e - s)
+                     for d, s, o, e in zip(docs, starts, offsets, ends, strict=True))
 
     def split(self, tensor: torch.Tensor, rank: int, dim: int = -1, pad_value=0,
               name: str = "tensor") -> torch.Tensor:
