@@ -143,9 +143,14 @@ class Attention(nn.Module):
         q, k, v = self.wqkv(x).split([q_width, kv_width, kv_width], dim=-1)
         q = q.view(q.shape[0], self.num_local_heads, d)  # (L, H/tp, D)
         k = k.view(k.shape[0], self.num_local_kv_heads, d)  # (L, H_kv_local, D)
-        v = v.view(v.shape[0], self.num_local_kv_heads, d)
+        # v gets storage of its own: saved for backward as a view, it would keep the whole
+        # fused [L, q + 2 kv] output alive (q and k are rotated into new tensors). The flash
+        # path copied v to contiguous memory anyway.
+        v = v.contiguous().view(v.shape[0], self.num_local_kv_heads, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # The norms save their input: a copy of its own, not a view of the fused output
+            # (the Triton norm copied these strided views to contiguous rows anyway).
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         # Under autocast the projections are bf16 but fp32 norm weights and rope tables would
         # promote q and k to fp32; attention runs in the projections' dtype, as SDPA would, so
         # the rotation (computed in fp32) is rounded once straight to v's dtype.

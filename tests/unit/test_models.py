@@ -187,3 +187,33 @@ def test_build_model_deterministic_and_checkpointing_same_grads():
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert pa.grad is not None and pa.grad.abs().sum() > 0, name
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_saved_activations_hold_no_dead_projection_output(qk_norm):
+    """What backward keeps of a layer: never the fused qkv output (q and k are rotated into
+    new tensors, v is copied), and of the MLP only w13's output and the SwiGLU output, not
+    silu(gate) as well."""
+    model = build_model(_cfg(qk_norm=qk_norm), ParallelState(), seed=0)
+    outputs = {}
+    for name in ("wqkv", "w13"):
+        module = model.layers[0].attention.wqkv if name == "wqkv" else (
+            model.layers[0].feed_forward.w13)
+        module.register_forward_hook(
+            lambda mod, args, out, name=name: outputs.__setitem__(name, out))
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    ids = torch.randint(0, 53, (9,))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, torch.arange(9), cu_seqlens=torch.tensor([0, 9], dtype=torch.int32),
+              labels=ids)
+    qkv, w13 = outputs["wqkv"], outputs["w13"]
+    assert qkv.shape == (9, 32 + 2 * 16) and w13.shape == (9, 2 * 48)
+    assert qkv.untyped_storage().data_ptr() not in saved, "v keeps the fused qkv output alive"
+    assert saved.get(w13.untyped_storage().data_ptr()) == (9, 96)  # SwiGLU's one saved input
+    intermediate = [shape for shape in saved.values() if shape == (9, 48)]
+    assert len(intermediate) == 2, intermediate  # w2's input, in each of the two layers
