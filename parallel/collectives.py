@@ -32,7 +32,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum ``x`` over ``group`` (no autograd); returns a new tensor."""
     if group_size(group) == 1:
         return x
-    x = x.contiguous().clone()
+    x = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous
     dist.all_reduce(x, group=group)
     return x
 
@@ -108,58 +108,19 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _Gather(torch.autograd.Function):
-    """forward: all-gather along ``dim`` (rank order); backward: keep this rank's slice."""
+class _Mapping(torch.autograd.Function):
+    """forward: ``forward_op(x, dim, group)``; backward: ``backward_op(grad, dim, group)``, its
+    adjoint. Each public mapping below names its pair (all-gather/split, split/all-gather,
+    all-gather/reduce-scatter, reduce-scatter/all-gather)."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
-
-
-class _Scatter(torch.autograd.Function):
-    """forward: keep this rank's slice along ``dim``; backward: all-gather along ``dim``."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+    def forward(ctx, x, dim, group, forward_op, backward_op):
+        ctx.dim, ctx.group, ctx.backward_op = dim, group, backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherReduceScatterGrad(torch.autograd.Function):
-    """SP all-gather. forward: all-gather along ``dim``; backward: reduce-scatter along ``dim``
-    (every rank used the full gathered tensor, so the gradient of its slice is a sum)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """SP reduce-scatter. forward: sum over the group, keep this rank's slice along ``dim``;
-    backward: all-gather along ``dim``."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -190,7 +151,7 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def gather_along(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Forward all-gather along ``dim`` in rank order, backward keep this rank's slice: for a
     result that every rank of ``group`` then uses identically."""
-    return x if group_size(group) == 1 else _Gather.apply(x, dim % x.dim(), group)
+    return x if group_size(group) == 1 else _Mapping.apply(x, dim % x.dim(), group, all_gather, split)
 
 
 def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -200,17 +161,17 @@ def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
 
 def scatter_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[..., F] -> [..., F/tp]``: forward keep this rank's slice, backward all-gather."""
-    return x if group_size(group) == 1 else _Scatter.apply(x, x.dim() - 1, group)
+    return x if group_size(group) == 1 else _Mapping.apply(x, x.dim() - 1, group, split, all_gather)
 
 
 def sp_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[T, ...] -> [T/tp, ...]``: forward keep this rank's token slice, backward all-gather."""
-    return x if group_size(group) == 1 else _Scatter.apply(x, 0, group)
+    return x if group_size(group) == 1 else _Mapping.apply(x, 0, group, split, all_gather)
 
 
 def sp_all_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[T/tp, ...] -> [T, ...]``: forward all-gather tokens, backward reduce-scatter."""
-    return x if group_size(group) == 1 else _GatherReduceScatterGrad.apply(x, 0, group)
+    return x if group_size(group) == 1 else _Mapping.apply(x, 0, group, all_gather, reduce_scatter)
 
 
 def sp_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -222,7 +183,7 @@ def sp_gather(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def sp_reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[T, ...] -> [T/tp, ...]``: forward sum over the group and keep this rank's tokens,
     backward all-gather tokens (output of a row-parallel op under SP)."""
-    return x if group_size(group) == 1 else _ReduceScatter.apply(x, 0, group)
+    return x if group_size(group) == 1 else _Mapping.apply(x, 0, group, reduce_scatter, all_gather)
 
 
 def all_to_all_tokens_to_heads(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
