@@ -176,6 +176,16 @@ def forward_stats(hidden, weight, tgt, head: Head, with_entropy: bool) -> torch.
     return combine_stats(stats, head.group)
 
 
+def _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw):
+    """``dh[r0:r1] = g @ W`` (when ``dh`` is given); returns ``dw + g^T @ h`` (``g^T @ h`` for
+    the first chunk) when ``need_dw``, else ``dw`` unchanged."""
+    if dh is not None:
+        torch.mm(g, weight, out=dh[r0:r1])
+    if not need_dw:
+        return dw
+    return torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+
+
 def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, need_dw: bool):
     """Sum of the token losses, with d(sum)/d(hidden) and d(sum)/d(weight) computed on the way.
 
@@ -203,12 +213,9 @@ def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, 
             stats[:, r0:r1] = st
             lse = st[0] + torch.log(st[1])
             head.rows.row_grad(logits, g, tgt[r0:r1], lse, None, coef[r0:r1], None, *args)
-        if need_dh:
-            torch.mm(g, weight, out=dh[r0:r1])
-        if need_dw:
-            dw = torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+        dw = _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw)
         del logits, g  # free the chunk before the next one is allocated
-    if need_dw and dw is None:
+    if need_dw and dw is None:  # no rows
         dw = torch.zeros_like(weight)
     lse = stats[0] + torch.log(stats[1])
     loss_sum = torch.where(valid, lse - stats[2], 0.0).sum()
@@ -234,11 +241,8 @@ def backward(hidden, weight, tgt, lse, ez, g_lp, g_ent, head: Head, need_dh, nee
                            None if g_ent is None else ez[r0:r1], g_lp[r0:r1],
                            None if g_ent is None else g_ent[r0:r1],
                            head.n_valid_cols, head.inv_temp)
-        if need_dh:
-            torch.mm(g, weight, out=dh[r0:r1])
-        if need_dw:
-            dw = torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+        dw = _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw)
         del logits, g  # free the chunk before the next one is allocated
-    if need_dw and dw is None:
+    if need_dw and dw is None:  # no rows
         dw = torch.zeros_like(weight)
     return dh, dw
