@@ -32,6 +32,7 @@ from mpcore.dist import ParallelState
 from parallel.attention import AttentionPlan
 from parallel.collectives import copy_to_tp, sp_all_gather
 from parallel.head import OUTPUTS, OutputWeight, head_forward
+from parallel.labels import check_cu_seqlens
 from parallel.layers import VocabParallelEmbedding
 from parallel.random import param_seed
 
@@ -160,10 +161,7 @@ def _packing(num: int, doc_id, positions_in_doc, cu_seqlens) -> Packing:
     if doc_id is not None or positions_in_doc is not None or cu_seqlens is None:
         raise ValueError("pass doc_id and positions_in_doc together (RankLayout), or neither "
                          "with cu_seqlens of a contiguous local stream")
-    cu = cu_seqlens.long()
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != num:
-        raise ValueError(f"cu_seqlens must be [0, ..., {num}] for {num} local tokens, got "
-                         f"{cu.tolist()}")
+    cu = check_cu_seqlens(cu_seqlens, num)  # int64, on cu_seqlens' device
     lengths = cu[1:] - cu[:-1]
     doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
     return Packing(doc, torch.arange(num, device=cu.device) - cu[doc], cu_seqlens)

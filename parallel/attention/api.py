@@ -21,20 +21,9 @@ from mpcore.dist import ProcessGroup, group_size
 from parallel.attention.primitive import Block, attend_block, plan_block, use_flash
 from parallel.attention.ring import plan_ring, ring_attend
 from parallel.attention.ulysses import check_ulysses_heads, plan_ulysses, ulysses_attend
+from parallel.labels import check_cu_seqlens
 
 MODES = ("none", "ring", "ulysses")
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be an integer [docs + 1] tensor with docs >= 1, got "
-                         f"shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-    cu = cu_seqlens.tolist()  # CPU-GPU sync point when cu_seqlens is on the GPU
-    if cu[0] != 0 or cu[-1] != num_tokens or any(b <= a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        shown = f"{cu[:8]}..." if len(cu) > 8 else str(cu)
-        raise ValueError(f"cu_seqlens must start at 0, increase strictly and end at the "
-                         f"{num_tokens} local tokens, got {shown}; build it from the document "
-                         "lengths (drop empty documents)")
 
 
 def _check_metadata(doc_id, pos, cu_seqlens, mode, cp) -> None:
@@ -53,7 +42,7 @@ def _check_metadata(doc_id, pos, cu_seqlens, mode, cp) -> None:
                          f"and {tuple(pos.shape)}; pass the metadata of this rank's tokens "
                          "(split it with the same context split as the tokens)")
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, doc_id.shape[0])
+        check_cu_seqlens(cu_seqlens, doc_id.shape[0])  # the labels' check: one sync
 
 
 def _check_qkv(q, k, v, num_tokens: int, mode: str, cp: int) -> None:
