@@ -219,7 +219,7 @@ def _validate(hidden, weight, labels, temperature, vocab_size, group) -> int:
         raise ValueError(f"hidden dtype {hidden.dtype} is not supported; use one of {_DTYPES}.")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the "
-                         "same dtype; cast one of them (autocast does not reach this op).")
+                         "same dtype; cast one of them (under autocast both run in the autocast dtype).")
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
         raise ValueError(f"expected hidden [N, H], weight [V_local, H], labels [N]; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}. "
@@ -249,10 +249,25 @@ def _validate(hidden, weight, labels, temperature, vocab_size, group) -> int:
     return int(vocab_size)
 
 
+def _autocast(hidden, weight):
+    """Under autocast, ``hidden`` and ``weight`` in the autocast dtype, as ``nn.Linear`` would
+    see them (custom ops are not autocast-aware by themselves); the kernels still accumulate
+    and return in fp32. Outside autocast, unchanged."""
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and hidden.is_floating_point() and weight.is_floating_point()):
+        return hidden, weight  # _validate says what is wrong
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight
+    dtype = torch.get_autocast_dtype(device_type)
+    return hidden.to(dtype), weight.to(dtype)
+
+
 def _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature, vocab_size,
                    group, impl):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
+    hidden, weight = _autocast(hidden, weight)
     vocab_size = _validate(hidden, weight, labels, temperature, vocab_size, group)
     hidden, weight = hidden.contiguous(), weight.contiguous()
     args = (ignore_index, float(temperature), vocab_size, _group_name(group), impl)
@@ -274,6 +289,7 @@ def _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature,
 
 def _logprobs(hidden, weight, labels, temperature, vocab_size, group, with_entropy,
               ignore_index, impl):
+    hidden, weight = _autocast(hidden, weight)
     vocab_size = _validate(hidden, weight, labels, temperature, vocab_size, group)
     hidden, weight = hidden.contiguous(), weight.contiguous()
     logprob, entropy, _, _ = _logprobs_op(hidden, weight, labels, ignore_index,

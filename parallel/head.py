@@ -51,12 +51,8 @@ def head_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     ``output="logprobs"``: ``(logprobs [L], entropy [L])`` fp32; logprob 0 where ignored.
     ``output="logits"``: ``[L, V_pad / tp]`` in ``hidden``'s dtype, divided by ``temperature``.
     """
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Custom ops are not autocast-aware: run the head's GEMMs in the autocast dtype (bf16),
-        # as an nn.Linear would. The kernels still accumulate and return in fp32.
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    # Under autocast the loss kernels run their GEMMs in the autocast dtype (bf16), as the
+    # logits matmul here does.
     if output == "logits":
         return (hidden @ weight.t()) / temperature
     if labels is None:

@@ -210,3 +210,24 @@ def test_bad_reduction_raises():
     hidden, weight, labels = _inputs()
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(hidden, weight, labels, reduction="avg")
+
+
+def test_autocast_runs_the_heads_in_the_autocast_dtype():
+    """Under autocast fp32 inputs are cast like nn.Linear's: the result equals the call on
+    bf16 inputs, and the gradients come back to the fp32 leaves."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, 24, generator=g, requires_grad=True)
+    weight = torch.randn(50, 24, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, labels)
+        logprobs, entropy = linear_logprobs(hidden, weight, labels)
+    h16, w16 = hidden.detach().bfloat16(), weight.detach().bfloat16()
+    assert torch.equal(loss, linear_cross_entropy(h16, w16, labels))
+    want_lp, want_ent = linear_logprobs(h16, w16, labels)
+    assert torch.equal(logprobs, want_lp) and torch.equal(entropy, want_ent)
+    (loss + logprobs.sum()).backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert hidden.grad.abs().sum() > 0 and weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="same dtype"):  # outside autocast: still explicit
+        linear_cross_entropy(hidden, w16, labels)
