@@ -310,7 +310,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
     Args:
         hidden: ``[N, H]`` bf16, fp16 or fp32, this rank's tokens (replicated across ``group``).
-        weight: ``[V_local, H]``, same dtype; rank r of ``group`` holds vocab rows
+        weight: ``[V_local, H]``, same dtype (under autocast both are cast to the autocast
+            dtype, as for ``nn.Linear``); rank r of ``group`` holds vocab rows
             ``[r * V_local, (r + 1) * V_local)``.
         labels: ``[N]`` integer GLOBAL vocab ids in ``[0, vocab_size)`` or ``ignore_index``,
             already shifted, same on every rank of ``group``.
