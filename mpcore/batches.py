@@ -85,8 +85,7 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
     layout = cfg.parallel.cp_layout if state.cp > 1 else "contiguous"
     plan = ContextPlan(cu, ids.numel(), state.cp, layout, pad_multiple=state.tp if sp else 1)
     local = split_batch({"input_ids": ids, "labels": labels,
-                         "position_ids": batch["position_ids"], "cu_seqlens": cu},
-                        plan, state.cp_rank)
+                         "position_ids": batch["position_ids"]}, plan, state.cp_rank)
     rank_layout = plan.rank_layout(state.cp_rank)
     out = {"input_ids": local["input_ids"], "position_ids": local["position_ids"],
            "labels": local["labels"], "doc_id": rank_layout.doc_id,
