@@ -7,11 +7,10 @@ kernel object is an ``InterpretedFunction``. fp32 and fp16 only: bf16 ``tl.dot``
 the interpreter (DESIGN.md); these kernels have no dot, but bf16 is left to the GPU tests.
 """
 
-import os
-import subprocess
 import sys
 
 import pytest
+from interpret import run_under_interpreter
 
 
 def _close(actual, expected, rel):
@@ -133,11 +132,7 @@ def _main():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton is only installed on Linux")
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "INTERPRETED-OK" in proc.stdout
+    run_under_interpreter(__file__, "INTERPRETED-OK")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ defined). The interpreter checks are fp32 and fp16: its float32 -> bfloat16 cast
 instead of rounding to nearest, so bf16 is left to tests/gpu/test_rope_kernel_gpu.py."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpret import run_under_interpreter
 
 from kernels.rope import rope, rope_reference, rope_triton
 from models.rope import RotaryEmbedding, apply_rope
@@ -216,12 +216,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton is only installed on Linux")
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"interpreter checks passed: {len(_CASES) + 3}" in proc.stdout, proc.stdout + proc.stderr
+    run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
 
 
 def _check_triton_equals_reference():

@@ -5,12 +5,12 @@ when the kernels are defined). The interpreter checks are fp32 and fp16: its flo
 casts truncate instead of rounding to nearest, so bf16 is left to tests/gpu/test_swiglu_gpu.py."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpret import run_under_interpreter
 
 from kernels.swiglu import swiglu, swiglu_reference, swiglu_triton
 
@@ -177,12 +177,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton is only installed on Linux")
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"interpreter checks passed: {len(_CASES) + 3}" in proc.stdout, proc.stdout + proc.stderr
+    run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
 
 
 def _check_triton_rounds_like_reference():
