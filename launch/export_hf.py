@@ -18,10 +18,10 @@ import torch
 
 from models import ModelConfig, build_model, export_hf
 from mpcore.checkpoint import latest_checkpoint, read_meta
-from mpcore.dist import ParallelState
 from mpcore.logical import LogicalLayout
 from mpcore.train_state import TrainState
 from parallel.random import RNGTracker
+from parallel.state import ParallelState
 
 
 def export(checkpoint: str | Path, output: str | Path) -> Path:

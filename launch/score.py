@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from models.hf import load_hf_model
 from models.transformer import Transformer
-from mpcore.dist import ParallelState
 from parallel.context import ContextPlan, split_batch
 from parallel.labels import LabelShifter, position_ids
+from parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -24,11 +24,11 @@ from torch import nn
 from models.config import ModelConfig
 from models.norm import RMSNorm
 from models.rope import apply_rope
-from mpcore.dist import ProcessGroup, group_size
 from parallel.attention import AttentionPlan, context_attention
 from parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
+from parallel.state import ProcessGroup, group_size
 
 
 def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> tuple[slice, slice]:

@@ -35,8 +35,8 @@ from models.attention import qkv_rows
 from models.config import ModelConfig
 from models.hf_config import config_from_hf, hf_config_dict
 from models.transformer import Transformer
-from mpcore.dist import ParallelState
 from parallel.collectives import all_gather
+from parallel.state import ParallelState
 
 
 class Piece(NamedTuple):

@@ -19,8 +19,8 @@ from torch import nn
 
 from kernels.swiglu import swiglu
 from models.config import ModelConfig
-from mpcore.dist import ProcessGroup
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.state import ProcessGroup
 
 
 class FeedForward(nn.Module):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kernels.rmsnorm import rms_norm
-from mpcore.dist import ProcessGroup
 from parallel.collectives import copy_to_tp
+from parallel.state import ProcessGroup
 
 
 class RMSNorm(nn.Module):

@@ -28,13 +28,13 @@ from models.config import ModelConfig
 from models.mlp import FeedForward
 from models.norm import RMSNorm
 from models.rope import RotaryEmbedding
-from mpcore.dist import ParallelState
 from parallel.attention import AttentionPlan
 from parallel.collectives import copy_to_tp, sp_all_gather
 from parallel.head import OUTPUTS, OutputWeight, head_forward
 from parallel.labels import check_cu_seqlens
 from parallel.layers import VocabParallelEmbedding
 from parallel.random import param_seed
+from parallel.state import ParallelState
 
 
 class Packing(NamedTuple):

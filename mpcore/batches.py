@@ -27,8 +27,8 @@ from mpcore.data import (
     Tokenizer,
     prepare_default,
 )
-from mpcore.dist import ParallelState
 from parallel import ContextPlan, LabelShifter, split_batch
+from parallel.state import ParallelState
 
 
 def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:

@@ -27,11 +27,11 @@ from models import ModelConfig, build_model, config_from_hf, load_hf_model
 from mpcore.batches import build_loader
 from mpcore.config import Config
 from mpcore.data import DataLoader
-from mpcore.dist import ParallelState
 from mpcore.logical import LogicalLayout
 from mpcore.optim import GradNorm, build_optimizer
 from mpcore.train_state import TrainState
 from parallel.random import RNGTracker, model_parallel_seed
+from parallel.state import ParallelState
 
 
 @dataclass

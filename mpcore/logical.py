@@ -22,8 +22,8 @@ import torch
 
 from models.config import ModelConfig
 from models.hf import Piece, shard_map
-from mpcore.dist import ProcessGroup
 from parallel.collectives import all_gather
+from parallel.state import ProcessGroup
 
 
 def _sizes(pieces: list[Piece]) -> list[int]:

@@ -26,9 +26,9 @@ from torch import nn
 
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import Config
-from mpcore.dist import ProcessGroup, group_size
 from mpcore.logical import LogicalLayout
 from parallel.collectives import all_gather
+from parallel.state import ProcessGroup, group_size
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

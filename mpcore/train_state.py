@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from mpcore.checkpoint import load_tensors, stored_tensors
-from mpcore.dist import ParallelState
 from mpcore.logical import LogicalLayout
 from parallel.random import RNGTracker
+from parallel.state import ParallelState
 
 LOAD_BATCH_BYTES = 1 << 30
 

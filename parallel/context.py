@@ -48,9 +48,9 @@ from typing import NamedTuple
 
 import torch
 
-from mpcore.dist import ProcessGroup, group_size
 from parallel.collectives import gather_along
 from parallel.labels import check_cu_seqlens
+from parallel.state import ProcessGroup, group_size
 
 __all__ = ["LAYOUTS", "Chunk", "ContextPlan", "RankLayout", "split_batch"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mpcore.dist import ProcessGroup, group_rank, group_size
+from parallel.state import ProcessGroup, group_rank, group_size
 
 
 class _VocabParallelCE(torch.autograd.Function):

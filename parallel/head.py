@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from kernels.linear_cross_entropy import linear_cross_entropy, linear_logprobs
-from mpcore.dist import ProcessGroup, group_rank, group_size
 from parallel.layers import pad_vocab_rows
 from parallel.random import init_shard_, normal_init
+from parallel.state import ProcessGroup, group_rank, group_size
 
 OUTPUTS = ("loss", "loss_sum", "logprobs", "logits")
 

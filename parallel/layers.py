@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpcore.dist import ProcessGroup, group_rank, group_size
 from parallel.collectives import (
     copy_to_tp,
     gather_last_dim,
@@ -36,6 +35,7 @@ from parallel.collectives import (
     sp_reduce_scatter,
 )
 from parallel.random import init_shard_, normal_init
+from parallel.state import ProcessGroup, group_rank, group_size
 
 
 def divide(n: int, tp: int, what: str) -> int:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from mpcore.dist import ProcessGroup, group_size
 from parallel.attention.primitive import Block, attend_block, plan_block, use_flash
 from parallel.attention.ring import plan_ring, ring_attend
 from parallel.attention.ulysses import check_ulysses_heads, plan_ulysses, ulysses_attend
 from parallel.labels import check_cu_seqlens
+from parallel.state import ProcessGroup, group_size
 
 MODES = ("none", "ring", "ulysses")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mpcore.dist import ProcessGroup, group_rank, group_size
 from parallel.collectives import all_gather
+from parallel.state import ProcessGroup, group_rank, group_size
 
 
 def gather_metadata(doc_id: torch.Tensor, pos: torch.Tensor, group: ProcessGroup | None,

@@ -23,10 +23,10 @@ import math
 
 import torch
 
-from mpcore.dist import ProcessGroup, group_size
 from parallel.attention.comm import gather_metadata
 from parallel.attention.primitive import Block, attend_block, plan_block
 from parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
+from parallel.state import ProcessGroup, group_size
 
 
 def check_ulysses_heads(num_heads: int, cp: int) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from mpcore.dist import ParallelState, group_size
+from parallel.state import ParallelState, group_size
 from parallel import ContextPlan, LabelShifter, global_mean_loss, global_valid_count, loss_share
 from parallel.loss import sum_over_group
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from harness import run_distributed
 
-from mpcore.dist import ParallelState
+from parallel.state import ParallelState
 from parallel.attention import AttentionPlan, context_attention
 
 LENGTHS = [7, 1, 13, 4, 10]  # odd lengths and a length-1 document

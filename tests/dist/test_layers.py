@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from harness import run_distributed
 from torch import nn
 
-from mpcore.dist import ParallelState
+from parallel.state import ParallelState
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 

@@ -38,7 +38,7 @@ from hf_tiny import (
 from launch.score import gather_in_order, local_inputs, score_sequences, score_stream
 from models.hf import config_from_hf, export_hf, load_hf_model, shard_map
 from models.transformer import build_model
-from mpcore.dist import ParallelState
+from parallel.state import ParallelState
 from parallel.collectives import gather_last_dim
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from mpcore.dist import ParallelState, group_size
+from parallel.state import ParallelState, group_size
 from parallel.random import model_parallel_seed
 
 

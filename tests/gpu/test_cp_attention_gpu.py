@@ -120,7 +120,7 @@ def main() -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
-    from mpcore.dist import ParallelState
+    from parallel.state import ParallelState
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from launch.score import local_inputs, score_stream
 from models.hf import load_hf_model
-from mpcore.dist import ParallelState
+from parallel.state import ParallelState
 
 pytestmark = pytest.mark.gpu
 

@@ -12,9 +12,9 @@ import pytest
 from models import ModelConfig, build_model
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import ModelSection, load_config, save_config
-from mpcore.dist import ParallelState
 from mpcore.metrics import flops_per_token, num_params
 from mpcore.optim import lr_at
+from parallel.state import ParallelState
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 

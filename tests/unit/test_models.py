@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models import ModelConfig, build_model, config_from_hf, hf_config_dict, load_hf_model
 from models.rope import inverse_frequencies
-from mpcore.dist import ParallelState
+from parallel.state import ParallelState
 
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 64}

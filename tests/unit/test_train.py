@@ -21,9 +21,9 @@ from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
 from mpcore.config import load_config
 from mpcore.data import prepare_default
-from mpcore.dist import ParallelState
 from mpcore.metrics import KEYS
 from mpcore.train import Trainer, TrainingDiverged, train
+from parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
