@@ -51,6 +51,10 @@ class ModelConfig:
     """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
     max_position_embeddings: int = 8192
     """Longest position the model was trained for (informational; exported to HF)."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2-VL): ``(t, h, w)`` counts of rotary frequency pairs driven by the
+    temporal, height and width rows of ``[3, T]`` position ids; sums to ``head_dim / 2``.
+    ``None``: plain 1-D RoPE on ``[T]`` positions."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -76,6 +80,25 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if self.rope_scaling is not None:
             self._check_rope_scaling()
+        if self.mrope_section is not None:
+            self._check_mrope()
+
+    def _check_mrope(self) -> None:
+        section = self.mrope_section
+        if isinstance(section, list):
+            section = tuple(section)
+            object.__setattr__(self, "mrope_section", section)
+        if (not isinstance(section, tuple) or len(section) != 3 or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
+            raise ValueError(f"mrope_section must be three non-negative ints (t, h, w), got "
+                             f"{self.mrope_section!r}")
+        if sum(section) != self.head_dim // 2:
+            raise ValueError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim "
+                             f"{self.head_dim} rotates {self.head_dim // 2} frequency pairs; "
+                             f"the three sections must sum to head_dim / 2")
+        if self.rope_scaling is not None:
+            raise ValueError("mrope_section with Llama 3 rope_scaling is not supported; set "
+                             "one of the two")
 
     def _check_rope_scaling(self) -> None:
         scaling = self.rope_scaling

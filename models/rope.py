@@ -5,6 +5,11 @@ travel with the tokens through the context-parallel split, so each rank rotates 
 their true positions). ``cos, sin [T, head_dim]``; ``x [T, heads, head_dim]``. The rotation is the
 "rotate half" form of Hugging Face's Llama: pairs ``(x[i], x[i + head_dim / 2])``.
 
+M-RoPE (Qwen2-VL, ``mrope_section=(s_t, s_h, s_w)``): positions are ``[3, T]`` (temporal,
+height, width rows; equal rows for text tokens). Frequency pair j takes its angle from row 0 for
+the first ``s_t`` pairs, row 1 for the next ``s_h``, row 2 for the last ``s_w``; the two halves
+of ``head_dim`` repeat that choice, as in transformers' Qwen2-VL rotary embedding.
+
 Numerics follow transformers: inverse frequencies and angles in fp32, cos/sin cast to the
 residual stream's dtype (fp32 under autocast); the rotation itself is ``kernels.rope.rope``.
 """
@@ -45,9 +50,11 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for given positions. No parameters; ``inv_freq`` is a non-persistent
     buffer recomputed by ``reset_parameters`` (the model is built on the meta device)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None,
+                 mrope_section: tuple[int, ...] | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.mrope_section = mrope_section
         self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32),
                              persistent=False)
 
@@ -57,11 +64,23 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq.copy_(inverse_frequencies(self.head_dim, self.theta, self.scaling))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """``positions [T]`` -> ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
-        if positions.dim() != 1:
-            raise ValueError(f"position ids must be [T], got shape {tuple(positions.shape)} "
-                             f"(M-RoPE [3, T] is not supported by this model)")
-        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
+        """``positions [T]`` (``[3, T]`` with M-RoPE) -> ``(cos, sin)``, each ``[T, head_dim]``
+        in ``dtype``."""
+        if self.mrope_section is None:
+            if positions.dim() != 1:
+                raise ValueError(f"position ids must be [T], got shape "
+                                 f"{tuple(positions.shape)} (this model has no M-RoPE)")
+            angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
+        else:
+            if positions.dim() != 2 or positions.shape[0] != 3:
+                raise ValueError(f"M-RoPE position ids must be [3, T] (temporal, height, "
+                                 f"width), got shape {tuple(positions.shape)}")
+            # Row of each frequency pair: 0 for the first s_t pairs, 1 for s_h, 2 for s_w.
+            row = torch.repeat_interleave(torch.arange(3, device=positions.device),
+                                          torch.tensor(self.mrope_section,
+                                                       device=positions.device))
+            chosen = positions.float().index_select(0, row)  # (D/2, T)
+            angles = chosen.t() * self.inv_freq.float()[None, :]  # (T, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -82,7 +82,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group,
             sequence_parallel=self.sequence_parallel, dtype=dtype)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                     cfg.mrope_section)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, dtype=dtype)
             for _ in range(cfg.num_layers))
@@ -95,15 +96,21 @@ class Transformer(nn.Module):
         """``[V_pad / tp, hidden]``: the embedding's weight when tied, else ``output.weight``."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def _check_inputs(self, input_ids, position_ids, packing: Packing, labels, output: str):
+    def check_inputs(self, input_ids, position_ids, packing: Packing, labels, output: str):
+        """Raise ``ValueError`` before any compute when the per-token inputs disagree."""
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be a packed stream [L], got shape "
                              f"{tuple(input_ids.shape)}; pack padded batches with pack_padded")
         num = input_ids.shape[0]
-        named = dict(position_ids=position_ids, doc_id=packing.doc_id,
-                     positions_in_doc=packing.positions_in_doc, labels=labels)
+        named = dict(doc_id=packing.doc_id, positions_in_doc=packing.positions_in_doc,
+                     labels=labels)
+        positions_shape = (num,) if self.cfg.mrope_section is None else (3, num)
+        if tuple(position_ids.shape) != positions_shape:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)} but this model "
+                             f"needs {positions_shape} for {num} tokens ([3, L] with M-RoPE); "
+                             f"split every per-token tensor with the same plan")
         for name, t in named.items():
             if t is not None and tuple(t.shape) != (num,):
                 raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {num} "
@@ -121,7 +128,8 @@ class Transformer(nn.Module):
 
         Args (all ``[L]`` on the model's device unless noted):
             input_ids: int token ids in ``[0, vocab_size)``, checked before any compute.
-            position_ids: int RoPE positions (restarting per document).
+            position_ids: int RoPE positions (restarting per document); ``[3, L]`` (temporal,
+                height, width) when the config has ``mrope_section``.
             doc_id, positions_in_doc: attention metadata from ``RankLayout``; query i sees key j
                 iff same doc_id and ``positions_in_doc[j] <= positions_in_doc[i]`` (on any cp
                 rank). ``None``: derived from ``cu_seqlens`` (a contiguous local stream, cp=1).
@@ -134,12 +142,19 @@ class Transformer(nn.Module):
             temperature: divides the logits.
         Outputs are replicated over the tp group (also under SP).
         """
-        packing = _packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
-        self._check_inputs(input_ids, position_ids, packing, labels, output)
+        packing = make_packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
+        self.check_inputs(input_ids, position_ids, packing, labels, output)
+        h = self.tok_embeddings(input_ids)  # (L or L/tp, hidden); raises on ids out of vocab
+        return self.decode(h, position_ids, packing, labels, output, temperature)
+
+    def decode(self, h: torch.Tensor, position_ids: torch.Tensor, packing: Packing,
+               labels: torch.Tensor | None, output: str, temperature: float):
+        """The layers, final norm and head on embedded tokens ``h [L(/tp), hidden]`` (inputs
+        checked by the caller, e.g. ``forward``; a vision-language model scatters image
+        embeddings into ``h`` first)."""
         # Checked and planned once for all layers (no per-layer sync or cp metadata gather).
         plan = AttentionPlan(packing.doc_id, packing.positions_in_doc, packing.cu_seqlens,
                              mode=self.cp_mode, group=self.cp_group)
-        h = self.tok_embeddings(input_ids)  # (L or L/tp, hidden); raises on ids out of vocab
         cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -155,7 +170,7 @@ class Transformer(nn.Module):
                             temperature=temperature)
 
 
-def _packing(num: int, doc_id, positions_in_doc, cu_seqlens) -> Packing:
+def make_packing(num: int, doc_id, positions_in_doc, cu_seqlens) -> Packing:
     if doc_id is not None and positions_in_doc is not None:
         return Packing(doc_id, positions_in_doc, cu_seqlens)
     if doc_id is not None or positions_in_doc is not None or cu_seqlens is None:
