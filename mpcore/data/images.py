@@ -1,0 +1,180 @@
+"""Images -> vision-tower input rows, the Qwen2-VL way (what its Hugging Face processor returns).
+
+    load_image(path)                 -> PIL RGB image (PNG or JPEG only)
+    smart_resize(h, w, ...)          -> (h', w'): multiples of patch*merge, pixel count in range
+    process_image(image, ...)        -> (pixel_values [N, C*T*P*P] float32, (t, h, w))
+    num_placeholders(grid_thw, m)    -> how many placeholder tokens the image takes in the text
+
+Steps of ``process_image``: RGB (transparency composited onto white), bicubic resize (PIL) to
+``smart_resize``'s size, rescale by 1/255, normalise with the OpenAI CLIP mean/std, repeat the
+single frame ``temporal_patch_size`` times (an image is a video of one temporal patch), cut into
+``P x P`` patches. Layout of the rows: grid ``(t, h, w) = (1, H/P, W/P)``; rows go window by
+window (``merge x merge`` patches that the vision tower's merger fuses into one token; windows in
+row-major order, patches row-major inside a window), so row ``r`` belongs to placeholder token
+``r // merge**2``. Columns of a row are ordered ``(C, T, P, P)``. This is the order the
+transformers Qwen2-VL processor (PIL backend) produces; tests/unit/test_images.py checks it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# OpenAI CLIP statistics (the Qwen2-VL vision tower was trained with them).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 28 * 28 * 1280
+MAX_ASPECT_RATIO = 200  # the Qwen2-VL processor refuses thinner images
+FORMATS = ("PNG", "JPEG")
+
+
+def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int = MIN_PIXELS,
+                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """The size Qwen2-VL resizes a ``height x width`` image to: both sides multiples of
+    ``factor`` (``patch_size * merge_size``), ``min_pixels <= h * w <= max_pixels`` where
+    the rounding allows, aspect ratio kept as far as the rounding allows.
+
+    Each side is first rounded to the nearest multiple (Python's ``round``: halves go to even,
+    as in transformers). Too many pixels: scale both sides by ``sqrt(max_pixels / (h*w))`` and
+    round DOWN to multiples (at least ``factor``). Too few: scale by ``sqrt(min_pixels /
+    (h*w))`` and round UP. The float expressions follow transformers' order of operations so
+    that sizes agree exactly, including at rounding boundaries.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"images.smart_resize: image size {height}x{width} must be positive")
+    if factor <= 0 or not 0 < min_pixels <= max_pixels:
+        raise ValueError(f"images.smart_resize: need factor > 0 and 0 < min_pixels <= "
+                         f"max_pixels, got factor={factor}, min_pixels={min_pixels}, "
+                         f"max_pixels={max_pixels}")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(f"images.smart_resize: a {height}x{width} image has aspect ratio "
+                         f"{ratio:.1f}, over the {MAX_ASPECT_RATIO} Qwen2-VL accepts; crop it "
+                         f"or pad it closer to square")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / shrink / factor) * factor)
+        w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * grow / factor) * factor
+        w = math.ceil(width * grow / factor) * factor
+    return h, w
+
+
+def check_image_size(height: int, width: int, *, factor: int = 28,
+                     max_pixels: int = MAX_PIXELS, name: str = "image") -> None:
+    """For an image used at its own size (no resize): ``ValueError`` unless both sides are
+    multiples of ``factor`` and ``height * width <= max_pixels``. ``name`` (a path, say) goes
+    into the message."""
+    if height % factor or width % factor:
+        raise ValueError(f"{name}: {height}x{width} is used without resizing, so both sides must "
+                         f"be multiples of patch_size * merge_size = {factor}; resize it (pass "
+                         f"resize=True) or crop it to {height // factor * factor}x"
+                         f"{width // factor * factor}")
+    if height * width > max_pixels:
+        raise ValueError(f"{name}: {height}x{width} = {height * width} pixels is over "
+                         f"max_pixels={max_pixels} and resizing is off; pass resize=True to "
+                         f"shrink it, or raise max_pixels")
+
+
+def load_image(path: str | Path):
+    """The PNG or JPEG file at ``path`` as a PIL RGB image, decoded now (transparency composited
+    onto white, grey levels copied to three channels). ``ValueError`` naming the path when the
+    file is missing, unreadable or of another format."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such image file; image paths are relative to the input "
+                         f"file's folder unless absolute")
+    try:
+        with Image.open(path) as image:
+            if image.format not in FORMATS:
+                raise ValueError(f"{path}: image format {image.format}, expected PNG or JPEG; "
+                                 f"convert it (e.g. PIL: Image.open(p).save('x.png'))")
+            image.load()
+            return to_rgb(image)
+    except (OSError, UnidentifiedImageError) as e:
+        raise ValueError(f"{path}: cannot read the image ({e}); is it a valid PNG or JPEG?"
+                         ) from e
+
+
+def to_rgb(image):
+    """A PIL image in mode RGB; an alpha channel (or a palette transparency) is composited onto
+    white, as the Hugging Face processors do, rather than dropped."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def process_image(image, *, patch_size: int = 14, temporal_patch_size: int = 2,
+                  merge_size: int = 2, min_pixels: int = MIN_PIXELS,
+                  max_pixels: int = MAX_PIXELS, mean: tuple[float, ...] = CLIP_MEAN,
+                  std: tuple[float, ...] = CLIP_STD, resize: bool = True, name: str = "image"
+                  ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``(pixel_values [t*h*w, 3*T*P*P] float32, (t, h, w))`` of one image for the vision tower.
+
+    ``image``: a PIL image (any mode) or a uint8 array ``[H, W, 3]``. ``T`` is
+    ``temporal_patch_size``, ``P`` is ``patch_size``; ``t = 1``, ``h = H'/P``, ``w = W'/P``
+    where ``H' x W'`` is ``smart_resize``'s size (or the image's own size when ``resize`` is
+    False: then it must pass ``check_image_size``). Row order: see the module docstring.
+    """
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"{name}: an array image must be uint8 [H, W, 3], got "
+                             f"{image.dtype} {list(image.shape)}")
+        image = Image.fromarray(image)
+    if len(mean) != 3 or len(std) != 3:
+        raise ValueError(f"{name}: mean and std need one value per RGB channel, got "
+                         f"{len(mean)} and {len(std)}")
+    image = to_rgb(image)
+    factor = patch_size * merge_size
+    width, height = image.size  # PIL sizes are (width, height)
+    if resize:
+        height, width = smart_resize(height, width, factor=factor, min_pixels=min_pixels,
+                                     max_pixels=max_pixels)
+        image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+    else:
+        check_image_size(height, width, factor=factor, max_pixels=max_pixels, name=name)
+    pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)  # (C, H, W) uint8
+    # rescale in float64 then round once to float32, as transformers does (bit-identical rows)
+    pixels = (pixels.double() * (1 / 255)).float()
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+    pixels = (pixels - mean_t) / std_t
+    return patchify(pixels, patch_size, temporal_patch_size, merge_size)
+
+
+def patchify(pixels: torch.Tensor, patch_size: int, temporal_patch_size: int, merge_size: int
+             ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``pixels [C, H, W]`` (H, W multiples of ``patch_size * merge_size``) -> rows
+    ``[h*w, C*T*P*P]`` in merge-window order, and the grid ``(1, h, w)``."""
+    channels, height, width = pixels.shape
+    m, p = merge_size, patch_size
+    grid_h, grid_w = height // p, width // p
+    windows = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+    windows = windows.permute(1, 4, 2, 5, 0, 3, 6)  # (h/m, w/m, m, m, C, P, P)
+    # one frame repeated T times: the same patch at every temporal offset
+    frames = windows.unsqueeze(5).expand(*windows.shape[:5], temporal_patch_size, p, p)
+    rows = frames.reshape(grid_h * grid_w, channels * temporal_patch_size * p * p)
+    return rows.contiguous(), (1, grid_h, grid_w)
+
+
+def num_placeholders(grid_thw: tuple[int, int, int] | list[int], merge_size: int = 2) -> int:
+    """Placeholder tokens an image of grid ``(t, h, w)`` takes in the text: ``t*h*w /
+    merge_size**2`` (the vision tower's merger fuses each ``merge x merge`` window)."""
+    t, h, w = (int(v) for v in grid_thw)
+    return t * h * w // (merge_size * merge_size)
