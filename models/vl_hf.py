@@ -1,0 +1,116 @@
+"""Hugging Face Qwen2-VL / Qwen2.5-VL checkpoints <-> tensor-parallel shards of ``VLModel``.
+
+The table of ``models.hf.shard_map`` (the decoder, under ``text.``) and of
+``models.vision.hf.vision_shard_map`` (the tower, under ``visual.``) says which slices of which
+HF tensors each tp rank holds. HF names are those of the hub layout that ``save_pretrained``
+writes: ``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``visual.*``.
+Checkpoints saved in transformers' module layout (``model.language_model.*``,
+``model.visual.*``) are read too. Each rank reads only its slices; export gathers each parameter
+over the tp group of global rank 0, which writes ``config.json`` + ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from models.hf import Piece, _Checkpoint, _scatter_back, shard_map
+from models.transformer import init_weights
+from models.vision.hf import vision_shard_map
+from models.vl import VLModel
+from models.vl_config import VLConfig, hf_vl_config_dict, vl_config_from_hf
+from parallel.collectives import all_gather
+from parallel.state import ParallelState
+
+# Hub name prefix -> the same tensor's name in transformers' module layout.
+ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+
+def vl_shard_map(cfg: VLConfig, tp: int, rank: int) -> dict[str, list[Piece]]:
+    """Our ``VLModel`` parameter name -> the HF pieces of tp rank ``rank``'s shard."""
+    out = {f"text.{k}": v for k, v in shard_map(cfg.text, tp, rank).items()}
+    out.update({f"visual.{k}": v for k, v in
+                vision_shard_map(cfg.vision, tp, rank, prefix="visual.").items()})
+    return out
+
+
+class _VLCheckpoint(_Checkpoint):
+    """A checkpoint folder whose tensors may use either name layout (module docstring)."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        self._actual: dict[str, str] = {}  # hub name -> name in this checkpoint
+        for name in self.files:
+            for hub, module in ALIASES:
+                if name.startswith(module):
+                    self._actual.setdefault(hub + name[len(module):], name)
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        if piece.name not in self.files and piece.name in self._actual:
+            piece = piece._replace(name=self._actual[piece.name])
+        return super().read(piece)
+
+
+@torch.no_grad()
+def load_hf_vl_weights(model: VLModel, folder: str | Path, state: ParallelState) -> None:
+    """Fill every parameter of ``model`` with this tp rank's shard of the checkpoint's tensors
+    (``ValueError`` naming a missing tensor or a shape that disagrees with the config)."""
+    ckpt = _VLCheckpoint(Path(folder))
+    table = vl_shard_map(model.cfg, state.tp, state.tp_rank)
+    params = dict(model.named_parameters())
+    if set(params) != set(table):
+        raise AssertionError(f"shard map and model disagree: {sorted(set(params) ^ set(table))}")
+    for name, pieces in table.items():
+        param = params[name]
+        local = torch.cat([ckpt.read(p) for p in pieces], dim=pieces[0].dim)
+        assert local.shape == param.shape, (name, local.shape, param.shape)
+        param.copy_(local.to(param.dtype))
+
+
+def load_hf_vl_model(folder: str | Path, state: ParallelState, *,
+                     sequence_parallel: bool = False, cp_mode: str = "none",
+                     activation_checkpointing: bool = False, vision_cp: str = "split",
+                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+                     ) -> tuple[VLModel, VLConfig]:
+    """Build the ``VLModel`` of a Qwen2-VL / Qwen2.5-VL checkpoint folder for ``state`` and
+    load its shards. Returns ``(model, cfg)``; a decoder-only checkpoint raises ``ValueError``
+    saying to use ``models.load_hf_model``."""
+    cfg = vl_config_from_hf(folder)
+    with torch.device("meta"):
+        model = VLModel(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
+                        activation_checkpointing=activation_checkpointing, vision_cp=vision_cp,
+                        dtype=dtype)
+    model.to_empty(device=device)
+    init_weights(model, 0)  # buffers (rotary tables); every parameter is overwritten below
+    load_hf_vl_weights(model, folder, state)
+    return model, cfg
+
+
+@torch.no_grad()
+def export_hf_vl(model: VLModel, state: ParallelState, out_dir: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (hub layout) of ``model`` to ``out_dir``.
+
+    Collective over the world: call it on every rank. Only the tp group of global rank 0
+    gathers; rank 0 writes; a barrier then lets every rank read it.
+    """
+    cfg = model.cfg
+    hf_dict = hf_vl_config_dict(cfg)  # raises before any communication on bad configs
+    if state.cp_rank == 0 and state.dp_rank == 0:
+        maps = [vl_shard_map(cfg, state.tp, rank) for rank in range(state.tp)]
+        full: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            shards = all_gather(param.detach(), 0, state.tp_group).cpu().chunk(state.tp)
+            for rank, shard in enumerate(shards):
+                _scatter_back(shard, maps[rank][name], full)
+        if state.rank == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(hf_dict, indent=2) + "\n")
+            save_file({k: v.contiguous() for k, v in full.items()}, out / "model.safetensors",
+                      metadata={"format": "pt"})
+    if dist.is_initialized():
+        dist.barrier()
