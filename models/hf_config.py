@@ -17,6 +17,7 @@ from models.config import ROPE_SCALING_KEYS, ModelConfig
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3"}
+VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def read_hf_config(source: str | Path | dict) -> dict:
@@ -62,6 +63,9 @@ def config_from_hf(source: str | Path | dict) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if len(archs) == 1 else None
     if arch not in SUPPORTED:
+        if arch in VL_ARCHITECTURES:
+            raise ValueError(f"{arch} is a vision-language checkpoint; load it with "
+                             f"models.load_hf_vl_model (this loader builds decoders only)")
         raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
                          f"supported: {sorted(SUPPORTED)}")
     family = SUPPORTED[arch]

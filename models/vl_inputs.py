@@ -30,9 +30,11 @@ from __future__ import annotations
 import torch
 
 from models.vl_config import VLConfig
+from parallel.context import ContextPlan, split_batch
 from parallel.labels import LabelShifter, check_cu_seqlens
+from parallel.state import ParallelState
 
-__all__ = ["check_grid", "vl_inputs", "vl_position_ids"]
+__all__ = ["check_grid", "local_vl_inputs", "vl_inputs", "vl_position_ids"]
 
 
 def check_grid(grid, name: str, merge: int) -> list[tuple[int, int, int]]:
@@ -149,3 +151,32 @@ def vl_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, *, image_grid_
     labels = LabelShifter(ignore_index, cfg.placeholder_ids)(input_ids, cu_seqlens, loss_mask)
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions,
             "vision_rows": vision_rows}
+
+
+def local_vl_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig,
+                    *, pixel_values: torch.Tensor | None = None, image_grid_thw=None,
+                    pixel_values_videos: torch.Tensor | None = None, video_grid_thw=None,
+                    second_per_grid=None, loss_mask=None, sequence_parallel: bool = False
+                    ) -> tuple[ContextPlan, dict]:
+    """The cp plan of one packed VL stream and this rank's ``VLModel.forward`` keyword
+    arguments (all but ``output``): the per-token tensors made on the GLOBAL stream
+    (``vl_inputs``), then split together (zigzag when cp > 1; a multiple of tp under SP); the
+    vision input (images then videos) passed whole to every rank."""
+    total = input_ids.numel()
+    batch = vl_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
+                      video_grid_thw=video_grid_thw, second_per_grid=second_per_grid,
+                      loss_mask=loss_mask)
+    layout = "zigzag" if state.cp > 1 else "contiguous"
+    plan = ContextPlan(cu_seqlens, total, state.cp, layout,
+                       pad_multiple=state.tp if sequence_parallel else 1)
+    local = split_batch({**batch, "cu_seqlens": cu_seqlens}, plan, state.cp_rank,
+                        pad_values={"vision_rows": -1})
+    rank_layout = plan.rank_layout(state.cp_rank)
+    device = input_ids.device
+    parts = [p for p in (pixel_values, pixel_values_videos) if p is not None]
+    grids = [g for g in (image_grid_thw, video_grid_thw) if g is not None]
+    grid = torch.cat([torch.as_tensor(g, dtype=torch.int64).view(-1, 3) for g in grids]) \
+        if grids else None
+    return plan, {**local, "doc_id": rank_layout.doc_id.to(device),
+                  "positions_in_doc": rank_layout.positions_in_doc.to(device),
+                  "pixel_values": torch.cat(parts) if parts else None, "grid_thw": grid}

@@ -140,4 +140,4 @@ def reference_loss_grads(folder, ids, cu, pixels, grid, per_doc):
         grads[hub] = p.grad.detach().clone()
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
-    return float(total / count), grads
+    return float(total.detach() / count), grads
