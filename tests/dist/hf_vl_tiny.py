@@ -137,7 +137,7 @@ def reference_loss_grads(folder, ids, cu, pixels, grid, per_doc):
     grads = {}
     for name, p in model.named_parameters():
         hub = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-        grads[hub] = p.grad.detach().clone()
+        grads[hub] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
     return float(total.detach() / count), grads
