@@ -20,8 +20,11 @@ temporaries at once; the fused op reads x once and writes y once.
 Rounding: the PyTorch reference upcasts x and the tables, does eager's multiplies and add in
 the compute dtype and casts once, so for fp32 x or bf16 x with fp32 tables (training under
 autocast) it is bitwise equal to eager followed by ``.to(out_dtype)``. The Triton kernels do
-the same math; the compiler may fuse a multiply-add, so they agree with eager to within one
-ulp of the output dtype.
+the same math, but the compiler may fuse a multiply-add: the fp32 value then differs from
+eager's by up to ``2^-22 (|p| + |q|)`` (p, q the two products), so the rounded outputs agree
+to one ulp of the output dtype except where p and q nearly cancel, where that fp32 difference
+can be several ulps of the (small) result. Both are equally accurate approximations of the
+exact rotation; neither rounding order is the wrong one.
 
 Kernels: a 3D grid of programs over tiles of [BLOCK_T tokens, BLOCK_H heads, BLOCK_D columns
 of the first half]; each program loads its columns in both halves of D (and each table row

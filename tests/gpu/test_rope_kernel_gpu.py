@@ -1,5 +1,6 @@
 """Triton RoPE on CUDA (bf16, fp16, fp32) against float64 math and the eager rotation: forward,
-dx, the autocast case (bf16 x, fp32 tables, bf16 out) within one bf16 ulp of eager, the memory
+dx, the autocast case (bf16 x, fp32 tables, bf16 out) against eager (one bf16 ulp plus the fp32
+rounding of the products: see ``_check_against_eager``), the memory
 it allocates, and torch.compile. bf16 is covered here only: the CPU interpreter truncates
 float32 -> bfloat16 casts (tests/unit/test_rope_kernel.py)."""
 
@@ -86,13 +87,29 @@ def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(magnitude)) - 7)
 
 
-def _check_within_one_ulp_of_eager(x, cos, sin):
-    """bf16 x, fp32 tables, bf16 out (training under autocast): eager computes in fp32 and
-    rounds once too, so only a fused multiply-add can move a value, by at most one ulp."""
+def _check_against_eager(x, cos, sin):
+    """bf16 x, fp32 tables, bf16 out (training under autocast): eager and the kernel both
+    compute ``y1 = x1 c1 - x2 s1`` in fp32 and round once to bf16, but the kernel may fuse a
+    multiply-add, so the two fp32 values differ by rounding errors of the PRODUCTS, not of y.
+
+    Each evaluation of ``p + q`` (p, q the two products) is within ``2u (|p| + |q|)`` of the
+    exact value (u = 2^-24: eager rounds p, q and the sum; the fused form rounds q and the
+    sum), so they differ by at most ``2^-22 (|p| + |q|)``; rounding both to bf16 adds at most
+    one bf16 ulp. Where p and q nearly cancel, |y| is far below |p| + |q| and that fp32 term
+    is many bf16 ulps of y (seen: 7 ulps at |y| = 3e-6, |p| + |q| = 5): "one ulp of y" is
+    not a bound any fp32 evaluation order meets. Elsewhere the bound is one ulp, and at
+    least 99% of the outputs must be bitwise equal to eager."""
     got = rope(x, cos, sin, torch.bfloat16)
     want = _eager(x, cos, sin).to(torch.bfloat16)
     diff = (got.float() - want.float()).abs()
-    assert bool((diff <= _bf16_ulp(want)).all()), f"max diff {diff.max().item():.3e}"
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([xf[..., half:], xf[..., :half]], dim=-1).abs()
+    products = xf.abs() * cos.abs()[:, None, :] + rotated * sin.abs()[:, None, :]
+    larger = torch.maximum(got.float().abs(), want.float().abs())
+    bound = _bf16_ulp(larger) + 2.0**-22 * products
+    excess = (diff - bound).max().item()
+    assert excess <= 0, f"max diff {diff.max().item():.3e}, over the bound by {excess:.3e}"
     same = (got == want).float().mean().item()
     assert same >= 0.99, f"only {same:.4f} of outputs equal eager"
 
@@ -102,13 +119,13 @@ def test_large_bf16_matches_float64_and_eager():
     x = torch.randn(16384, 32, 64, device="cuda").bfloat16()
     cos, sin = _tables(16384, 64, torch.float32, "real")
     _check_against_float64(x, cos, sin, torch.bfloat16)
-    _check_within_one_ulp_of_eager(x.detach(), cos, sin)
+    _check_against_eager(x.detach(), cos, sin)
 
 
 @pytest.mark.parametrize("tables", ["real", "random"])
 def test_bf16_with_fp32_tables_within_one_ulp_of_eager(tables):
     x = (torch.randn(4096, 8, 128, device="cuda") * 4.0).bfloat16()
-    _check_within_one_ulp_of_eager(x, *_tables(4096, 128, torch.float32, tables))
+    _check_against_eager(x, *_tables(4096, 128, torch.float32, tables))
 
 
 def test_fp32_close_to_reference_on_cuda():
