@@ -4,14 +4,20 @@
         [--cp-mode ring|ulysses] [--dtype float32|bfloat16] --input IN.jsonl --output OUT.jsonl
 
 Input: one JSON object per line, ``{"input_ids": [...]}`` with an optional ``"loss_mask"``
-(same length; 0 marks tokens that are not targets). Output, same order, one line each:
+(same length; 0 marks tokens that are not targets). On a vision-language (Qwen2-VL) checkpoint a
+line may add images, as ``"pixel_values"`` + ``"image_grid_thw"`` (placeholder runs expanded in
+``input_ids``) or as ``"images"`` (file paths, one placeholder id each); see launch/score_io.py,
+which checks every line before the model loads. Output, same order, one line each:
 ``{"logprobs": [...], "entropy": [...]}`` of length ``len(input_ids) - 1``, where
-``logprobs[t] = log p(input_ids[t+1] | input_ids[:t+1])`` (0 where ``loss_mask[t+1]`` is 0) and
-``entropy[t]`` is the entropy of that same next-token distribution.
+``logprobs[t] = log p(input_ids[t+1] | input_ids[:t+1])`` (0 where ``loss_mask[t+1]`` is 0 or
+``input_ids[t+1]`` is an image placeholder) and ``entropy[t]`` is the entropy of that same
+next-token distribution (at every position). Lines in the ``images`` form also get
+``"input_ids"``: the expanded ids that the outputs align with.
 
 How: dp = world / (tp * cp) replicas take the sequences round-robin; each replica packs its
-sequences into ONE stream, shifts labels on it (``LabelShifter``, before any split), splits it
-over its cp ranks (zigzag when cp > 1), runs the model (tp-sharded), gathers the per-token
+sequences into ONE stream, shifts labels on it (``LabelShifter``, before any split; for VL also
+the M-RoPE positions and vision rows), splits it over its cp ranks (zigzag when cp > 1), runs the
+model (tp-sharded; every cp rank gets the replica's whole pixel_values), gathers the per-token
 outputs back to stream order over cp, and rank 0 collects every replica's results and writes
 them in input order. CUDA when available (nccl), else CPU (gloo).
 """
@@ -22,13 +28,23 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from models.hf import load_hf_model
-from models.transformer import Transformer
+from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
+from models import (
+    Transformer,
+    config_from_hf,
+    is_vl_config,
+    load_hf_model,
+    load_hf_vl_model,
+    local_vl_inputs,
+    vl_config_from_hf,
+)
+from models.hf_config import read_hf_config
 from parallel.context import ContextPlan, split_batch
 from parallel.labels import LabelShifter, position_ids
 from parallel.state import ParallelState
@@ -63,64 +79,80 @@ def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torc
                   "cu_seqlens": local["cu_seqlens"], "labels": local["labels"]}
 
 
-def score_stream(model: Transformer, state: ParallelState, input_ids: torch.Tensor,
+def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                  cu_seqlens: torch.Tensor, loss_mask: torch.Tensor | None = None,
-                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 temperature: float = 1.0, pixel_values: torch.Tensor | None = None,
+                 image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs [T], entropy [T])`` fp32 of one packed stream, in stream order, on every rank
     of this replica's tp x cp group (collective over ``state.tp_group`` and ``state.cp_group``).
-    Position t scores ``input_ids[t+1]`` (0 at each document's last token)."""
-    plan, inputs = local_inputs(state, input_ids, cu_seqlens, loss_mask,
-                                model.sequence_parallel)
+    Position t scores ``input_ids[t+1]`` (0 at each document's last token). A ``VLModel``
+    (``model.cfg`` a ``VLConfig``) also takes the stream's ``pixel_values [N, patch_dim]`` and
+    ``image_grid_thw [I, 3]`` (every image of the stream, in placeholder order; may be None)."""
+    if isinstance(model, Transformer):
+        plan, inputs = local_inputs(state, input_ids, cu_seqlens, loss_mask,
+                                    model.sequence_parallel)
+    else:
+        plan, inputs = local_vl_inputs(state, input_ids, cu_seqlens, model.cfg,
+                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                       loss_mask=loss_mask,
+                                       sequence_parallel=model.sequence_parallel)
     with torch.no_grad():
         logprobs, entropy = model(**inputs, output="logprobs", temperature=temperature)
     return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group)
 
 
-def score_sequences(model: Transformer, state: ParallelState, sequences: list[list[int]],
-                    loss_masks: list | None = None, device: torch.device | str = "cpu",
-                    temperature: float = 1.0) -> list[dict]:
-    """Score ``sequences`` packed into one stream; ``[{"logprobs", "entropy"}]`` per sequence
-    (lists of ``len - 1`` floats). Collective over this replica's tp x cp group."""
-    results = [{"logprobs": [], "entropy": []} for _ in sequences]
-    keep = [i for i, s in enumerate(sequences) if len(s) > 0]  # empty documents cannot pack
-    if not keep:
-        return results
-    lengths = torch.tensor([len(sequences[i]) for i in keep])
-    cu = torch.zeros(len(keep) + 1, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
-    ids = torch.tensor([t for i in keep for t in sequences[i]], dtype=torch.long, device=device)
-    mask = None
-    if loss_masks is not None and any(loss_masks[i] is not None for i in keep):
-        mask = torch.tensor([bool(m) for i in keep
-                             for m in (loss_masks[i] or [1] * len(sequences[i]))], device=device)
-    logprobs, entropy = score_stream(model, state, ids, cu.to(device), mask, temperature)
-    logprobs, entropy = logprobs.cpu(), entropy.cpu()
-    for j, i in enumerate(keep):
-        start, stop = int(cu[j]), int(cu[j + 1]) - 1  # the last token has no target
-        results[i] = {"logprobs": logprobs[start:stop].tolist(),
-                      "entropy": entropy[start:stop].tolist()}
+def score_items(model, state: ParallelState, items: list[ScoreItem],
+                device: torch.device | str = "cpu", temperature: float = 1.0) -> list[dict]:
+    """Score ``items`` packed into one stream; ``[{"logprobs", "entropy"}]`` per item (lists of
+    ``len - 1`` floats; plus ``"input_ids"`` for items with ``echo_ids``). Collective over this
+    replica's tp x cp group: every rank calls it, with the same items."""
+    results = [{"logprobs": [], "entropy": []} for _ in items]
+    keep = [i for i, s in enumerate(items) if len(s.input_ids) > 0]  # empty docs cannot pack
+    if keep:
+        lengths = torch.tensor([len(items[i].input_ids) for i in keep])
+        cu = torch.zeros(len(keep) + 1, dtype=torch.int64)
+        cu[1:] = lengths.cumsum(0)
+        ids = torch.tensor([t for i in keep for t in items[i].input_ids], dtype=torch.long,
+                           device=device)
+        mask = None
+        if any(items[i].loss_mask is not None for i in keep):
+            mask = torch.tensor([bool(m) for i in keep for m in (
+                items[i].loss_mask or [1] * len(items[i].input_ids))], device=device)
+        pixels = [items[i].pixel_values for i in keep if items[i].num_images]
+        grid = [g for i in keep for g in items[i].image_grid_thw]
+        logprobs, entropy = score_stream(
+            model, state, ids, cu.to(device), mask, temperature,
+            torch.cat(pixels).to(device) if pixels else None,
+            torch.tensor(grid, dtype=torch.int64).view(-1, 3) if grid else None)
+        logprobs, entropy = logprobs.cpu(), entropy.cpu()
+        for j, i in enumerate(keep):
+            start, stop = int(cu[j]), int(cu[j + 1]) - 1  # the last token has no target
+            results[i] = {"logprobs": logprobs[start:stop].tolist(),
+                          "entropy": entropy[start:stop].tolist()}
+    for item, result in zip(items, results, strict=True):
+        if item.echo_ids:
+            result["input_ids"] = item.input_ids
     return results
 
 
-def read_input(path: Path, vocab_size: int) -> tuple[list[list[int]], list]:
-    """Sequences and loss masks of a JSONL file; ``ValueError`` naming the line on bad input."""
-    sequences, masks = [], []
-    for num, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        ids, mask = row.get("input_ids"), row.get("loss_mask")
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise ValueError(f"{path}:{num}: input_ids must be a list of ints")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{path}:{num}: token id {bad[0]} is outside the model's vocab "
-                             f"[0, {vocab_size}); check the tokenizer matches the checkpoint")
-        if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
-            raise ValueError(f"{path}:{num}: loss_mask must be a list as long as input_ids")
-        sequences.append(ids)
-        masks.append(mask)
-    return sequences, masks
+def score_sequences(model, state: ParallelState, sequences: list[list[int]],
+                    loss_masks: list | None = None, device: torch.device | str = "cpu",
+                    temperature: float = 1.0) -> list[dict]:
+    """``score_items`` of text-only sequences (lists of ids) with optional loss masks."""
+    masks = loss_masks or [None] * len(sequences)
+    items = [ScoreItem(list(s), m) for s, m in zip(sequences, masks, strict=True)]
+    return score_items(model, state, items, device, temperature)
+
+
+def checkpoint_spec(folder: Path) -> InputSpec:
+    """What the checkpoint at ``folder`` accepts, from its config.json alone (no weights):
+    a Qwen2-VL / Qwen2.5-VL checkpoint takes images, a decoder text only. ``ValueError`` for
+    architectures that neither loader supports."""
+    if is_vl_config(folder):
+        return vl_spec(vl_config_from_hf(folder), folder)
+    cfg = config_from_hf(folder)
+    archs = read_hf_config(folder).get("architectures") or ["?"]
+    return InputSpec(vocab_size=cfg.vocab_size, checkpoint=f"{folder} ({archs[0]})")
 
 
 def gather_in_order(results: list[dict], mine: list[int], state: ParallelState,
@@ -169,25 +201,43 @@ def setup() -> torch.device:
     return device
 
 
+def load_model(args: argparse.Namespace, spec: InputSpec, state: ParallelState,
+               device: torch.device):
+    """The ``Transformer`` or ``VLModel`` of the checkpoint, tp-sharded, in eval mode."""
+    load = load_hf_vl_model if spec.vl else load_hf_model
+    model, _ = load(args.hf_checkpoint, state, cp_mode=args.cp_mode,
+                    sequence_parallel=args.sequence_parallel, device=device,
+                    dtype=DTYPES[args.dtype])
+    return model.eval()
+
+
+def write_output(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = setup()
     try:
         state = ParallelState.build(args.tp, args.cp)
-        model, cfg = load_hf_model(args.hf_checkpoint, state, cp_mode=args.cp_mode,
-                                   sequence_parallel=args.sequence_parallel, device=device,
-                                   dtype=DTYPES[args.dtype])
-        model.eval()
-        sequences, masks = read_input(args.input, cfg.vocab_size)  # every rank: same checks
-        mine = list(range(state.dp_rank, len(sequences), state.dp))
-        results = score_sequences(model, state, [sequences[i] for i in mine],
-                                  [masks[i] for i in mine], device, args.temperature)
-        ordered = gather_in_order(results, mine, state, len(sequences))
+        spec = checkpoint_spec(args.hf_checkpoint)
+        items = read_input(args.input, spec)  # every rank: the same checks, before any compute
+        model = load_model(args, spec, state, device)
+        start = time.perf_counter()
+        mine = list(range(state.dp_rank, len(items), state.dp))
+        results = score_items(model, state, [items[i] for i in mine], device, args.temperature)
+        ordered = gather_in_order(results, mine, state, len(items))
         if ordered is not None:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            with args.output.open("w") as f:
-                for row in ordered:
-                    f.write(json.dumps(row) + "\n")
+            write_output(args.output, ordered)
+            tokens = sum(len(i.input_ids) for i in items)
+            images = sum(i.num_images for i in items)
+            print(f"score.py: scored {len(items)} sequences ({tokens} tokens, {images} images) "
+                  f"at tp={state.tp} cp={state.cp} ({args.cp_mode}) dp={state.dp} "
+                  f"{args.dtype} in {time.perf_counter() - start:.2f} s -> {args.output}",
+                  flush=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
