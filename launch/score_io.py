@@ -82,8 +82,11 @@ def vl_spec(cfg, folder: str | Path) -> InputSpec:
     path = folder / "preprocessor_config.json"
     pre = json.loads(path.read_text()) if path.is_file() else {}
     size = pre.get("size") or {}
-    spec["min_pixels"] = int(pre.get("min_pixels", size.get("shortest_edge", MIN_PIXELS)))
-    spec["max_pixels"] = int(pre.get("max_pixels", size.get("longest_edge", MAX_PIXELS)))
+    # top-level keys win over "size" (older files say min/max_pixels there), as in transformers
+    spec["min_pixels"] = int(pre.get("min_pixels", size.get("shortest_edge", size.get(
+        "min_pixels", MIN_PIXELS))))
+    spec["max_pixels"] = int(pre.get("max_pixels", size.get("longest_edge", size.get(
+        "max_pixels", MAX_PIXELS))))
     spec["image_mean"] = tuple(pre.get("image_mean", CLIP_MEAN))
     spec["image_std"] = tuple(pre.get("image_std", CLIP_STD))
     for key in ("patch_size", "temporal_patch_size", "merge_size"):

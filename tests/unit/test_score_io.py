@@ -199,6 +199,9 @@ def test_vl_spec_reads_the_processor_config(tmp_path):
     spec = vl_spec(cfg, tmp_path)
     assert (spec.min_pixels, spec.max_pixels, spec.image_mean) == (1000, 20000, (0.5,) * 3)
     assert spec.patch_dim == WIDTH and spec.vl
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 500, "longest_edge": 9000}, "max_pixels": 7000}))
+    assert (vl_spec(cfg, tmp_path).min_pixels, vl_spec(cfg, tmp_path).max_pixels) == (500, 7000)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"merge_size": 1}))
     with pytest.raises(ValueError, match="merge_size = 1 but the model's vision config has 2"):
         vl_spec(cfg, tmp_path)
