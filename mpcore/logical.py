@@ -1,6 +1,7 @@
 """Layout-independent (logical) form of the model's tensors, and per-element norm weights.
 
-A parameter of ``models.Transformer`` on tp rank r is a concatenation, along one dim, of pieces of
+A parameter of ``models.Transformer`` (or ``models.VLModel``: ``models.vl_hf.vl_shard_map``) on
+tp rank r is a concatenation, along one dim, of pieces of
 Hugging Face tensors (``models.hf.shard_map``): ``wqkv`` holds rows of q_proj, k_proj and v_proj,
 ``w13`` rows of gate_proj and up_proj, ``wo``/``w2`` columns of o_proj/down_proj, the embedding
 and untied head rows of a vocab shard padded with zero rows, norms the whole vector. The LOGICAL
@@ -22,6 +23,8 @@ import torch
 
 from models.config import ModelConfig
 from models.hf import Piece, shard_map
+from models.vl_config import VLConfig
+from models.vl_hf import vl_shard_map
 from parallel.collectives import all_gather
 from parallel.state import ProcessGroup
 
@@ -37,9 +40,10 @@ class LogicalLayout:
     ``owners``: our parameter name -> the HF names its pieces come from (in piece order).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int, tp_rank: int):
+    def __init__(self, cfg: ModelConfig | VLConfig, tp: int, tp_rank: int):
         self.cfg, self.tp, self.tp_rank = cfg, tp, tp_rank
-        self.maps = [shard_map(cfg, tp, r) for r in range(tp)]
+        table = vl_shard_map if isinstance(cfg, VLConfig) else shard_map
+        self.maps = [table(cfg, tp, r) for r in range(tp)]
         self.hf_shapes: dict[str, tuple[int, ...]] = {}
         self.owners: dict[str, list[str]] = {}
         for name, pieces in self.maps[0].items():
