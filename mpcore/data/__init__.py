@@ -6,6 +6,13 @@ packing.py    fixed-length samples with cu_seqlens and position_ids (no labels)
 blend.py      weighted blend of several sample datasets
 loader.py     seeded shuffle, dp-rank split, micro-batches as one packed stream, resumable
 corpus.py     the default corpus shipped with the repo, prepared on first use
+
+Vision-language (image-text) data:
+vl_tokenizer.py  a SentencePiece model plus the four VL special ids after its vocab
+vl_manifest.py   the JSONL manifest schema, checked with file:line errors; image settings
+vl_dataset.py    prepare a manifest into a memory-mapped folder (ids, masks, pixels, grids)
+vl_packing.py    whole samples into seq_len budgets; collate_vl; VLDataLoader; TextAsVL
+vl_default.py    the shipped 15-image caption set, prepared on first use
 """
 
 from mpcore.data.blend import BlendedDataset
@@ -14,6 +21,17 @@ from mpcore.data.indexed import IndexedDataset, IndexedWriter
 from mpcore.data.loader import DataLoader, collate
 from mpcore.data.packing import PackedDataset, PackedSample
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from mpcore.data.vl_dataset import VLDataset, VLSample, prepare_vl_dataset
+from mpcore.data.vl_default import prepare_vl_default
+from mpcore.data.vl_manifest import ImageSettings, iter_manifest, scan_manifest
+from mpcore.data.vl_packing import (
+    TextAsVL,
+    VLDataLoader,
+    VLPackedDataset,
+    VLPackedSample,
+    collate_vl,
+)
+from mpcore.data.vl_tokenizer import VLTokenizer
 
 __all__ = [
     "BlendedDataset",
@@ -27,4 +45,17 @@ __all__ = [
     "iter_documents",
     "prepare_default",
     "train_tokenizer",
+    "ImageSettings",
+    "TextAsVL",
+    "VLDataLoader",
+    "VLDataset",
+    "VLPackedDataset",
+    "VLPackedSample",
+    "VLSample",
+    "VLTokenizer",
+    "collate_vl",
+    "iter_manifest",
+    "prepare_vl_dataset",
+    "prepare_vl_default",
+    "scan_manifest",
 ]

@@ -1,0 +1,90 @@
+"""Turn an image-text JSONL manifest into a prepared VL dataset folder.
+
+    python launch/prepare_vl_data.py --manifest data/train.jsonl --tokenizer T --out data/vl \\
+        [--min-pixels N] [--max-pixels N] [--patch-size 14] [--temporal-patch-size 2] \\
+        [--merge-size 2] [--no-resize] [--pixel-dtype float32|float16] [--overwrite]
+
+``T``: a SentencePiece ``.model`` (the four VL ids are appended after its vocab), a prepared
+dataset's ``tokenizer.json``, or ``default`` (the default corpus's model, prepared under
+``--data-dir`` on first use). The manifest schema is in mpcore/data/vl_manifest.py (and
+launch/data/images/README.md); the folder layout in mpcore/data/vl_dataset.py. The manifest is
+checked first (every problem reported as ``file:line``, nothing written), then streamed with a
+progress line on stderr; the folder appears only when complete. Also runs as
+``python -m launch.prepare_vl_data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mpcore.data.corpus import prepare_default
+from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
+from mpcore.data.vl_manifest import ImageSettings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = ImageSettings()
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--manifest", type=Path, required=True, help="the JSONL manifest")
+    parser.add_argument(
+        "--tokenizer", required=True, help="SentencePiece .model, tokenizer.json, or 'default'"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="dataset folder to write")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("runs/data"),
+        help="where --tokenizer default is prepared",
+    )
+    parser.add_argument("--vocab-size", type=int, default=2048, help="vocab of --tokenizer default")
+    parser.add_argument("--min-pixels", type=int, default=defaults.min_pixels)
+    parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels)
+    parser.add_argument("--patch-size", type=int, default=defaults.patch_size)
+    parser.add_argument("--temporal-patch-size", type=int, default=defaults.temporal_patch_size)
+    parser.add_argument("--merge-size", type=int, default=defaults.merge_size)
+    parser.add_argument(
+        "--no-resize",
+        action="store_true",
+        help="use images at their own size (multiples of patch*merge)",
+    )
+    parser.add_argument("--pixel-dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = ImageSettings(
+            patch_size=args.patch_size,
+            temporal_patch_size=args.temporal_patch_size,
+            merge_size=args.merge_size,
+            min_pixels=args.min_pixels,
+            max_pixels=args.max_pixels,
+            resize=not args.no_resize,
+            pixel_dtype=args.pixel_dtype,
+        )
+        tokenizer = args.tokenizer
+        if tokenizer == "default":
+            tokenizer = prepare_default(args.data_dir, args.vocab_size)[0]
+        out = prepare_vl_dataset(
+            args.manifest, args.out, tokenizer, settings, overwrite=args.overwrite
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = VLDataset(out).meta
+    print(
+        f"{out}: {m['num_samples']} samples, {m['num_images']} images, {m['num_tokens']} "
+        f"tokens ({m['num_image_tokens']} image placeholders, {m['num_target_tokens']} "
+        f"targets), vocab {m['tokenizer']['vocab_size']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""The image-text manifest: JSONL, one sample per line, and its check.
+
+Three kinds of line (blank lines are skipped):
+
+    caption      {"image": "cats/1.jpg", "caption": "A cat on a mat."}
+    interleaved  {"content": [{"text": "Look:"}, {"image": "a.png"}, {"text": "a dog."}, ...]}
+    text only    {"text": "Any document."}
+
+Optional on caption and interleaved lines: ``"max_pixels": N`` (an int >= the run's min_pixels)
+caps the resize of that sample's images, as Qwen2-VL's per-image ``max_pixels``. Optional on an
+interleaved text item: ``"target": false`` (the text is context, e.g. a prompt, not a target).
+No other keys are allowed (a typo must not silently drop data).
+
+Image paths are relative to the manifest's folder (absolute paths also work); the files must be
+PNG or JPEG (checked by content, not by name). A sample becomes, with ``<vs> <pad>*n <ve>`` for
+each image (``n = t*h*w / merge^2`` placeholders, its grid after the resize):
+
+    caption      <vs> <pad>*n <ve> caption EOS
+    interleaved  its items in order, then EOS
+    text only    text EOS
+
+Targets (``loss_mask[t]`` true = token t is a target, ``parallel.LabelShifter``'s meaning): every
+text token whose item is a target (a caption, any text without ``"target": false``) and the EOS;
+never an image's ``<vs> <pad>* <ve>``. A sample needs at least one target text.
+
+:func:`scan_manifest` checks a whole manifest before anything is written: JSON, keys, types,
+empty texts, missing files, files that are not PNG/JPEG, sizes (aspect ratio; over
+``max_pixels`` when resizing is off). It reports up to 20 problems at once, each as
+``manifest:line: what is wrong; how to fix it``. It reads only image headers (and hashes the
+bytes for the fingerprint), so it streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mpcore.data.images import (
+    CLIP_MEAN,
+    CLIP_STD,
+    FORMATS,
+    MAX_PIXELS,
+    MIN_PIXELS,
+    check_image_size,
+    smart_resize,
+)
+from mpcore.data.indexed import Progress
+
+SCHEMA = "mpcore/data/vl_manifest.py"
+MAX_REPORTED = 20
+_KINDS = {
+    "caption": ({"image", "caption"}, {"max_pixels"}),
+    "interleaved": ({"content"}, {"max_pixels"}),
+    "text": ({"text"}, set()),
+}
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    """How images are resized and cut (``mpcore.data.images.process_image``'s arguments)."""
+
+    patch_size: int = 14
+    """Side of one vision patch in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch; an image repeats its one frame this many times."""
+    merge_size: int = 2
+    """The merger fuses merge x merge patches into one placeholder token."""
+    min_pixels: int = MIN_PIXELS
+    """Smaller images are scaled up to at least this many pixels."""
+    max_pixels: int = MAX_PIXELS
+    """Larger images are scaled down to at most this many (a sample may lower it)."""
+    resize: bool = True
+    """False: images are used at their own size, which must be multiples of patch * merge and
+    at most max_pixels (else the manifest check fails)."""
+    pixel_dtype: str = "float32"
+    """Storage of the pixel rows: float32 (exact) or float16 (half the disk; abs error <= 1e-3
+    on CLIP-normalised values, see tests/unit/test_vl_data.py)."""
+
+    def __post_init__(self):
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"image setting {name} must be a positive int, got {value!r}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"min_pixels {self.min_pixels} > max_pixels {self.max_pixels}; "
+                f"lower --min-pixels or raise --max-pixels"
+            )
+        if self.pixel_dtype not in ("float32", "float16"):
+            raise ValueError(f"pixel_dtype must be float32 or float16, got {self.pixel_dtype!r}")
+
+    @property
+    def factor(self) -> int:
+        """Image sides are multiples of this (``patch_size * merge_size``)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one pixel row: ``3 * temporal_patch_size * patch_size**2``."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "mean": list(CLIP_MEAN), "std": list(CLIP_STD)}
+
+    def grid(
+        self, height: int, width: int, max_pixels: int | None, name: str
+    ) -> tuple[int, int, int]:
+        """The ``(t, h, w)`` patch grid an image of ``height x width`` gets."""
+        cap = self.max_pixels if max_pixels is None else max_pixels
+        if cap < self.min_pixels:
+            raise ValueError(
+                f"max_pixels {cap} is below min_pixels {self.min_pixels}; raise "
+                f"the sample's max_pixels or lower --min-pixels"
+            )
+        if self.resize:
+            height, width = smart_resize(
+                height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=cap
+            )
+        else:
+            check_image_size(height, width, factor=self.factor, max_pixels=cap, name=name)
+        return 1, height // self.patch_size, width // self.patch_size
+
+
+@dataclass(frozen=True)
+class ManifestSample:
+    """One parsed line: ``parts`` in order, each ``("text", str, is_target)`` or
+    ``("image", Path, False)``; ``max_pixels`` the sample's cap or None."""
+
+    line: int
+    kind: str
+    parts: tuple[tuple[str, str | Path, bool], ...]
+    max_pixels: int | None
+
+    @property
+    def images(self) -> list[Path]:
+        return [p for kind, p, _ in self.parts if kind == "image"]
+
+
+class VLProgress(Progress):
+    """``label: N samples, M images, K tokens, R tokens/s`` on one line, at most every second."""
+
+    def update(
+        self, num_samples: int, num_tokens: int, num_images: int = 0, force: bool = False
+    ) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        rate = num_tokens / max(now - self.start, 1e-9)
+        end = "\n" if force else "\r"
+        self.stream.write(
+            f"{self.label}: {num_samples:,} samples, {num_images:,} images, "
+            f"{num_tokens:,} tokens, {rate:,.0f} tokens/s{end}"
+        )
+        self.stream.flush()
+
+
+def _fail(where: str, message: str) -> ValueError:
+    return ValueError(f"{where}: {message}")
+
+
+def _text(value, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, f"{what} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise _fail(where, f"{what} is empty; give it text or drop it (see {SCHEMA})")
+    return value
+
+
+def _image(value, folder: Path, where: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise _fail(where, f"an image must be a non-empty path string, got {value!r}")
+    return folder / value
+
+
+def _content(items, folder: Path, where: str) -> list[tuple[str, str | Path, bool]]:
+    if not isinstance(items, list) or not items:
+        raise _fail(
+            where, 'content must be a non-empty list of {"text": ...} / {"image": ...} items'
+        )
+    parts = []
+    for k, item in enumerate(items):
+        at = f"{where}: content[{k}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{at} must be an object, got {type(item).__name__}")
+        keys = set(item)
+        if keys == {"image"}:
+            parts.append(("image", _image(item["image"], folder, at), False))
+        elif "text" in keys and keys <= {"text", "target"}:
+            target = item.get("target", True)
+            if not isinstance(target, bool):
+                raise ValueError(f"{at}: target must be true or false, got {target!r}")
+            parts.append(("text", _text(item["text"], at, "text"), target))
+        else:
+            raise ValueError(
+                f'{at} has keys {sorted(keys)}; an item is {{"text": ...}} '
+                f'(optionally with "target": false) or {{"image": ...}}'
+            )
+    if not any(kind == "text" and target for kind, _, target in parts):
+        raise _fail(
+            where,
+            "content has no target text (only images or target: false); a "
+            "sample needs some text to learn",
+        )
+    return parts
+
+
+def parse_line(obj, folder: Path, where: str) -> tuple[str, list, int | None]:
+    """``(kind, parts, max_pixels)`` of one decoded JSON line (see the module docstring)."""
+    if not isinstance(obj, dict):
+        raise _fail(where, f"expected a JSON object, got {type(obj).__name__}")
+    keys = set(obj)
+    kind = (
+        "interleaved"
+        if "content" in keys
+        else "caption"
+        if keys & {"image", "caption"}
+        else "text"
+        if "text" in keys
+        else None
+    )
+    if kind is None:
+        raise _fail(
+            where,
+            f'keys {sorted(keys)} fit no sample kind; use {{"image", "caption"}}, '
+            f'{{"content": [...]}} or {{"text"}} (see {SCHEMA})',
+        )
+    required, optional = _KINDS[kind]
+    if missing := required - keys:
+        raise _fail(where, f"a {kind} sample needs {sorted(missing)} as well")
+    if unknown := keys - required - optional:
+        raise _fail(
+            where,
+            f"unknown keys {sorted(unknown)} for a {kind} sample (allowed: "
+            f"{sorted(required | optional)}); remove or rename them",
+        )
+    max_pixels = obj.get("max_pixels")
+    if max_pixels is not None and (
+        isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
+    ):
+        raise _fail(where, f"max_pixels must be a positive int, got {max_pixels!r}")
+    if kind == "caption":
+        parts = [
+            ("image", _image(obj["image"], folder, where), False),
+            ("text", _text(obj["caption"], where, "caption"), True),
+        ]
+    elif kind == "interleaved":
+        parts = _content(obj["content"], folder, where)
+    else:
+        parts = [("text", _text(obj["text"], where, "text"), True)]
+    return kind, parts, max_pixels
+
+
+def _parsed_lines(path: Path) -> Iterator[tuple[str, ManifestSample | None, str | None]]:
+    """``(where, sample, None)`` per good line, ``(where, None, problem)`` per bad one."""
+    if not path.is_file():
+        raise ValueError(f"manifest {path} does not exist")
+    folder = path.resolve().parent
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, None, f"{where}: not JSON ({e}); each line is one JSON object"
+                continue
+            try:
+                kind, parts, max_pixels = parse_line(obj, folder, where)
+            except ValueError as e:
+                yield where, None, str(e)
+                continue
+            yield where, ManifestSample(line_no, kind, tuple(parts), max_pixels), None
+
+
+def iter_manifest(path: str | Path) -> Iterator[ManifestSample]:
+    """The samples of a manifest, in order; ``ValueError`` (``path:line: ...``) on the first
+    line that does not fit the schema. Files are not opened (see :func:`scan_manifest`)."""
+    for _, sample, problem in _parsed_lines(Path(path)):
+        if problem:
+            raise ValueError(problem)
+        yield sample
+
+
+def image_header(path: Path, where: str) -> tuple[int, int]:
+    """``(height, width)`` of a PNG/JPEG from its header; ``ValueError`` naming the line."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise _fail(
+            where, f"image {path} does not exist; paths are relative to the manifest's folder"
+        )
+    try:
+        with Image.open(path) as image:
+            fmt, (width, height) = image.format, image.size
+    except (OSError, UnidentifiedImageError) as e:
+        raise _fail(
+            where, f"{path} is not a readable image ({type(e).__name__}); give a PNG or JPEG file"
+        ) from None
+    if fmt not in FORMATS:
+        raise _fail(
+            where,
+            f"{path} is {fmt}, not PNG or JPEG; convert it (e.g. PIL: "
+            f"Image.open(p).convert('RGB').save('x.png'))",
+        )
+    return height, width
+
+
+@dataclass(frozen=True)
+class ManifestSummary:
+    """What :func:`scan_manifest` found: counts and the sha256 of the manifest, every image's
+    bytes (in order) and ``extra`` (the settings)."""
+
+    num_samples: int
+    num_images: int
+    num_image_tokens: int
+    num_pixel_rows: int
+    fingerprint: str
+
+
+def scan_manifest(
+    path: str | Path, settings: ImageSettings, extra: dict | None = None, progress: bool = True
+) -> ManifestSummary:
+    """Check every line and image header of ``path`` (module docstring); raises one
+    ``ValueError`` listing up to 20 problems, each ``path:line: problem; fix``."""
+    path = Path(path)
+    h = hashlib.sha256(json.dumps(extra or {}, sort_keys=True).encode())
+    problems: list[str] = []
+    samples = images = tokens = rows = 0
+    meter = VLProgress(f"checking {path} (image tokens only)") if progress else None
+    for where, sample, problem in _parsed_lines(path):
+        if len(problems) >= MAX_REPORTED:
+            break
+        if problem:
+            problems.append(problem)
+            continue
+        samples += 1
+        for image in sample.images:
+            try:
+                height, width = image_header(image, where)
+                t, gh, gw = settings.grid(height, width, sample.max_pixels, where)
+            except ValueError as e:
+                problems.append(str(e) if str(e).startswith(where) else f"{where}: {e}")
+                continue
+            h.update(hashlib.sha256(image.read_bytes()).digest())
+            images += 1
+            rows += t * gh * gw
+            tokens += t * gh * gw // settings.merge_size**2
+        if meter:
+            meter.update(samples, tokens, images)
+    if meter:
+        meter.update(samples, tokens, images, force=True)
+    if problems:
+        more = f" (stopped at the first {MAX_REPORTED})" if len(problems) >= MAX_REPORTED else ""
+        raise ValueError(
+            f"{path}: {len(problems)} problem(s){more}; nothing was written:\n  "
+            + "\n  ".join(problems)
+        )
+    if samples == 0:
+        raise ValueError(f"{path} holds no samples; add lines (see {SCHEMA})")
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return ManifestSummary(samples, images, tokens, rows, h.hexdigest())
