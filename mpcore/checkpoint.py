@@ -1,18 +1,30 @@
-"""Checkpoint folders: atomic saves with ``torch.distributed.checkpoint``, a ``latest`` pointer.
+"""Checkpoint folders: atomic, verified saves with ``torch.distributed.checkpoint``.
 
 Layout of ``ROOT`` (``checkpoint.dir``):
 
-    ROOT/step-N/            one complete checkpoint: DCP files (``.metadata``, ``__R_0.distcp``)
-    ROOT/step-N/meta.json   step, data position, layout, config: written last inside the folder
-    ROOT/latest             text file "step-N": the newest complete checkpoint
-    ROOT/tmp-step-N/        a save in progress (or one killed mid-save: ignored, then removed)
+    ROOT/step-N/                one checkpoint: DCP files (``.metadata``, ``__R_0.distcp``)
+    ROOT/step-N/meta.json       step, data position, layout, config, data fingerprint
+    ROOT/step-N/manifest.json   size and sha256 of every file above (``mpcore.manifest``)
+    ROOT/latest                 text file "step-N": the newest checkpoint saved
+    ROOT/tmp-step-N/            a save in progress (or one killed mid-save: ignored, then removed)
+    ROOT/bad-step-N/            a checkpoint that failed verification, moved aside on resume
 
-A save writes everything into ``tmp-step-N``, then renames it to ``step-N`` (atomic on one
-filesystem), then replaces ``latest`` (written to a temporary file, then ``os.replace``), then
-deletes all but the newest ``keep_last`` checkpoints. A process killed at any point leaves the
-previous ``latest`` and its folder untouched, so the previous checkpoint still resumes. On
-resume, ``latest`` is trusted when its folder has ``meta.json``; otherwise the newest complete
-``step-*`` folder is used.
+Save: everything goes into ``tmp-step-N``; each rank hashes (and fsyncs) the ``.distcp`` files
+it wrote itself, so hashing costs each rank one read of its own share, often still in its page
+cache, and nothing crosses the network but the hashes. Rank 0 gathers them, adds ``.metadata``
+and ``meta.json``, writes the manifest last, fsyncs the folder, renames it to ``step-N`` (atomic
+on one filesystem), fsyncs ROOT, replaces ``latest`` (temporary file + ``os.replace`` + fsync
+of ROOT), then deletes all but the newest ``keep_last`` checkpoints, never the newest one saved
+from a finite state (``consecutive_bad == 0`` in its meta). A process killed, or a machine
+losing power, at any point leaves either the old or the new checkpoint whole.
+
+Resume (:func:`resume_newest`): the ``step-N`` folders, newest first; the first whose manifest
+verifies (every listed file has its size and hash; the ranks split the files) AND that loads is
+used. Each one skipped is reported by path with the reason and moved to ``bad-step-N``. When
+step folders exist but none verifies, :class:`CheckpointError` lists them and the fix instead of
+starting over. ``latest`` is kept for people and tools; resume does not need it (a crash between
+the rename and the pointer update leaves the newer folder complete), and a damaged pointer is
+reported by name.
 
 What is in the DCP files is the caller's (``mpcore.train_state``): plain CPU tensors keyed by
 name; each rank passes the keys it owns (DCP writes each key from the rank that has it).
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,15 +45,42 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from mpcore.manifest import MANIFEST, check_files, file_entry, fsync_dir, read_manifest
+from mpcore.manifest import write_manifest as _write_manifest
+
+log = logging.getLogger(__name__)
 META = "meta.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
+class CheckpointError(ValueError):
+    """Step folders exist but none verifies and loads: the run refuses to start over."""
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(obj) -> list:
+    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (a decision taken once, so no rank can diverge)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @contextlib.contextmanager
@@ -56,27 +96,52 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def _complete(folder: Path) -> bool:
-    return (folder / META).is_file() and (folder / ".metadata").is_file()
+    """Cheap test (no hashing): the save got as far as its manifest."""
+    return (folder / MANIFEST).is_file()
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete ``step-N`` folders of ``root``, oldest first."""
+def step_folders(root: str | Path) -> list[Path]:
+    """Every ``step-N`` folder of ``root`` (complete or not), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP.match(p.name)) and _complete(p)]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))
+             and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint to resume from (module docstring), or None."""
-    root = Path(root)
+def complete_checkpoints(root: Path) -> list[Path]:
+    """``step-N`` folders of ``root`` that have a manifest, oldest first."""
+    return [p for p in step_folders(root) if _complete(p)]
+
+
+def _pointer(root: Path) -> Path | None:
+    """The folder ``root/latest`` names, or None; a damaged pointer is reported by name."""
     pointer = root / LATEST
-    if pointer.is_file():
-        folder = root / pointer.read_text().strip()
-        if _complete(folder):
-            return folder
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        name = f"<unreadable: {e}>"
+    if not _STEP.match(name):
+        log.warning("checkpoint pointer %s is damaged (holds %r, not step-N); ignored: the "
+                    "newest step folder that verifies is used", pointer, name[:80])
+        return None
+    if not (root / name).is_dir():
+        log.warning("checkpoint pointer %s names %s, which does not exist; ignored", pointer,
+                    name)
+        return None
+    return root / name
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint (pointer first, else the newest with a manifest), or
+    None. Does not hash: :func:`verify_checkpoint` does."""
+    root = Path(root)
+    folder = _pointer(root)
+    if folder is not None and _complete(folder):
+        return folder
     found = complete_checkpoints(root)
     return found[-1] if found else None
 
@@ -86,7 +151,33 @@ def read_meta(folder: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{folder} is not a complete checkpoint (no {META}); pass a step-N "
                          f"folder written by launch/pretrain.py")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is damaged ({e}); resume from another step-N folder") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise ValueError(f"{path} is not a checkpoint's meta.json (no step); resume from another "
+                         f"step-N folder")
+    return meta
+
+
+def verify_checkpoint(folder: str | Path, rank: int = 0, world: int = 1) -> list[str]:
+    """Problems of checkpoint ``folder``, one line each (empty: every byte is as saved).
+
+    Collective when ``world > 1``: every rank reads the manifest and hashes the files
+    ``sorted(files)[rank::world]``, so the world reads the checkpoint once in total.
+    """
+    folder = Path(folder)
+    files, why = read_manifest(folder)
+    if files is None:
+        return [why]
+    lacking = [n for n in (".metadata", META) if n not in files]
+    names = sorted(files)
+    problems = [p for part in _all_gather(check_files(folder, files, names[rank::world]))
+                for p in part]
+    if lacking:
+        problems.append(f"{folder / MANIFEST} lists no {' or '.join(lacking)}")
+    return problems
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -103,8 +194,10 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
                     hook: Callable[[str, Path], None] | None = None) -> Path:
     """Save ``tensors`` (this rank's keys) and ``meta`` as ``ROOT/step-<step>``. Collective.
 
-    ``hook(stage, path)`` is called on rank 0 at ``"written"`` (DCP files and meta complete,
-    not yet renamed) and ``"renamed"``; tests use it to simulate a crash mid-save.
+    ``hook(stage, path)`` is called on rank 0 at ``"begin"`` (empty temporary folder),
+    ``"meta"`` (DCP files and meta.json written), ``"written"`` (manifest written, not yet
+    renamed), ``"renamed"`` and ``"latest"`` (pointer replaced, nothing pruned yet); tests use
+    it to kill the process at each point.
     """
     root = Path(root)
     tmp, final = root / f"tmp-step-{step}", step_dir(root, step)
@@ -112,38 +205,146 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        if hook:
+            hook("begin", tmp)
     _barrier()
     # Returns once the coordinator (rank 0) wrote .metadata, i.e. after every rank's data.
     with _single_process_quiet():
         dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    # Each rank hashes (and syncs) only the files it wrote (module docstring).
+    mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    entries = _all_gather(mine)
     if rank == 0:
         _write_atomic(tmp / META, json.dumps(meta, indent=1))
         if hook:
+            hook("meta", tmp)
+        files = {name: entry for part in entries for name, entry in part.items()}
+        for path in sorted(tmp.iterdir()):  # .metadata, meta.json, anything no rank claimed
+            if path.is_file() and path.name not in files:
+                files[path.name] = file_entry(path)
+        _write_manifest(tmp, files)
+        fsync_dir(tmp)
+        if hook:
             hook("written", tmp)
-        if final.exists():  # re-saving a step (e.g. after a restart): replace it
-            old = root / f"old-step-{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        _rename_into_place(root, tmp, final)
         if hook:
             hook("renamed", final)
         _write_atomic(root / LATEST, final.name + "\n")
+        fsync_dir(root)
+        if hook:
+            hook("latest", final)
         _prune(root, keep_last, keep=final)
     _barrier()
     return final
 
 
+def _rename_into_place(root: Path, tmp: Path, final: Path) -> None:
+    if final.exists():  # re-saving a step (e.g. after a restart): replace it
+        old = root / f"old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        fsync_dir(root)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    fsync_dir(root)
+
+
+def _finite(folder: Path) -> bool:
+    """Saved from a finite state: no non-finite streak was running (cheap: meta.json only)."""
+    try:
+        return int(json.loads((folder / META).read_text()).get("consecutive_bad", 0)) == 0
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        return False
+
+
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
-    """Delete complete checkpoints but the newest ``keep_last``, and leftover temporaries."""
-    for folder in complete_checkpoints(root)[:-keep_last]:
-        if folder != keep:
+    """Delete complete checkpoints but the newest ``keep_last`` (never ``keep`` nor the newest
+    one saved from a finite state), and leftover temporaries."""
+    complete = complete_checkpoints(root)
+    finite = [p for p in complete if _finite(p)]
+    protected = {keep, *finite[-1:]}
+    for folder in complete[:-keep_last]:
+        if folder not in protected:
             shutil.rmtree(folder, ignore_errors=True)
     for folder in root.iterdir():
         if folder.name.startswith(("tmp-step-", "old-step-")):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _move_aside(folder: Path) -> Path:
+    """Rename a checkpoint that failed to ``bad-step-N`` (kept for inspection, never loaded)."""
+    target = folder.with_name(f"bad-{folder.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"bad-{folder.name}.{n}")
+    folder.rename(target)
+    fsync_dir(folder.parent)
+    return target
+
+
+def _agreed_failure(problem: str | None) -> str | None:
+    """The first rank's problem when any rank had one, on every rank."""
+    return next((p for p in _all_gather(problem) if p), None)
+
+
+def resume_newest(root: str | Path, load: Callable[[Path, dict], None], *, rank: int = 0,
+                  world: int = 1, only: Path | None = None) -> tuple[Path, dict] | None:
+    """Load the newest checkpoint of ``root`` that verifies and loads (module docstring).
+
+    ``load(folder, meta)`` restores it on every rank (collective); a ``ValueError`` it raises
+    (a config that does not match, another model) stops the run; any other failure counts as a
+    damaged checkpoint and the next older one is tried. ``only``: try that folder alone.
+    Returns ``(folder, meta)``, or None when ``root`` holds no step folders. Raises
+    :class:`CheckpointError` when folders exist and none can be used. Collective.
+    """
+    root = Path(root)
+    if rank == 0 and only is None:
+        _pointer(root)  # reports a damaged pointer
+    candidates = from_rank0([only] if only else step_folders(root)[::-1])
+    failed: list[tuple[Path, list[str]]] = []
+    for folder in candidates:
+        problems = verify_checkpoint(folder, rank, world)
+        meta = None
+        if not problems:
+            try:
+                meta = read_meta(folder)
+            except ValueError as e:
+                problems = [str(e)]
+        if not problems:
+            problem = None
+            try:
+                load(folder, meta)
+            except ValueError:
+                raise
+            except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
+                problem = f"loading failed: {type(e).__name__}: {str(e).strip()[:400]}"
+            problem = _agreed_failure(problem)
+            problems = [problem] if problem else []
+        if not problems:
+            _report_skipped(failed, folder, rank)
+            return folder, meta
+        failed.append((folder, problems))
+    if failed:
+        listing = "\n".join(f"  {f}: " + "; ".join(p) for f, p in failed)
+        raise CheckpointError(
+            f"no checkpoint in {root} can be resumed; every step folder failed:\n{listing}\n"
+            f"Fix: move these folders away (e.g. mv {root} {root}.damaged) and rerun to start "
+            f"over, or start over in place with checkpoint.resume=false "
+            f"checkpoint.overwrite=true (which deletes them)")
+    return None
+
+
+def _report_skipped(failed: list[tuple[Path, list[str]]], used: Path, rank: int) -> None:
+    _barrier()  # every rank is done reading before anything is renamed
+    if rank != 0:
+        return
+    for folder, problems in failed:
+        aside = _move_aside(folder)
+        log.warning("checkpoint %s cannot be used: %s; moved to %s; resuming from the older %s",
+                    folder, "; ".join(problems), aside, used)
 
 
 def stored_tensors(folder: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -221,14 +221,32 @@ class CheckpointSection:
     every: int = 100
     """Save every N steps and at the last step; 0 saves only on SIGTERM."""
     keep_last: int = 2
-    """Complete checkpoints kept (older ones are deleted after a save)."""
+    """Complete checkpoints kept (older ones are deleted after a save; the newest one saved
+    from a finite state is always kept)."""
     resume: bool = True
-    """Resume from DIR/latest when it exists."""
+    """Resume from the newest checkpoint in DIR that verifies (its manifest), when DIR holds
+    any; with false, a DIR that holds checkpoints refuses unless overwrite is set."""
+    overwrite: bool = False
+    """Start over in a folder that holds an earlier run: delete DIR's checkpoints and
+    RUN_DIR/metrics.jsonl first. Needs resume=false (it never resumes)."""
+    accept_changes: list[str] = field(default_factory=list)
+    """Config keys allowed to differ from the resumed checkpoint's although they change the
+    data order or what a step means (e.g. [data.paths] to continue on other data; the
+    refusal lists them; data.global_batch names micro_batch x grad_accum x dp)."""
 
     def __post_init__(self):
         if self.every < 0:
             raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
         _positive("checkpoint", self, "keep_last")
+        if self.overwrite and self.resume:
+            raise ValueError("checkpoint.overwrite=true deletes the folder's checkpoints and "
+                             "starts over, so it cannot resume; set checkpoint.resume=false "
+                             "with it")
+        known = set(valid_keys()) | {"data.global_batch"}
+        unknown = [k for k in self.accept_changes if k not in known]
+        if unknown:
+            raise ValueError(f"checkpoint.accept_changes has unknown keys {unknown}; name "
+                             f"config keys such as data.paths or data.global_batch")
 
 
 @dataclass(frozen=True)

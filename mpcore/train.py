@@ -17,7 +17,11 @@ Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the la
 the first step boundary after SIGTERM. A SIGTERM handler only sets a flag; the ranks agree on it
 with one all-reduce per step, save, and :func:`fit` returns ``"preempted"``: launch/pretrain.py
 then exits with code 0 (rerunning the same command resumes from ``latest``). Under torchrun
-the launcher catches SIGTERM itself and exits 1: the job looks failed, the checkpoint is whole. Resume is automatic when ``checkpoint.resume`` and ``latest`` exist.
+the launcher catches SIGTERM itself and exits 1: the job looks failed, the checkpoint is whole.
+Resume is automatic (``checkpoint.resume``): the newest checkpoint that verifies and loads
+(``mpcore.checkpoint``), if its config is the same run (``mpcore.resume_check``). Inside a
+non-finite streak no periodic or final checkpoint is saved (a stop signal still saves), and
+reaching ``max_steps`` inside one raises ``TrainingDiverged``: the run did not end well.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ import torch.distributed as dist
 
 from mpcore.batches import local_inputs
 from mpcore.build import Run, build, resolve_device, setup
-from mpcore.checkpoint import latest_checkpoint, read_meta, save_checkpoint
+from mpcore.checkpoint import from_rank0, resume_newest, save_checkpoint
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.optim import lr_at, set_lr
+from mpcore.resume_check import check_resume, data_fingerprint
+from mpcore.rundir import claim_run_dir, rewrite_metrics
 from parallel import LabelShifter, global_valid_count
 from parallel.loss import sum_over_group
 
@@ -50,12 +56,13 @@ CHECKPOINT_FORMAT = 1
 
 
 class TrainingDiverged(RuntimeError):
-    """``training.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm."""
+    """``training.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm, or
+    the run reached ``training.max_steps`` during such a streak (nothing saved from it)."""
 
 
 @dataclass
 class FitResult:
-    status: str  # "done" | "preempted"
+    status: str  # "done" | "preempted" | "finished" (resumed at max_steps: nothing to train)
     step: int
     losses: list[float] = field(default_factory=list)  # global loss of each step run here
     grad_norms: list[float] = field(default_factory=list)
@@ -73,6 +80,8 @@ class Trainer:
         self.checkpoint_hook = checkpoint_hook
         self.step = 0
         self.bad_steps = self.consecutive_bad = 0
+        self.last_good: Path | None = None  # newest checkpoint saved from a finite state
+        self._fingerprint: dict | None = None
         self.stop_requested = False
         self.shifter = LabelShifter()
         s = run.state
@@ -93,21 +102,52 @@ class Trainer:
                 "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                 "group_steps": [g.get("step") for g in self.run.optimizer.param_groups],
                 "model_config": dataclasses.asdict(self.run.model_cfg),
-                "config": to_dict(self.cfg)}
+                "config": to_dict(self.cfg), "data_fingerprint": self.fingerprint()}
+
+    def fingerprint(self) -> dict | None:
+        """The data's fingerprint (``mpcore.resume_check``), on rank 0 only (it writes meta)."""
+        if self._fingerprint is None and self.run.state.rank == 0:
+            self._fingerprint = data_fingerprint(self.cfg)
+        return self._fingerprint
 
     def save(self) -> Path:
         tensors = self.run.train_state.collect()
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
                                keep_last=self.cfg.checkpoint.keep_last,
                                rank=self.run.state.rank, hook=self.checkpoint_hook)
+        if self.consecutive_bad == 0:
+            self.last_good = path
+        return path
 
     def resume(self, folder: Path | None = None) -> Path | None:
-        """Load ``folder`` (default: ``latest`` of the checkpoint dir); returns it or None."""
-        folder = folder or latest_checkpoint(self.cfg.checkpoint_dir)
-        if folder is None:
-            return None
-        meta = read_meta(folder)
+        """Load ``folder``, or the newest checkpoint of the checkpoint dir that verifies and
+        fits this config (``mpcore.checkpoint.resume_newest``); returns it, or None when
+        there is none. Collective."""
         s = self.run.state
+        found = resume_newest(self.cfg.checkpoint_dir, self._load, rank=s.rank,
+                              world=s.world_size, only=folder)
+        if found is None:
+            return None
+        folder, meta = found
+        if self.consecutive_bad == 0:
+            self.last_good = folder
+        return folder
+
+    def _load(self, folder: Path, meta: dict) -> None:
+        """Check ``meta``'s config against this run (rank 0 decides), then restore."""
+        s = self.run.state
+        verdict = None
+        if s.rank == 0:
+            try:
+                verdict = check_resume(folder, meta, self.cfg, s.dp, self.fingerprint())
+            except ValueError as e:
+                verdict = e
+        verdict = from_rank0(verdict)
+        if isinstance(verdict, ValueError):
+            raise ValueError(str(verdict))
+        if s.rank == 0:
+            for line in verdict:
+                log.info("resume: allowed change since %s: %s", folder.name, line)
         saved = meta["layout"]
         same = (saved["tp"], saved["cp"], saved["dp"]) == (s.tp, s.cp, s.dp)
         self.run.train_state.restore(folder, same_layout=same)
@@ -178,10 +218,40 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
 
+    def _streak(self, what: str) -> str:
+        """What a non-finite streak cost, and which checkpoint is intact."""
+        first = self.step - self.consecutive_bad + 1
+        intact = (f"the newest checkpoint saved from a finite state is {self.last_good}"
+                  if self.last_good else
+                  f"no checkpoint from a finite state was saved in {self.cfg.checkpoint_dir}")
+        return (f"{what}: steps {first}-{self.step} had a non-finite loss or gradient norm "
+                f"(updates skipped, nothing saved from them; training.max_bad_steps="
+                f"{self.cfg.training.max_bad_steps}); {intact}. Lower optimizer.lr, check the "
+                f"data, or raise training.max_bad_steps, then rerun to resume")
+
+    def _save_unless_streak(self, stop: bool) -> None:
+        """Save, but not periodically inside a non-finite streak: rotation would delete the
+        good checkpoints for ones that hold nothing new (a stop signal still saves)."""
+        if self.consecutive_bad and not stop:
+            if self.run.state.rank == 0:
+                log.warning("step %d: checkpoint skipped (%d non-finite steps in a row)",
+                            self.step, self.consecutive_bad)
+            return
+        self.save()
+
     def fit(self) -> FitResult:
         """Train from the current step (after :meth:`resume`) to ``training.max_steps``."""
         cfg, run = self.cfg, self.run
         rank0 = run.state.rank == 0
+        if self.step >= cfg.training.max_steps:
+            if rank0:
+                log.warning(
+                    "the run in %s is finished: it resumed at step %d and training.max_steps="
+                    "%d, so there is nothing to train. To train further, raise training."
+                    "max_steps (the schedule stretches to it unless schedule.total_steps is "
+                    "set); to start another run, set logging.run_dir to a new folder",
+                    cfg.logging.run_dir, self.step, cfg.training.max_steps)
+            return FitResult("finished", self.step, bad_steps=self.bad_steps)
         metrics = MetricsWriter(cfg.logging.run_dir, rank0, cfg.logging.tensorboard)
         result = FitResult("done", self.step)
         main = threading.current_thread() is threading.main_thread()
@@ -194,12 +264,8 @@ class Trainer:
                 result.losses.append(loss)
                 result.grad_norms.append(norm)
                 if self.consecutive_bad >= cfg.training.max_bad_steps:
-                    raise TrainingDiverged(
-                        f"{self.consecutive_bad} consecutive steps (up to step {self.step}) had "
-                        f"a non-finite loss or gradient norm (training.max_bad_steps="
-                        f"{cfg.training.max_bad_steps}); stopped without saving. The last good "
-                        f"checkpoint in {cfg.checkpoint_dir} is intact: lower optimizer.lr, "
-                        f"check the data, or raise training.max_bad_steps")
+                    raise TrainingDiverged(self._streak(
+                        f"stopped after {self.consecutive_bad} non-finite steps in a row"))
                 done = self.step == cfg.training.max_steps
                 if self.step % cfg.logging.log_every == 0 or done or self.step == 1:
                     now = time.perf_counter()
@@ -207,7 +273,11 @@ class Trainer:
                     last_time, last_step = time.perf_counter(), self.step
                 stop = self._agree_stop()
                 if stop or (every and (self.step % every == 0 or done)):
-                    self.save()
+                    self._save_unless_streak(stop)
+                if done and self.consecutive_bad:
+                    raise TrainingDiverged(self._streak(
+                        f"reached training.max_steps={cfg.training.max_steps} during a "
+                        f"non-finite streak"))
                 if stop:
                     result.status = "preempted"
                     if rank0:
@@ -234,14 +304,27 @@ class Trainer:
 
 def train(cfg: Config, source: str = "the config", loader=None,
           checkpoint_hook=None) -> FitResult:
-    """setup -> build -> resume -> fit; writes ``RUN_DIR/config.yaml`` (the resolved config)."""
+    """setup -> build -> resume -> fit; writes ``RUN_DIR/config.yaml`` (the resolved config).
+
+    Rank 0 holds the run folder's lock throughout (``mpcore.rundir``); ``metrics.jsonl`` is cut
+    back to the step resumed from, so every step appears in it once."""
     state = setup(cfg, source)
-    device = resolve_device(cfg)
-    run = build(cfg, state, device, loader=loader)
-    if state.rank == 0:
-        save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
-        log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))
-    trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
-    if cfg.checkpoint.resume:
-        trainer.resume()
-    return trainer.fit()
+    lock = claim_run_dir(cfg, state.rank)
+    try:
+        device = resolve_device(cfg)
+        run = build(cfg, state, device, loader=loader)
+        if state.rank == 0:
+            save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
+            log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))
+        trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
+        if cfg.checkpoint.resume:
+            trainer.resume()
+        if state.rank == 0:
+            dropped = rewrite_metrics(Path(cfg.logging.run_dir) / "metrics.jsonl", trainer.step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d rows after step %d (run again from there)",
+                         dropped, trainer.step)
+        return trainer.fit()
+    finally:
+        if lock is not None:
+            lock.release()

@@ -120,9 +120,9 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, data_dir):
     with pytest.raises(TrainingDiverged, match="training.max_bad_steps=2"):
         trainer.fit()
     assert trainer.step == 5 and trainer.bad_steps == 3
-    # Skipped steps never touched the weights: every checkpoint left behind holds finite ones.
+    # Skipped steps never touched the weights, and no periodic save ran inside the streak.
     good = Trainer(build(cfg, setup(cfg), resolve_device(cfg)))
-    assert good.resume().name == "step-4" and good.step == 4
+    assert good.resume().name == "step-3" and good.step == 3  # none saved in the streak
     assert all(torch.isfinite(p).all() for p in good.run.model.parameters())
 
 
