@@ -33,6 +33,11 @@ elif [ "${1:-}" = x2 ]; then
   run train_cp2_ulysses 240 "${two[@]}" "$out/train_h200x2_cp2_ulysses.json" --cp 2 \
     --cp-mode ulysses --steps 10 --warmup 3
   run train_dp2_fsdp 240 "${two[@]}" "$out/train_h200x2_dp2_fsdp.json" --steps 10 --warmup 3
+elif [ "${1:-}" = vl ]; then
+  # bash tests/perf/run_device.sh vl   (nvidia-h200; carry .whl for the liger-kernel side):
+  # Qwen2-VL-2B shape on real images, mpcore vs transformers (+ liger), about 2-3 minutes.
+  run vl 540 python3 tests/perf/bench_vl.py "$out/vl_h200.json"
+  tail -8 "$out/vl.log"
 else
   run model 240 python tests/perf/bench_model.py "$out/model_h200.json" --steps 10 --warmup 3
   run train 240 python tests/perf/bench_train.py "$out/train_h200.json" --steps 10 --warmup 3

@@ -1,0 +1,549 @@
+"""Benchmark: training steps of the Qwen2-VL-2B shape on real images, mpcore vs transformers.
+
+Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
+    python tests/perf/bench_vl.py [OUT.json] [--config 2b|tiny] [--steps 10] [--warmup 3]
+        [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
+        [--forward-backward-only] [--skip-hf] [--count-params]
+
+Model (``--config 2b``): Qwen2-VL-2B's shape, built here (no download): vision depth 32, width
+1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 patch merger into 1536; text hidden 1536, 28 layers,
+12 heads, 2 KV heads, MLP 8960, vocab 151936, tied embeddings, QKV biases, M-RoPE sections
+[16, 24, 24], rope theta 1e6. Special ids of the real Qwen2-VL vocabulary: image 151655, video
+151656, vision start 151652, vision end 151653. Both sides start from fresh random weights.
+
+Data: every sample is ONE document of exactly ``--seq`` tokens, made of the shipped real images
+(launch/data/images, cycled in captions.jsonl order) each as ``<vision_start> <image_pad>*n
+<vision_end>`` followed by its caption and a newline, images added while the image tokens stay
+under ``--image-fraction`` of the sample, then a text tail up to ``--seq``. Text is encoded as
+its UTF-8 bytes, ids 0-255 (the byte range of the Qwen2 vocabulary; not the real tokenizer's
+merges: any ids < vocab cost the same). The images are small (at most 256 px a side), so
+``mpcore.data.images.process_image`` UPSCALES them (``min_pixels``) to a cycle of merged-token
+counts (``PRESETS``: 400 to ~1.3k each for 2b, the size of photos and documents in VL training
+sets; the default 0.6 gives 5 images, ~50% image tokens, ~16.4k patches per 8192-token sample);
+the pixel content is the real image's. A step takes ``--micro-batch`` samples:
+transformers gets ``input_ids [B, seq]`` (no padding needed: all samples have the same length),
+mpcore the same tokens as one packed stream of B documents.
+
+Step, the SAME on every side: forward + backward + gradient clipping at 1.0 + AdamW (fused on
+CUDA; lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on every tensor), fp32 parameters under bf16
+autocast (fp32 without autocast on the CPU). ``--forward-backward-only`` drops clipping and the
+optimizer step on every side. Each side's step starts from the raw sample already on the device
+(ids, pixel rows, grids) and includes its own input preparation: mpcore's labels, M-RoPE
+positions and vision rows (``models.local_vl_inputs``, host work with one sync), transformers'
+labels and ``mm_token_type_ids`` (its M-RoPE index is computed inside its forward).
+Sides: mpcore (``build_vl_model``, loss = ``output="loss_sum"`` / valid-label count);
+transformers ``Qwen2VLForConditionalGeneration`` (``hf_vl_config_dict`` of the same config,
+SDPA; flash_attention_2 as a further side only when it imports); the same with liger-kernel's
+Qwen2-VL patches (``apply_liger_kernel_to_qwen2_vl`` before the model is built), each patch
+reported as applied or not (its RoPE patch targets a function transformers 5.x no longer has).
+
+Reported per side: median step time after warmup, tokens/s (all tokens) and text tokens/s
+(non-placeholder tokens), peak allocated GiB (reset between sides, everything freed between
+sides), first/last loss. Also the data (images, image-token fraction, patches per step), the
+parameter counts of both models (built on the meta device; they must agree), and the speedup
+and memory ratio against the best baseline. JSON to OUT (default
+tests/perf/results/vl_h200.json); a markdown table is printed last.
+
+Without CUDA (``--config tiny``, tests/unit/test_bench_vl_smoke.py): a tiny VL config, small
+images, fp32, unfused AdamW; ``peak_gib`` is null and liger is reported missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Runnable from a plain checkout, without `pip install -e .`.
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from models import (  # noqa: E402
+    ModelConfig,
+    VisionConfig,
+    VLConfig,
+    VLModel,
+    build_vl_model,
+    hf_vl_config_dict,
+    local_vl_inputs,
+)
+from mpcore.data.images import load_image, num_placeholders, process_image  # noqa: E402
+from parallel.state import ParallelState  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "vl_h200.json"
+IMAGES = REPO / "launch" / "data" / "images"
+NEWLINE = 10  # the byte "\n"
+OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+GRAD_CLIP = 1.0
+
+
+def qwen2_vl_2b() -> VLConfig:
+    """Qwen2-VL-2B's shape (its config.json values) with the real special-token ids."""
+    text = ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                       num_kv_heads=2, intermediate_size=8960, rope_theta=1e6,
+                       rms_norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+                       max_position_embeddings=32768, mrope_section=(16, 24, 24))
+    vision = VisionConfig(arch="qwen2_vl", depth=32, hidden_size=1280, num_heads=16,
+                          intermediate_size=5120, out_hidden_size=1536)
+    return VLConfig(text=text, vision=vision, image_token_id=151655, video_token_id=151656,
+                    vision_start_token_id=151652, vision_end_token_id=151653)
+
+
+def tiny() -> VLConfig:
+    """A CPU-sized Qwen2-VL (real 14-px patches, so the shipped images feed it as they are)."""
+    text = ModelConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, intermediate_size=96, rope_theta=1e6,
+                       rms_norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+                       mrope_section=(2, 3, 3))
+    vision = VisionConfig(arch="qwen2_vl", depth=2, hidden_size=32, num_heads=2,
+                          intermediate_size=64, out_hidden_size=64)
+    return VLConfig(text=text, vision=vision, image_token_id=300, video_token_id=301,
+                    vision_start_token_id=302, vision_end_token_id=303)
+
+
+# name -> (config, default seq, merged tokens per image, cycled with the images)
+PRESETS = {"2b": (qwen2_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880)),
+           "tiny": (tiny, 256, (9, 16, 6))}
+
+
+@dataclass
+class Batch:
+    """One step's samples: ``ids [B, T]`` int64, ``pixels [N, patch_dim]`` fp32 (images in
+    stream order), ``grid [I, 3]`` int64 (on the CPU: mpcore reads it on the host)."""
+
+    ids: torch.Tensor
+    pixels: torch.Tensor
+    grid: torch.Tensor
+
+    def to(self, device) -> Batch:
+        return Batch(self.ids.to(device), self.pixels.to(device), self.grid)
+
+
+def text_ids(text: str) -> list[int]:
+    """UTF-8 bytes as token ids 0-255 (module docstring)."""
+    return list(text.encode("utf-8"))
+
+
+def _image(cfg: VLConfig, name: str, tokens: int, cache: dict):
+    """``(pixels, grid)`` of image ``name`` resized to about ``tokens`` merged tokens."""
+    key = (name, tokens)
+    if key not in cache:
+        v = cfg.vision
+        unit = (v.patch_size * v.spatial_merge_size) ** 2  # pixels per merged token
+        cache[key] = process_image(load_image(IMAGES / name), patch_size=v.patch_size,
+                                   temporal_patch_size=v.temporal_patch_size,
+                                   merge_size=v.spatial_merge_size, min_pixels=tokens * unit,
+                                   max_pixels=2 * tokens * unit, name=name)
+    return cache[key]
+
+
+def build_samples(cfg: VLConfig, seq: int, image_tokens: tuple[int, ...], fraction: float,
+                  num: int) -> list[tuple[list[int], list[torch.Tensor], list[tuple]]]:
+    """``num`` samples ``(ids, pixel rows per image, grids)`` of exactly ``seq`` tokens each
+    (module docstring); image k of the whole run is entry ``k % 15`` of captions.jsonl at
+    ``image_tokens[k % len]`` merged tokens, so consecutive samples hold different images."""
+    entries = [json.loads(line) for line in (IMAGES / "captions.jsonl").read_text().splitlines()
+               if line.strip()]
+    tail = text_ids("\n".join(e["caption"] for e in entries) + "\n")
+    merge, cache, samples, k = cfg.vision.spatial_merge_size, {}, [], 0
+    for _ in range(num):
+        ids, pixels, grids, placeholders = [], [], [], 0
+        while True:
+            entry = entries[k % len(entries)]
+            rows, grid = _image(cfg, entry["image"], image_tokens[k % len(image_tokens)], cache)
+            n = num_placeholders(grid, merge)
+            block = [cfg.vision_start_token_id, *[cfg.image_token_id] * n,
+                     cfg.vision_end_token_id, *text_ids(entry["caption"]), NEWLINE]
+            if pixels and (placeholders + n > fraction * seq or len(ids) + len(block) > seq):
+                break
+            if len(ids) + len(block) > seq:
+                raise ValueError(f"--seq {seq} cannot hold one image of {n} tokens and its "
+                                 f"caption; raise --seq")
+            ids += block
+            pixels.append(rows)
+            grids.append(grid)
+            placeholders += n
+            k += 1
+        ids += [tail[i % len(tail)] for i in range(seq - len(ids))]
+        samples.append((ids, pixels, grids))
+    return samples
+
+
+def make_batches(samples, micro_batch: int) -> list[Batch]:
+    out = []
+    for i in range(0, len(samples) - micro_batch + 1, micro_batch):
+        group = samples[i:i + micro_batch]
+        out.append(Batch(torch.tensor([s[0] for s in group], dtype=torch.int64),
+                         torch.cat([p for s in group for p in s[1]]),
+                         torch.tensor([g for s in group for g in s[2]], dtype=torch.int64)))
+    return out
+
+
+def data_report(cfg: VLConfig, batches: list[Batch]) -> dict:
+    """What one step holds, averaged over the distinct batches."""
+    images = [b.grid.shape[0] for b in batches]
+    tokens = [b.ids.numel() for b in batches]
+    image_tokens = [int((b.ids == cfg.image_token_id).sum()) for b in batches]
+    return {"distinct_batches": len(batches), "images_per_step": statistics.mean(images),
+            "tokens_per_step": tokens[0],
+            "image_tokens_per_step": statistics.mean(image_tokens),
+            "text_tokens_per_step": tokens[0] - statistics.mean(image_tokens),
+            "image_token_fraction": sum(image_tokens) / sum(tokens),
+            "patches_per_step": statistics.mean(b.pixels.shape[0] for b in batches),
+            "image_grids_first_step": batches[0].grid.tolist(),
+            "text_encoding": "UTF-8 bytes as ids 0-255; captions from captions.jsonl, "
+                             "the tail cycles through all captions",
+            "images": "launch/data/images, resized by process_image (min/max_pixels) to "
+                      "the merged-token counts of the config's cycle"}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(step, steps: int, warmup: int) -> dict:
+    """``step(i)`` (returns a loss float) warmup + steps times; median time, peak memory
+    (CUDA's allocator peak over the whole run; None on CPU), first/last loss."""
+    cuda = torch.cuda.is_available()
+    _sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(warmup + steps):
+        _sync()
+        start = time.perf_counter()
+        losses.append(step(i))  # the float() inside syncs
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"step_ms": 1e3 * statistics.median(times),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def _train_step(model, optimizer, args, loss_fn):
+    """``step(i)``: loss_fn(i) -> scalar loss; backward; clip + optimizer step unless
+    ``--forward-backward-only``; zero grads; the loss as a float."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(i: int) -> float:
+        loss = loss_fn(i)
+        loss.backward()
+        if not args.forward_backward_only:
+            torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def _optimizer(model, cuda: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), fused=cuda or None, **OPTIM)
+
+
+def _rates(result: dict, batches: list[Batch], image_id: int) -> dict:
+    seconds = result["step_ms"] / 1e3
+    text = statistics.mean(int((b.ids != image_id).sum()) for b in batches)
+    result["tokens_per_s_per_gpu"] = batches[0].ids.numel() / seconds
+    result["text_tokens_per_s_per_gpu"] = text / seconds
+    return result
+
+
+def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
+    cuda = device.type == "cuda"
+    state = ParallelState.build()
+    model = build_vl_model(cfg, state, device=device, dtype=torch.float32,
+                           activation_checkpointing=args.activation_checkpointing)
+    model.train()
+    optimizer = _optimizer(model, cuda)
+    on_device = [b.to(device) for b in batches]
+    seq = batches[0].ids.shape[1]
+    cu = [torch.arange(0, b.ids.numel() + 1, seq, dtype=torch.int32, device=device)
+          for b in on_device]
+
+    def inputs(i: int) -> dict:
+        b = on_device[i % len(on_device)]
+        _, kwargs = local_vl_inputs(state, b.ids.view(-1), cu[i % len(cu)], cfg,
+                                    pixel_values=b.pixels, image_grid_thw=b.grid)
+        return kwargs
+
+    def loss_fn(i: int) -> torch.Tensor:
+        kwargs = inputs(i)
+        count = (kwargs["labels"] != -100).sum()  # valid targets (no placeholder, no doc end)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss_sum = model(**kwargs, output="loss_sum")  # () fp32
+        return loss_sum / count
+
+    result = _rates(_timed(_train_step(model, optimizer, args, loss_fn), args.steps,
+                           args.warmup), batches, cfg.image_token_id)
+    prep = []
+    for i in range(5):  # the host-side input preparation alone (it is inside step_ms)
+        _sync()
+        start = time.perf_counter()
+        inputs(i)
+        _sync()
+        prep.append(time.perf_counter() - start)
+    result["input_prep_ms"] = 1e3 * statistics.median(prep)
+    return result
+
+
+def hf_config(cfg: VLConfig):
+    """transformers' ``Qwen2VLConfig`` of ``cfg`` (the config.json our export writes)."""
+    from transformers import Qwen2VLConfig
+
+    fields = hf_vl_config_dict(cfg)
+    fields.pop("model_type")
+    fields["text_config"] = {**fields["text_config"], "use_cache": False}
+    return Qwen2VLConfig(**fields)
+
+
+def _hf_model(cfg: VLConfig, attn: str, device):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: a 2B CPU init takes a while
+        model = Qwen2VLForConditionalGeneration._from_config(hf_config(cfg),
+                                                             attn_implementation=attn)
+    return model.to(device)
+
+
+def apply_liger() -> dict:
+    """Apply liger-kernel's Qwen2-VL patches (class level, before the model is built); which
+    of them can take effect on the installed transformers."""
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen2_vl
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+
+    found = {"rope": hasattr(m, "apply_multimodal_rotary_pos_emb"),
+             "rms_norm": hasattr(m, "Qwen2VLRMSNorm") or hasattr(m, "Qwen2RMSNorm"),
+             "layer_norm": hasattr(m, "LayerNorm"), "swiglu": hasattr(m, "Qwen2MLP"),
+             "fused_linear_cross_entropy": True}
+    apply_liger_kernel_to_qwen2_vl(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
+                                   fused_linear_cross_entropy=True)
+    return found
+
+
+def liger_modules(model) -> dict:
+    """How many modules of the built model are liger's, per kind, and whether the forward is
+    liger's fused-linear-cross-entropy one."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name.startswith("Liger"):
+            counts[name] = counts.get(name, 0) + 1
+    forward = type(model).forward
+    counts["lce_forward"] = "liger" in (getattr(forward, "__module__", "") or "")
+    return counts
+
+
+def bench_hf(args, cfg: VLConfig, batches: list[Batch], device, attn: str = "sdpa",
+             liger: bool = False) -> dict:
+    cuda = device.type == "cuda"
+    patches = apply_liger() if liger else None
+    model = _hf_model(cfg, attn, device)
+    model.train()
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = _optimizer(model, cuda)
+    takes_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+    on_device = [Batch(b.ids.to(device), b.pixels.to(device), b.grid.to(device)) for b in batches]
+
+    def loss_fn(i: int) -> torch.Tensor:
+        b = on_device[i % len(on_device)]
+        image = b.ids == cfg.image_token_id
+        kwargs = {"mm_token_type_ids": image.int()} if takes_types else {}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            out = model(input_ids=b.ids, pixel_values=b.pixels, image_grid_thw=b.grid,
+                        labels=b.ids.masked_fill(image, -100), use_cache=False, **kwargs)
+        return out.loss
+
+    result = _rates(_timed(_train_step(model, optimizer, args, loss_fn), args.steps,
+                           args.warmup), batches, cfg.image_token_id)
+    result["attn_implementation"] = attn
+    if liger:
+        result["liger_patches_applicable"] = patches
+        result["liger_modules"] = liger_modules(model)
+    return result
+
+
+def count_params(cfg: VLConfig) -> dict:
+    """Parameter counts of our model and transformers', both built on the meta device."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    state = ParallelState.build()
+    with torch.device("meta"):
+        ours = VLModel(cfg, state)
+        theirs = Qwen2VLForConditionalGeneration._from_config(hf_config(cfg))
+    return {"mpcore": sum(p.numel() for p in ours.parameters()),
+            "transformers": sum(p.numel() for p in theirs.parameters())}
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _guarded(name: str, fn, *args, **kwargs) -> dict:
+    """One side's result, or ``{"failed": message and traceback tail}``, so that one broken
+    side (an out-of-memory peer, say) does not lose the others; memory is freed either way."""
+    print(f"== {name}", flush=True)
+    start = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON, the run goes on
+        traceback.print_exc()
+        result = {"failed": f"{type(e).__name__}: {e}"[:1000],
+                  "traceback": traceback.format_exc()[-3000:]}
+    _free()  # after the handler: its traceback no longer holds the side's tensors
+    print(f"   {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    return result
+
+
+def run_baselines(args, cfg: VLConfig, batches: list[Batch], device, report: dict) -> None:
+    import transformers
+    from transformers.utils import is_flash_attn_2_available
+
+    report["transformers_version"] = transformers.__version__
+    report["hf"] = _guarded("transformers", bench_hf, args, cfg, batches, device)
+    if device.type == "cuda" and is_flash_attn_2_available():
+        report["hf_fa2"] = _guarded("transformers fa2", bench_hf, args, cfg, batches,
+                                    device, attn="flash_attention_2")
+    else:
+        report["hf_fa2"] = {"missing": "flash_attention_2 is not available (flash-attn "
+                                       "package or CUDA missing)"}
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError as e:
+        report["hf_liger"] = {"missing": str(e)}
+        return
+    from importlib.metadata import version
+
+    report["liger_kernel_version"] = version("liger-kernel")
+    if device.type != "cuda":  # its Triton kernels take CUDA tensors only
+        report["hf_liger"] = {"missing": "liger-kernel imports but needs CUDA"}
+        return
+    report["hf_liger"] = _guarded("transformers + liger", bench_hf, args, cfg, batches,
+                                  device, liger=True)
+
+
+def compare(report: dict) -> None:
+    """Speedup and memory ratio of mpcore against the fastest baseline that ran."""
+    ran = {k: report[k] for k in ("hf", "hf_fa2", "hf_liger")
+           if "step_ms" in report.get(k, {})}
+    if not ran or "step_ms" not in report["mpcore"]:
+        return
+    best = max(ran, key=lambda k: ran[k]["tokens_per_s_per_gpu"])
+    ours, base = report["mpcore"], ran[best]
+    report["best_baseline"] = best
+    report["speedup_vs_best_baseline"] = ours["tokens_per_s_per_gpu"] / base[
+        "tokens_per_s_per_gpu"]
+    report["memory_ratio_vs_best_baseline"] = (
+        None if ours["peak_gib"] is None or base["peak_gib"] is None
+        else ours["peak_gib"] / base["peak_gib"])
+
+
+def table(report: dict) -> str:
+    names = {"mpcore": "mpcore", "hf": "transformers (SDPA)", "hf_fa2": "transformers (FA2)",
+             "hf_liger": "transformers + liger-kernel"}
+    lines = ["| | tokens/s | text tokens/s | peak GiB | step ms | first / last loss |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for key, name in names.items():
+        side = report.get(key)
+        if side is None:
+            continue
+        if "step_ms" not in side:
+            why = " ".join(str(next(iter(side.values()))).split())[:100].replace("|", "/")
+            lines.append(f"| {name} | {next(iter(side))}: {why} | | | | |")
+            continue
+        peak = "-" if side["peak_gib"] is None else f"{side['peak_gib']:.1f}"
+        lines.append(f"| {name} | {side['tokens_per_s_per_gpu']:.0f} | "
+                     f"{side['text_tokens_per_s_per_gpu']:.0f} | {peak} | "
+                     f"{side['step_ms']:.1f} | {side['first_loss']:.3f} / "
+                     f"{side['last_loss']:.3f} |")
+    if "speedup_vs_best_baseline" in report:
+        mem = report["memory_ratio_vs_best_baseline"]
+        lines.append(f"\nmpcore vs {report['best_baseline']}: "
+                     f"{report['speedup_vs_best_baseline']:.2f}x tokens/s, memory "
+                     f"{'-' if mem is None else f'{mem:.2f}x'}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
+    parser.add_argument("--config", default="2b", choices=sorted(PRESETS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=None,
+                        help="tokens per sample (default: 8192 for 2b, 256 for tiny)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="samples per step")
+    parser.add_argument("--image-fraction", type=float, default=0.6,
+                        help="images are added while their tokens stay under this share")
+    parser.add_argument("--distinct-batches", type=int, default=4,
+                        help="different batches, cycled over the steps")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--forward-backward-only", action="store_true",
+                        help="time forward + backward only (no clipping, no optimizer step)")
+    parser.add_argument("--skip-hf", action="store_true", help="only time mpcore")
+    parser.add_argument("--count-params", action="store_true",
+                        help="print both models' parameter counts (meta device) and exit")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.distinct_batches < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --micro-batch >= 1, "
+                     "--distinct-batches >= 1")
+    if not 0 < args.image_fraction < 1:
+        parser.error("--image-fraction must be in (0, 1)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    make_config, default_seq, image_tokens = PRESETS[args.config]
+    cfg = make_config()
+    params = count_params(cfg)
+    print(f"parameters (meta device): mpcore {params['mpcore']:,}, transformers "
+          f"{params['transformers']:,}", flush=True)
+    if args.count_params:
+        return 0 if params["mpcore"] == params["transformers"] else 1
+    seq = args.seq or default_seq
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    samples = build_samples(cfg, seq, image_tokens, args.image_fraction,
+                            args.distinct_batches * args.micro_batch)
+    batches = make_batches(samples, args.micro_batch)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "config": args.config, "seq": seq,
+              "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
+              "activation_checkpointing": args.activation_checkpointing,
+              "forward_backward_only": args.forward_backward_only,
+              "step": "forward + backward" + ("" if args.forward_backward_only else
+                                             " + clip 1.0 + AdamW (fused on CUDA)"),
+              "autocast": "bfloat16" if device.type == "cuda" else None,
+              "num_params": params, "data": data_report(cfg, batches)}
+    print(json.dumps(report["data"], indent=1), flush=True)
+    report["mpcore"] = _guarded("mpcore", bench_mpcore, args, cfg, batches, device)
+    if not args.skip_hf:
+        run_baselines(args, cfg, batches, device, report)
+        compare(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    print(f"\nwrote {out}\n{table(report)}")
+    ran = [report[k] for k in ("mpcore", "hf", "hf_liger") if "step_ms" in report.get(k, {})]
+    ok = "step_ms" in report["mpcore"] and all(math.isfinite(r["last_loss"]) for r in ran)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
