@@ -6,11 +6,18 @@ Runs in one process on the CPU, whatever layout the checkpoint was saved at (its
 logical form): the model is rebuilt from the checkpoint's ``meta.json`` at tp=1, loaded, and
 written by ``models.export_hf``. Memory: the full model in fp32 plus one load batch.
 ``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
+
+The run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
+beside the weights as ``tokenizer.model`` when it can be found; a progress bar on stderr
+follows the weights. Files get mode 0644 and folders 0755 whatever the umask of the run, so
+the export can be shared as it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +26,7 @@ import torch
 from models import ModelConfig, build_model, export_hf
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.logical import LogicalLayout
+from mpcore.progress import ProgressBar
 from mpcore.train_state import TrainState
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
@@ -40,8 +48,34 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
     cpu = torch.device("cpu")
     TrainState(model, None, LogicalLayout(cfg, 1, 0), state, RNGTracker(cpu), cpu).restore(
         folder, same_layout=False)
-    export_hf(model, cfg, state, output)
+    bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
+    export_hf(model, cfg, state, output, progress=lambda done, total: bar.update(done))
+    bar.close()
+    tokenizer = run_tokenizer(meta.get("config", {}))
+    if tokenizer is not None and tokenizer.is_file():
+        shutil.copyfile(tokenizer, Path(output) / "tokenizer.model")
+    elif tokenizer is not None:
+        logging.warning("the run's tokenizer %s is not there (run from the training folder to "
+                        "copy it); exported the weights without it", tokenizer)
+    normal_modes(Path(output))
     return folder
+
+
+def run_tokenizer(config: dict) -> Path | None:
+    """The SentencePiece model a run trained with (from its saved config), or None."""
+    data = config.get("data") or {}
+    if data.get("paths"):
+        return Path(data["tokenizer"]) if data.get("tokenizer") else None
+    if "cache_dir" in data:
+        return Path(data["cache_dir"]) / f"default_v{data['default_vocab_size']}.model"
+    return None
+
+
+def normal_modes(folder: Path) -> None:
+    """0755 on ``folder`` and its sub-folders, 0644 on its files."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@
 Inputs, one document each (in the order given):
     ``*.jsonl`` / ``*.json``   one JSON object per line, the text under ``--text-key``
     anything else            one document per blank-line-separated paragraph
-Writes ``<prefix>.bin`` and ``<prefix>.idx`` (streaming, with progress on stderr). With
+Writes ``<prefix>.bin`` and ``<prefix>.idx`` (streaming, with a progress bar on stderr). With
 ``--train-tokenizer`` a SentencePiece model is first trained on the same inputs
 (deterministic: same files, same order, same settings -> same model). Also runs as
 ``python -m launch.prepare_data``.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mpcore.data.corpus import tokenize_to_indexed
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from mpcore.progress import ProgressBar
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,9 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.train_tokenizer:
-            print(f"training tokenizer {args.train_tokenizer} ...", file=sys.stderr)
-            docs = iter_documents(args.input, args.text_key)
-            tok = train_tokenizer(docs, args.train_tokenizer, args.vocab_size, args.seed)
+            size = sum(p.stat().st_size for p in args.input if p.is_file())
+            bar = ProgressBar(f"reading text for {args.train_tokenizer}", size, "MB")
+            docs = bar.wrap(iter_documents(args.input, args.text_key), lambda d: len(d.encode()) + 1)
+            names = ", ".join(map(str, args.input))
+            tok = train_tokenizer(docs, args.train_tokenizer, args.vocab_size, args.seed,
+                                  source=f"the input {names}")
+            print(f"trained tokenizer {args.train_tokenizer}", file=sys.stderr)
         else:
             tok = Tokenizer(args.tokenizer)
         num_docs = tokenize_to_indexed(tok, args.input, args.output_prefix, args.text_key)

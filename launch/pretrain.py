@@ -4,14 +4,22 @@
     python launch/pretrain.py            # no arguments: the tiny model on the shipped corpus, CPU
 
 The first argument is a YAML config when it ends in .yaml/.yml (default: launch/configs/tiny.yaml);
-the rest are overrides such as ``optimizer.lr=1e-3 parallel.tp=2``. Under torchrun the process
-group uses NCCL on CUDA and gloo on CPU. Resumes from ``<checkpoint dir>/latest`` by itself, so
-``torchrun --max-restarts K`` restarts a failed run from its last checkpoint.
+the rest are overrides such as ``optimizer.lr=1e-3 parallel.tp=2``. ``--help`` lists every config
+key with its default; ``--print-config`` prints the resolved config (YAML) and trains nothing.
+Under torchrun the process group uses NCCL on CUDA and gloo on CPU. Resumes from
+``<checkpoint dir>/latest`` by itself, so ``torchrun --max-restarts K`` restarts a failed run
+from its last checkpoint.
 
-Exit codes (of this process): 0 done, or stopped by SIGTERM after saving a checkpoint (rerun to
-resume; under torchrun the launcher itself catches SIGTERM and exits 1, so a scheduler sees a
-failed job even though the checkpoint is complete); 2 a configuration or input error (the message says what to fix); 3 the run diverged
-(training.max_bad_steps non-finite steps in a row; the last good checkpoint is kept).
+Ctrl-C (SIGINT) and SIGTERM stop the run at the next step boundary after saving a checkpoint
+(a second Ctrl-C stops at once, without saving). Under torchrun a worker whose launcher dies
+gets SIGTERM too (``mpcore.processes``), and errors are printed once, not once per rank.
+
+Exit codes (of this process): 0 done, or stopped by SIGTERM/SIGINT after saving a checkpoint
+(rerun to resume; under torchrun the launcher itself catches SIGTERM and exits 1, so a scheduler
+sees a failed job even though the checkpoint is complete); 2 a configuration or input error (the
+message says what to fix); 3 the run diverged (training.max_bad_steps non-finite steps in a row;
+the last good checkpoint is kept); 4 the process group did not form within
+parallel.init_timeout_s; 130 a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,48 +29,49 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
+from mpcore.build import resolve_model_config
+from mpcore.cli import config_help, parse_args, resolved_yaml
 from mpcore.config import load_config
+from mpcore.processes import exit_with_parent, init_distributed, report_user_error
 from mpcore.train import TrainingDiverged, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
-def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        sys.exit(0)
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        return Path(argv[0]), argv[1:]
-    return DEFAULT_CONFIG, argv
-
-
-def init_distributed() -> None:
-    """Join the torchrun process group (env:// rendezvous), if launched by torchrun."""
-    if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-
-
+@record
 def main(argv: list[str]) -> int:
-    path, overrides = parse_args(argv)
+    if "LOCAL_RANK" in os.environ:  # launched by torchrun: do not outlive it
+        exit_with_parent()
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(levelname)s %(message)s")
+    store = None
     try:
-        cfg = load_config(path, overrides)
-        init_distributed()
-        result = train(cfg, source=f"{path}" + (f" + {overrides}" if overrides else ""))
+        args = parse_args(argv, DEFAULT_CONFIG)
+        if args.help:
+            print(__doc__ + "\nConfig keys (section.key = default):\n\n" + config_help())
+            return 0
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            if rank == 0:
+                print(resolved_yaml(resolve_model_config(cfg)[0]), end="")
+            return 0
+        store = init_distributed(cfg.parallel.init_timeout_s)
+        source = f"{args.config}" + (f" + {args.overrides}" if args.overrides else "")
+        result = train(cfg, source=source)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_user_error(str(e), store)
         return 2
     except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_user_error(str(e), store)
         return 3
+    except KeyboardInterrupt:
+        print("interrupted by a second Ctrl-C: stopped without saving (the last checkpoint "
+              "stays the newest one in the checkpoint folder)", file=sys.stderr)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

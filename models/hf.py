@@ -23,12 +23,13 @@ all-gathers each parameter, rank 0 writes ``config.json`` + ``model.safetensors`
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from models.attention import qkv_rows
@@ -93,6 +94,15 @@ def shard_map(cfg: ModelConfig, tp: int, rank: int) -> dict[str, list[Piece]]:
     return out
 
 
+def _safe_open(path: Path):
+    """``safe_open(path)``; a truncated or corrupt file raises ``ValueError`` naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}): it is truncated or "
+                         f"corrupt; download or export it again") from None
+
+
 class _Checkpoint:
     """Lazy ``safe_open`` handles of one checkpoint folder, by tensor name."""
 
@@ -102,7 +112,7 @@ class _Checkpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: folder / file for name, file in weight_map.items()}
         elif (folder / "model.safetensors").is_file():
-            with safe_open(folder / "model.safetensors", framework="pt") as f:
+            with _safe_open(folder / "model.safetensors") as f:
                 self.files = {name: folder / "model.safetensors" for name in f.keys()}
         else:
             raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
@@ -114,7 +124,7 @@ class _Checkpoint:
             raise ValueError(f"tensor {piece.name} is missing from the checkpoint {self.folder}")
         path = self.files[piece.name]
         if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
+            self._open[path] = _safe_open(path)
         view = self._open[path].get_slice(piece.name)
         shape = tuple(view.get_shape())
         if shape != piece.shape:
@@ -170,21 +180,25 @@ def load_hf_model(folder: str | Path, state: ParallelState, *, sequence_parallel
 
 @torch.no_grad()
 def export_hf(model: Transformer, cfg: ModelConfig, state: ParallelState,
-              out_dir: str | Path) -> None:
+              out_dir: str | Path, progress: Callable[[int, int], None] | None = None) -> None:
     """Write ``config.json`` and ``model.safetensors`` of ``model`` to ``out_dir`` (HF format).
 
     Collective over the world: call it on every rank. Only the tp group of global rank 0
     gathers (over ``state.tp_group``); rank 0 writes; a barrier then lets every rank read it.
+    ``progress(done, total)`` is called after each parameter is gathered.
     """
     if state.rank == 0:
         hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
     if state.cp_rank == 0 and state.dp_rank == 0:
         maps = [shard_map(cfg, state.tp, rank) for rank in range(state.tp)]
         full: dict[str, torch.Tensor] = {}
-        for name, param in model.named_parameters():
+        params = list(model.named_parameters())
+        for i, (name, param) in enumerate(params):
             shards = all_gather(param.detach(), 0, state.tp_group).cpu().chunk(state.tp)
             for rank, shard in enumerate(shards):
                 _scatter_back(shard, maps[rank][name], full)
+            if progress is not None:
+                progress(i + 1, len(params))
         if state.rank == 0:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)

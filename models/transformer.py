@@ -118,6 +118,14 @@ class Transformer(nn.Module):
         if self.sequence_parallel and num % self.tp:
             raise ValueError(f"sequence parallelism needs the local length ({num}) divisible by "
                              f"tp = {self.tp}; build the ContextPlan with pad_multiple=tp")
+        if num:
+            # One CPU-GPU sync per forward: RoPE would extrapolate silently past the limit.
+            most = int(position_ids.max())
+            if most >= self.cfg.max_position_embeddings:
+                raise ValueError(f"position id {most} is beyond max_position_embeddings = "
+                                 f"{self.cfg.max_position_embeddings} (positions must be below "
+                                 f"it); use shorter documents or sequences, or a model config "
+                                 f"with a larger max_position_embeddings")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
                 doc_id: torch.Tensor | None = None,

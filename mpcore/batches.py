@@ -1,8 +1,10 @@
 """From the config's datasets to this rank's model inputs.
 
-1. :func:`build_loader`: the datasets of ``cfg.data`` (or the default corpus, prepared on first
+1. :func:`build_loaders`: the datasets of ``cfg.data`` (or the default corpus, prepared on first
    use), checked against the model's vocabulary, packed into ``seq_len`` samples, blended by
-   weight, and a resumable loader of this dp rank's micro-batches.
+   weight, and a resumable loader of this dp rank's micro-batches. With
+   ``data.valid_fraction = f`` the last ``ceil(f * documents)`` documents of every dataset are
+   packed apart (``PackedDataset(docs=...)``) into the validation loader and never trained on.
 2. :func:`local_inputs`: one micro-batch, a packed stream of ``T = micro_batch * seq_len``
    tokens (``input_ids [T]``, ``cu_seqlens [D+1]``, ``position_ids [T]``), becomes the model's
    keyword arguments for this cp rank. Labels are shifted ONCE on the GLOBAL stream
@@ -14,6 +16,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,15 +50,46 @@ def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
     return tokenizer, [prefix]
 
 
+@dataclass(frozen=True)
+class DataSummary:
+    """What the loaders read: documents, tokens (without EOS) and packed samples."""
+
+    num_docs: int
+    num_tokens: int
+    num_samples: int
+    valid_docs: int = 0
+    valid_tokens: int = 0
+    valid_samples: int = 0
+
+
+def _held_out(ds: IndexedDataset, fraction: float) -> int:
+    """Number of documents at the end of ``ds`` held out for validation."""
+    if not fraction:
+        return 0
+    held = math.ceil(fraction * len(ds))
+    if held >= len(ds):
+        raise ValueError(f"data.valid_fraction={fraction} holds out all {len(ds)} documents of "
+                         f"{ds.idx_path}; lower it so that documents remain to train on")
+    return held
+
+
 def build_loader(cfg: Config, state: ParallelState) -> DataLoader:
-    """This dp rank's loader (``DataLoader`` of ``mpcore.data``) over the blended datasets.
+    """This dp rank's training loader (:func:`build_loaders`' first result)."""
+    return build_loaders(cfg, state)[0]
+
+
+def build_loaders(cfg: Config, state: ParallelState
+                  ) -> tuple[DataLoader, DataLoader | None, DataSummary]:
+    """This dp rank's loaders (``DataLoader`` of ``mpcore.data``) over the blended datasets:
+    training, validation (None when ``data.valid_fraction`` is 0; one micro-batch per step)
+    and a :class:`DataSummary`.
 
     Raises ``ValueError`` naming the file and the fix for a missing tokenizer or dataset, a
     dataset written by another tokenizer, or a token id >= ``model.vocab_size``.
     """
     tokenizer_path, prefixes = dataset_sources(cfg)
     tok = Tokenizer(tokenizer_path)
-    packed = []
+    packed, valid = [], []
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
         if ds.vocab_size != tok.vocab_size:
@@ -63,13 +98,34 @@ def build_loader(cfg: Config, state: ParallelState) -> DataLoader:
                              f"data.tokenizer to the model that wrote it, or re-tokenize with "
                              f"launch/prepare_data.py --tokenizer {tokenizer_path}")
         ds.check_vocab(cfg.model.vocab_size)
-        packed.append(PackedDataset(ds, cfg.data.seq_len, tok.eos_id))
-    samples = packed[0]
-    if len(packed) > 1:
-        weights = cfg.data.weights or [1.0] * len(packed)
-        samples = BlendedDataset(packed, weights, cfg.data.seed)
-    return DataLoader(samples, cfg.data.micro_batch, cfg.data.grad_accum, state.dp,
-                      state.dp_rank, cfg.data.seed)
+        split = len(ds) - _held_out(ds, cfg.data.valid_fraction)
+        packed.append(PackedDataset(ds, cfg.data.seq_len, tok.eos_id, docs=(0, split)))
+        if split < len(ds):
+            valid.append(PackedDataset(ds, cfg.data.seq_len, tok.eos_id, docs=(split, len(ds))))
+    d = cfg.data
+    train = DataLoader(_blend(packed, d.weights, d.seed), d.micro_batch, d.grad_accum,
+                       state.dp, state.dp_rank, d.seed)
+    summary = DataSummary(sum(p.num_docs for p in packed), sum(p.num_tokens for p in packed),
+                          train.num_samples)
+    if not valid:
+        return train, None, summary
+    samples = _blend(valid, d.weights, d.seed)
+    if len(samples) < d.micro_batch * state.dp:
+        raise ValueError(f"data.valid_fraction={d.valid_fraction} holds out {len(samples)} "
+                         f"samples of seq_len={d.seq_len}, fewer than one validation batch "
+                         f"(micro_batch {d.micro_batch} x dp {state.dp}); raise "
+                         f"data.valid_fraction")
+    valid_loader = DataLoader(samples, d.micro_batch, 1, state.dp, state.dp_rank, d.seed)
+    summary = DataSummary(summary.num_docs, summary.num_tokens, summary.num_samples,
+                          sum(p.num_docs for p in valid), sum(p.num_tokens for p in valid),
+                          len(samples))
+    return train, valid_loader, summary
+
+
+def _blend(packed: list[PackedDataset], weights: list[float], seed: int):
+    if len(packed) == 1:
+        return packed[0]
+    return BlendedDataset(packed, weights or [1.0] * len(packed), seed)
 
 
 def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Config,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import ModelConfig, build_model, config_from_hf, load_hf_model
-from mpcore.batches import build_loader
+from mpcore.batches import DataSummary, build_loaders
 from mpcore.config import Config
 from mpcore.data import DataLoader
 from mpcore.logical import LogicalLayout
@@ -49,6 +49,8 @@ class Run:
     loader: DataLoader
     train_state: TrainState
     tracker: RNGTracker
+    valid_loader: DataLoader | None = None  # held-out documents (data.valid_fraction)
+    data: DataSummary | None = None  # None when the caller passed its own loader
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -131,11 +133,15 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
                   cp_mode=p.cp_mode if state.cp > 1 else "none",
                   activation_checkpointing=p.activation_checkpointing, device=device,
                   dtype=torch.float32)
+    valid_loader = summary = None
     if loader is None:  # first: data errors surface before a large model is built
-        loader = build_loader(cfg, state)
+        loader, valid_loader, summary = build_loaders(cfg, state)
     tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
     if cfg.model.init_from:
-        model, _ = load_hf_model(cfg.model.init_from, state, **kwargs)
+        try:
+            model, _ = load_hf_model(cfg.model.init_from, state, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:
         model = build_model(model_cfg, state, seed=cfg.training.seed, **kwargs)
     layout = LogicalLayout(model_cfg, state.tp, state.tp_rank)
@@ -146,4 +152,4 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
     grad_norm = GradNorm(model, names, layout, state.tp_group, fsdp, device)
     train_state = TrainState(model, optimizer, layout, state, tracker, device)
     return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,
-               train_state, tracker)
+               train_state, tracker, valid_loader, summary)

@@ -117,9 +117,16 @@ class ParallelSection:
     """Gradient reduction over the dp x cp group: fsdp (FSDP2 fully_shard) or ddp."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward instead of storing its activations."""
+    init_timeout_s: float = 300.0
+    """Seconds the ranks wait for each other when the process group forms (the rendezvous and
+    a first collective); past it every waiting rank exits with a message (exit code 4)
+    instead of hanging, and torchrun --max-restarts can restart the run."""
 
     def __post_init__(self):
         _positive("parallel", self, "tp", "cp")
+        if not self.init_timeout_s > 0:
+            raise ValueError(f"parallel.init_timeout_s must be > 0 seconds, got "
+                             f"{self.init_timeout_s!r}")
         _choice("parallel", "cp_mode", self.cp_mode, ("ring", "ulysses"))
         _choice("parallel", "cp_layout", self.cp_layout, ("zigzag", "contiguous"))
         _choice("parallel", "data_parallel", self.data_parallel, ("fsdp", "ddp"))
@@ -150,9 +157,14 @@ class DataSection:
     """Micro-batches per optimizer step."""
     seed: int = 1234
     """Seed of the sample order and the blend."""
+    valid_fraction: float = 0.0
+    """Fraction of each dataset's documents (its last ones) held out for the validation loss
+    and never trained on; 0 holds out nothing."""
 
     def __post_init__(self):
         _positive("data", self, "default_vocab_size", "seq_len", "micro_batch", "grad_accum")
+        if not 0 <= self.valid_fraction < 1:
+            raise ValueError(f"data.valid_fraction must be in [0, 1), got {self.valid_fraction!r}")
         if self.weights and len(self.weights) != len(self.paths):
             raise ValueError(f"data.weights has {len(self.weights)} entries but data.paths has "
                              f"{len(self.paths)}; give one weight per path or none")
@@ -278,9 +290,16 @@ class TrainingSection:
     """auto (cuda when available), cpu or cuda."""
     max_bad_steps: int = 5
     """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
+    eval_every: int = 0
+    """Validation loss on the held-out documents (data.valid_fraction) every N steps and at
+    the last step; 0 never evaluates."""
+    eval_batches: int = 4
+    """Micro-batches per dp rank in each validation (the same ones every time)."""
 
     def __post_init__(self):
-        _positive("training", self, "max_steps", "max_bad_steps")
+        _positive("training", self, "max_steps", "max_bad_steps", "eval_batches")
+        if self.eval_every < 0:
+            raise ValueError(f"training.eval_every must be >= 0, got {self.eval_every}")
         _choice("training", "dtype", self.dtype, DTYPES)
         _choice("training", "device", self.device, DEVICES)
 
@@ -310,6 +329,18 @@ class Config:
     def total_steps(self) -> int:
         """Length of the learning-rate schedule."""
         return self.schedule.total_steps or self.training.max_steps
+
+    def __post_init__(self):
+        seq, most = self.data.seq_len, self.model.max_position_embeddings
+        if seq > most:
+            raise ValueError(f"data.seq_len={seq} exceeds model.max_position_embeddings={most}: "
+                             f"positions would reach {seq - 1}, beyond what the model is meant "
+                             f"for; lower data.seq_len to <= {most} or raise "
+                             f"model.max_position_embeddings")
+        if self.training.eval_every and not self.data.valid_fraction:
+            raise ValueError(f"training.eval_every={self.training.eval_every} needs held-out "
+                             f"documents; set data.valid_fraction (e.g. 0.05) or "
+                             f"training.eval_every=0")
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -483,7 +514,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ValueError(f"config file {path} does not exist; pass a YAML file such as "
                              f"launch/configs/tiny.yaml")
         with open(path) as f:
-            tree = yaml.safe_load(f) or {}
+            try:
+                tree = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(_yaml_error(path, e)) from None
         if not isinstance(tree, dict):
             raise ValueError(f"{path}: the top level must be a mapping of sections")
     for key, value in parse_overrides(list(overrides)):
@@ -494,6 +528,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         where = f"{path}" if path is not None else "the defaults"
         raise ValueError(f"{e} (config: {where}"
                          + (f" + overrides {list(overrides)})" if overrides else ")")) from None
+
+
+def _yaml_error(path: Path, error: yaml.YAMLError) -> str:
+    """``FILE:LINE:COLUMN: what`` of a YAML syntax error (lines and columns from 1)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else f"{path}"
+    problem = getattr(error, "problem", None) or str(error)
+    context = getattr(error, "context", None)
+    return (f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
+            + "; fix the file (indent nested keys, write key: value)")
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -14,9 +14,11 @@ torchtitan and nanoGPT do, so numbers compare across codebases:
 For a tied model the shared matrix is the output head, so the count is all parameters.
 
 Output per logged step: one line on stdout, one JSON object in ``RUN_DIR/metrics.jsonl``
-(keys ``step loss grad_norm lr tokens_per_s tflops mfu mem_gib``; tokens/s and TFLOP/s are per
-device; ``mfu`` is null where the device has no entry in the peak table, e.g. on CPU), and
-TensorBoard scalars when enabled.
+(keys ``step loss grad_norm lr tokens_per_s tflops mfu mem_gib``, plus ``valid_loss`` on the
+steps that ran a validation; tokens/s and TFLOP/s are per device; ``mfu`` is null where the
+device has no entry in the peak table, e.g. on CPU), and TensorBoard scalars when enabled
+(``pip install -e ".[tensorboard]"``; nothing else needs the package). The stdout line also
+shows step time, elapsed time and ETA.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from models.config import ModelConfig
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "mem_gib")
+OPTIONAL_KEYS = ("valid_loss",)
+TENSORBOARD_HINT = ('pip install -e ".[tensorboard]" (or pip install tensorboard), or set '
+                    "logging.tensorboard=false")
 
 
 def num_params(cfg: ModelConfig) -> dict[str, int]:
@@ -94,21 +99,24 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ValueError(f"logging.tensorboard=true needs the tensorboard package ({e}); "
-                                 "pip install tensorboard, or set logging.tensorboard=false") from None
+                raise ValueError(f"logging.tensorboard=true needs the tensorboard package ({e}): "
+                                 f"{TENSORBOARD_HINT}") from None
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
-    def log(self, record: dict) -> None:
-        """Write one record with exactly the keys ``KEYS`` (non-finite floats become null)."""
+    def log(self, record: dict, printed: dict | None = None) -> None:
+        """Write one record with the keys ``KEYS`` and those of ``OPTIONAL_KEYS`` it has
+        (non-finite floats become null); ``printed`` fields go to the stdout line only."""
         if not self.enabled:
             return
+        keys = KEYS + tuple(k for k in OPTIONAL_KEYS if k in record)
         clean = {k: (None if isinstance(record[k], float) and not math.isfinite(record[k])
-                     else record[k]) for k in KEYS}
-        print("  ".join(f"{k} {_fmt(clean[k])}" for k in KEYS), flush=True)
+                     else record[k]) for k in keys}
+        shown = [f"{k} {_fmt(v)}" for k, v in clean.items()]
+        print("  ".join(shown + [f"{k} {v}" for k, v in (printed or {}).items()]), flush=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
         if self.tb is not None:
-            for k in KEYS[1:]:
+            for k in keys[1:]:
                 if clean[k] is not None:
                     self.tb.add_scalar(f"train/{k}", clean[k], clean["step"])
             self.tb.flush()

@@ -14,7 +14,8 @@ One optimizer step, on every rank:
     else     skip the update, count it; max_bad_steps in a row stop the run (TrainingDiverged)
 
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
-the first step boundary after SIGTERM. A SIGTERM handler only sets a flag; the ranks agree on it
+the first step boundary after SIGTERM or SIGINT (Ctrl-C; a second Ctrl-C raises
+KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it
 with one all-reduce per step, save, and :func:`fit` returns ``"preempted"``: launch/pretrain.py
 then exits with code 0 (rerunning the same command resumes from ``latest``). Under torchrun
 the launcher catches SIGTERM itself and exits 1: the job looks failed, the checkpoint is whole.
@@ -42,10 +43,11 @@ import torch.distributed as dist
 
 from mpcore.batches import local_inputs
 from mpcore.build import Run, build, resolve_device, setup
-from mpcore.checkpoint import from_rank0, resume_newest, save_checkpoint
+from mpcore.checkpoint import from_rank0, latest_checkpoint, resume_newest, save_checkpoint
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.optim import lr_at, set_lr
+from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import claim_run_dir, rewrite_metrics
 from parallel import LabelShifter, global_valid_count
@@ -83,6 +85,7 @@ class Trainer:
         self.last_good: Path | None = None  # newest checkpoint saved from a finite state
         self._fingerprint: dict | None = None
         self.stop_requested = False
+        self.stop_signal: str | None = None  # the first SIGTERM/SIGINT received here
         self.shifter = LabelShifter()
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
@@ -215,8 +218,18 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self.stop_signal == "SIGINT":
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
         self.stop_requested = True
+        self.stop_signal = self.stop_signal or name
+
+    def _save_and_report(self) -> None:
+        start = time.perf_counter()
+        path = self.save()
+        if path is not None and self.run.state.rank == 0:
+            log.info("saved checkpoint %s (%.1f s)", path, time.perf_counter() - start)
 
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
@@ -237,7 +250,7 @@ class Trainer:
                 log.warning("step %d: checkpoint skipped (%d non-finite steps in a row)",
                             self.step, self.consecutive_bad)
             return
-        self.save()
+        self._save_and_report()
 
     def fit(self) -> FitResult:
         """Train from the current step (after :meth:`resume`) to ``training.max_steps``."""
@@ -255,8 +268,10 @@ class Trainer:
         metrics = MetricsWriter(cfg.logging.run_dir, rank0, cfg.logging.tensorboard)
         result = FitResult("done", self.step)
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main else None
-        every = cfg.checkpoint.every
+        stops = (signal.SIGTERM, signal.SIGINT)
+        previous = [signal.signal(sig, self._on_signal) for sig in stops] if main else None
+        every, eval_every = cfg.checkpoint.every, cfg.training.eval_every
+        clock = Clock(self.step, cfg.training.max_steps)
         try:
             last_time, last_step = time.perf_counter(), self.step
             while self.step < cfg.training.max_steps:
@@ -267,9 +282,15 @@ class Trainer:
                     raise TrainingDiverged(self._streak(
                         f"stopped after {self.consecutive_bad} non-finite steps in a row"))
                 done = self.step == cfg.training.max_steps
-                if self.step % cfg.logging.log_every == 0 or done or self.step == 1:
+                valid = None
+                if eval_every and run.valid_loader is not None and (
+                        self.step % eval_every == 0 or done):
+                    valid = validation_loss(run, self.shifter)
+                if (self.step % cfg.logging.log_every == 0 or done or self.step == 1
+                        or valid is not None):
                     now = time.perf_counter()
-                    self._log(metrics, loss, norm, (self.step - last_step) / (now - last_time))
+                    self._log(metrics, loss, norm, (self.step - last_step) / (now - last_time),
+                              valid, clock.fields(self.step))
                     last_time, last_step = time.perf_counter(), self.step
                 stop = self._agree_stop()
                 if stop or (every and (self.step % every == 0 or done)):
@@ -281,17 +302,21 @@ class Trainer:
                 if stop:
                     result.status = "preempted"
                     if rank0:
-                        log.warning("SIGTERM: saved step %d to %s; rerun the same command to "
-                                    "resume", self.step, cfg.checkpoint_dir)
+                        log.warning("%s: stopped after step %d; the last checkpoint is %s; "
+                                    "rerun the same command to resume",
+                                    self.stop_signal or "a signal on another rank",
+                                    self.step, latest_checkpoint(cfg.checkpoint_dir))
                     break
         finally:
             if main:
-                signal.signal(signal.SIGTERM, previous)
+                for sig, handler in zip(stops, previous, strict=True):
+                    signal.signal(sig, handler)
             metrics.close()
         result.step, result.bad_steps = self.step, self.bad_steps
         return result
 
-    def _log(self, metrics: MetricsWriter, loss: float, norm: float, steps_per_s: float) -> None:
+    def _log(self, metrics: MetricsWriter, loss: float, norm: float, steps_per_s: float,
+             valid: float | None = None, times: dict | None = None) -> None:
         world = self.run.state.world_size
         tokens_per_s = self.tokens_per_step * steps_per_s / world  # per device
         flops = tokens_per_s * self.flops_per_token
@@ -299,7 +324,8 @@ class Trainer:
                      "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
                      "tflops": flops / 1e12,
                      "mfu": None if self.peak is None else flops / self.peak,
-                     "mem_gib": max_memory_gib(self.run.device)})
+                     "mem_gib": max_memory_gib(self.run.device)}
+                    | ({} if valid is None else {"valid_loss": valid}), printed=times)
 
 
 def train(cfg: Config, source: str = "the config", loader=None,
@@ -313,10 +339,11 @@ def train(cfg: Config, source: str = "the config", loader=None,
     try:
         device = resolve_device(cfg)
         run = build(cfg, state, device, loader=loader)
+        trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
         if state.rank == 0:
             save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
             log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))
-        trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
+            log.info("%s", startup_block(run, trainer.tokens_per_step, source))
         if cfg.checkpoint.resume:
             trainer.resume()
         if state.rank == 0:

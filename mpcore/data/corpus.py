@@ -24,6 +24,7 @@ from pathlib import Path
 from mpcore.data import indexed, tokenizer
 from mpcore.data.indexed import IndexedWriter
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from mpcore.progress import ProgressBar
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "launch" / "data" / "default_corpus.jsonl"
 TOKENIZER_SEED = 1234
@@ -51,11 +52,15 @@ def tokenize_to_indexed(
 ) -> int:
     """Encode every document of ``paths`` (streaming, in batches) into ``<prefix>.bin/.idx``.
 
-    Returns the number of documents written.
+    ``progress``: a bar on stderr over the input bytes. Returns the number of documents written.
     """
-    with IndexedWriter(prefix, tok.vocab_size, progress=progress) as writer:
+    size = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
+    bar = ProgressBar(f"tokenizing -> {prefix}", size, "MB") if progress else None
+    with IndexedWriter(prefix, tok.vocab_size, progress=False) as writer:
         batch: list[str] = []
         for doc in iter_documents(paths, text_key):
+            if bar is not None:
+                bar.advance(len(doc.encode()) + 1)  # about its bytes in the file
             batch.append(doc)
             if len(batch) == _ENCODE_BATCH:
                 for ids in tok.encode_batch(batch):
@@ -63,7 +68,9 @@ def tokenize_to_indexed(
                 batch = []
         for ids in tok.encode_batch(batch):
             writer.add(ids)
-        return writer.num_docs
+    if bar is not None:
+        bar.close()
+    return writer.num_docs
 
 
 def prepare_default(

@@ -16,6 +16,10 @@ token of each segment (an EOS, or the cut point of a document).
 
 Nothing is precomputed but the int64 [num_docs] cumulative stream ends, so a sample costs one
 binary search and one contiguous read of the memory-mapped token file.
+
+``docs=(lo, hi)`` packs only documents ``lo .. hi-1`` (a contiguous range, so reads stay
+contiguous): the training and the held-out validation split of one dataset are two disjoint
+ranges, and no sample of one holds a token of the other.
 """
 
 from __future__ import annotations
@@ -47,10 +51,13 @@ class PackedDataset:
     """Fixed-length samples of ``seq_len`` tokens packed from ``dataset`` (an IndexedDataset).
 
     ``eos_id`` is appended to every document; it must be below the dataset's vocab_size.
-    ``len(self)`` samples; ``self[i]`` is a :class:`PackedSample`.
+    ``docs``: the range ``(lo, hi)`` of documents to pack (default: all).
+    ``len(self)`` samples; ``self[i]`` is a :class:`PackedSample`; ``num_docs`` and
+    ``num_tokens`` (without EOS) count what is packed.
     """
 
-    def __init__(self, dataset: IndexedDataset, seq_len: int, eos_id: int):
+    def __init__(self, dataset: IndexedDataset, seq_len: int, eos_id: int,
+                 docs: tuple[int, int] | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not 0 <= eos_id < dataset.vocab_size:
@@ -59,14 +66,21 @@ class PackedDataset:
                 f"{dataset.idx_path}; use the eos id of the tokenizer that wrote it"
             )
         self.dataset, self.seq_len, self.eos_id = dataset, seq_len, eos_id
-        # stream_ends[d]: exclusive end of document d (with its EOS) in the stream.
-        self.stream_ends = np.asarray(dataset.offsets[1:]) + np.arange(1, len(dataset) + 1)
-        total = int(self.stream_ends[-1]) if len(dataset) else 0
+        lo, hi = docs if docs is not None else (0, len(dataset))
+        if not 0 <= lo <= hi <= len(dataset):
+            raise ValueError(f"document range {(lo, hi)} is outside [0, {len(dataset)}]")
+        offsets = np.asarray(dataset.offsets[lo : hi + 1], dtype=np.int64)
+        self.first_token, self.end_token = int(offsets[0]), int(offsets[-1])
+        self.num_docs, self.num_tokens = hi - lo, self.end_token - self.first_token
+        # stream_ends[d]: exclusive end of document lo + d (with its EOS) in the stream.
+        self.stream_ends = offsets[1:] - self.first_token + np.arange(1, self.num_docs + 1)
+        total = int(self.stream_ends[-1]) if self.num_docs else 0
         self.num_samples = total // seq_len
         if self.num_samples == 0:
+            part = "" if docs is None else f" (documents {lo} to {hi - 1})"
             raise ValueError(
-                f"{dataset.idx_path} has {total} tokens with EOS, fewer than one sample of "
-                f"seq_len={seq_len}; use a larger corpus or a smaller seq_len"
+                f"{dataset.idx_path}{part} has {total} tokens with EOS, fewer than one sample "
+                f"of seq_len={seq_len}; use a larger corpus or a smaller seq_len"
             )
 
     def __len__(self) -> int:
@@ -88,9 +102,9 @@ class PackedDataset:
         is_eos = pos + 1 == ends[doc_of]
         # Documents are contiguous in the token file, so stream position p of document d is
         # token p - d; one contiguous read covers the sample.
-        tok = pos - doc_of
+        tok = pos - doc_of + self.first_token
         lo = int(tok[0])
-        hi = min(int(tok[-1]) + 1, self.dataset.num_tokens)
+        hi = min(int(tok[-1]) + 1, self.end_token)
         window = np.asarray(self.dataset.tokens[lo:hi], dtype=np.int64)
         ids = np.full(S, self.eos_id, dtype=np.int64)
         ids[~is_eos] = window[tok[~is_eos] - lo]

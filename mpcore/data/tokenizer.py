@@ -14,6 +14,7 @@ larger than RAM streams.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -139,13 +140,18 @@ def _training_sentences(documents: Iterable[str]) -> Iterator[str]:
 
 
 def train_tokenizer(
-    documents: Iterable[str], model_path: str | Path, vocab_size: int, seed: int = 1234
+    documents: Iterable[str],
+    model_path: str | Path,
+    vocab_size: int,
+    seed: int = 1234,
+    source: str = "the documents",
 ) -> Tokenizer:
     """Train a BPE SentencePiece model on ``documents`` and write it to ``model_path``.
 
     Deterministic: the same documents in the same order, ``vocab_size`` and ``seed`` give the
     same file. The file is written to a temporary name and renamed, so a crash leaves no
-    half-written model. Returns the loaded :class:`Tokenizer`.
+    half-written model. Returns the loaded :class:`Tokenizer`. ``source`` names the inputs in
+    the error raised when they hold no text.
     """
     if vocab_size < 256 + 4:
         raise ValueError(
@@ -154,12 +160,20 @@ def train_tokenizer(
         )
     model_path = Path(model_path)
     model_path.parent.mkdir(parents=True, exist_ok=True)
+    sentences = _training_sentences(documents)
+    first = next(sentences, None)
+    if first is None:
+        raise ValueError(
+            f"no text to train the tokenizer {model_path} on: {source} hold no non-empty "
+            "document (JSONL: one object per line with a non-empty text field, see --text-key; "
+            "plain text: paragraphs separated by blank lines); pass files that contain text"
+        )
     spm.set_random_generator_seed(seed)
     tmp = model_path.with_name(model_path.name + ".tmp")
     with open(tmp, "wb") as f:
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=_training_sentences(documents),
+                sentence_iterator=itertools.chain([first], sentences),
                 model_writer=f,
                 vocab_size=vocab_size,
                 **_TRAIN_SETTINGS,

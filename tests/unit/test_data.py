@@ -28,6 +28,7 @@ from mpcore.data import (
 from mpcore.data import corpus as corpus_mod
 from mpcore.data.blend import blend_counts
 from mpcore.data.indexed import Progress
+from mpcore.progress import ProgressBar
 
 CORPUS = corpus_mod.DEFAULT_CORPUS
 
@@ -412,3 +413,54 @@ def test_prepare_data_cli(tmp_path, capsys):
     )  # fmt: skip
     assert rc == 2 and "missing.model does not exist" in capsys.readouterr().err
     assert not list(tmp_path.glob("o3*"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=2, max_size=25),
+       seq_len=st.integers(1, 9), seed=st.integers(0, 2**16), cut=st.floats(0.05, 0.95))
+def test_packing_a_document_range_holds_only_those_documents(lengths, seq_len, seed, cut):
+    """The training split (docs[:k]) and the held-out split (docs[k:]) of data.valid_fraction
+    pack exactly their own documents, so no held-out token is trained on."""
+    rng = np.random.default_rng(seed)
+    vocab, eos = 50, 2
+    docs = [rng.integers(3, vocab, n) for n in lengths]
+    k = max(1, min(len(docs) - 1, int(cut * len(docs))))
+    with tempfile.TemporaryDirectory() as tmp:
+        ds = write(Path(tmp) / "p", docs, vocab)
+        for part, (lo, hi) in ((docs[:k], (0, k)), (docs[k:], (k, len(docs)))):
+            ref = reference_packing(part, seq_len, eos)
+            if not ref:
+                with pytest.raises(ValueError, match=f"documents {lo} to {hi - 1}"):
+                    PackedDataset(ds, seq_len, eos, docs=(lo, hi))
+                continue
+            packed = PackedDataset(ds, seq_len, eos, docs=(lo, hi))
+            assert (packed.num_docs, packed.num_tokens) == (hi - lo, sum(map(len, part)))
+            assert len(packed) == len(ref)
+            for i, (ids, cu, pos) in enumerate(ref):
+                np.testing.assert_array_equal(packed[i].input_ids, ids)
+                np.testing.assert_array_equal(packed[i].cu_seqlens, cu)
+                np.testing.assert_array_equal(packed[i].position_ids, pos)
+
+
+def test_tokenizer_on_an_empty_corpus_names_the_input(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n\n')
+    with pytest.raises(ValueError, match=r"no text to train the tokenizer .*tok\.model on: "
+                                         r"the input .*empty\.jsonl hold no non-empty document"):
+        train_tokenizer(iter_documents([empty]), tmp_path / "tok.model", 512,
+                        source=f"the input {empty}")
+    assert prepare_data.main(["--input", str(empty), "--output-prefix", str(tmp_path / "out"),
+                 "--train-tokenizer", str(tmp_path / "tok.model"), "--vocab-size", "512"]) == 2
+    assert not (tmp_path / "tok.model").exists()
+
+
+def test_progress_bar_lines(tmp_path):
+    stream = io.StringIO()
+    bar = ProgressBar("tokenizing x", 4e6, "MB", stream=stream)
+    for _ in range(8):
+        bar.advance(0.5e6)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[##.......") and "12%  tokenizing x  0.5/4.0 MB" in lines[0]
+    assert lines[-1].startswith("[####################] 100%") and lines[-1].endswith("done")
+    assert len(lines) <= 11  # not a terminal: one line per tenth at most

@@ -217,3 +217,14 @@ def test_saved_activations_hold_no_dead_projection_output(qk_norm):
     assert saved.get(w13.untyped_storage().data_ptr()) == (9, 96)  # SwiGLU's one saved input
     intermediate = [shape for shape in saved.values() if shape == (9, 48)]
     assert len(intermediate) == 2, intermediate  # w2's input, in each of the two layers
+
+
+def test_positions_beyond_max_position_embeddings_raise():
+    model = build_model(_cfg(max_position_embeddings=16), ParallelState())
+    ids = torch.randint(0, 53, (20,))
+    cu = torch.tensor([0, 4, 20], dtype=torch.int32)
+    model(ids, torch.cat([torch.arange(4), torch.arange(16)]), cu_seqlens=cu, output="logits")
+    with pytest.raises(ValueError, match=r"position id 19 is beyond max_position_embeddings = "
+                                         r"16.*larger max_position_embeddings"):
+        model(ids, torch.arange(20), cu_seqlens=torch.tensor([0, 20], dtype=torch.int32),
+              output="logits")

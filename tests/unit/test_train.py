@@ -4,8 +4,10 @@ SIGTERM, non-finite steps, bad inputs, export to Hugging Face format."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -155,8 +157,17 @@ def test_export_hf_roundtrip(tmp_path, data_dir):
     train(cfg)
     from launch.export_hf import main
 
-    assert main(["--checkpoint", str(cfg.checkpoint_dir / "step-2"),
-                 "--output", str(tmp_path / "hf")]) == 0
+    umask = os.umask(0o077)  # a private umask: the export still gets normal modes
+    try:
+        assert main(["--checkpoint", str(cfg.checkpoint_dir / "step-2"),
+                     "--output", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (
+        data_dir / "default_v512.model").read_bytes()
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.model": 0o644}
     exported, _ = load_hf_model(tmp_path / "hf", ParallelState())
     trained = build(cfg, setup(cfg), resolve_device(cfg))
     Trainer(trained).resume()
@@ -187,3 +198,71 @@ def test_default_command_trains_and_resumes(tmp_path):
     assert "resumed from" in again.stderr and "done at step 4" in again.stdout
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
     shutil.rmtree(tmp_path / "runs" / "data")
+
+
+def test_startup_block_step_times_checkpoint_lines_and_validation(tmp_path, data_dir, caplog,
+                                                                     capsys):
+    cfg = tiny(tmp_path, data_dir, "run", "data.valid_fraction=0.1", "training.eval_every=2",
+               "training.eval_batches=2", "training.max_steps=3", "logging.log_every=1",
+               "checkpoint.every=2")
+    with caplog.at_level(logging.INFO, logger="mpcore.train"):
+        result = train(cfg, source="my.yaml")
+    assert result.status == "done"
+    logs = caplog.text
+    for line in ("config: my.yaml", "world 1 = tp 1 x cp 1 x dp 1; data parallel: none",
+                 "parameters: ", "tokens per step: 256 (micro_batch 2 x seq_len 64 x "
+                 "grad_accum 2 x dp 1)", "held out: ", "(data.valid_fraction=0.1); validation "
+                 "loss every 2 steps, 2 micro-batches", f"run dir: {tmp_path}/run",
+                 f"checkpoints: {cfg.checkpoint_dir} (every 2 steps, keep 2)"):
+        assert line in logs, (line, logs)
+    assert re.search(r"dataset: [\d,]+ documents, [\d,]+ tokens, [\d,]+ samples; 3 steps = "
+                     r"0\.\d\d epochs", logs), logs
+    assert re.search(rf"saved checkpoint {cfg.checkpoint_dir}/step-2 \(\d+\.\d s\)", logs)
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3
+    assert all(re.search(r"step_s \d+\.\d{3}  elapsed \d:\d\d:\d\d  eta \d:\d\d:\d\d$", s)
+               for s in steps), steps
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [("valid_loss" in r) for r in rows] == [False, True, True]
+    assert all(set(KEYS) <= set(r) for r in rows) and 4 < rows[1]["valid_loss"] < 8
+    # The held-out documents are the last 10% of the corpus, packed apart from the training ones.
+    run = build(cfg, setup(cfg), resolve_device(cfg))
+    train_docs, valid_docs = run.loader.samples, run.valid_loader.samples
+    assert train_docs.dataset is valid_docs.dataset
+    assert train_docs.end_token == valid_docs.first_token
+    assert run.data.valid_docs == valid_docs.num_docs == len(train_docs.dataset) - run.data.num_docs
+
+
+def test_sigint_saves_at_the_step_boundary_and_says_where(tmp_path, data_dir, straight, caplog):
+    cfg = tiny(tmp_path, data_dir)
+    run = build(cfg, setup(cfg), resolve_device(cfg))
+    next_step = run.loader.next_step
+
+    def next_step_then_ctrl_c():
+        if run.loader.consumed == 2 * 4:  # during step 3
+            os.kill(os.getpid(), signal.SIGINT)
+        return next_step()
+
+    run.loader.next_step = next_step_then_ctrl_c
+    with caplog.at_level(logging.INFO, logger="mpcore.train"):
+        result = Trainer(run).fit()
+    assert (result.status, result.step) == ("preempted", 3)
+    assert (f"SIGINT: stopped after step 3; the last checkpoint is {cfg.checkpoint_dir}/step-3"
+            in caplog.text)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert train(cfg).losses == straight[3:]
+
+
+def test_init_from_a_truncated_safetensors_names_the_file(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "run", "checkpoint.every=1", "training.max_steps=1")
+    train(cfg)
+    from launch.export_hf import export
+
+    export(cfg.checkpoint_dir, tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=rf"{weights} is not a readable safetensors file "
+                                         r"\(.*\): it is truncated or corrupt; download or "
+                                         r"export it again"):
+        load_hf_model(tmp_path / "hf", ParallelState())
