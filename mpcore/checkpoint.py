@@ -259,12 +259,17 @@ def _finite(folder: Path) -> bool:
         return False
 
 
+def newest_finite(root: str | Path) -> Path | None:
+    """The newest complete checkpoint saved from a finite state (what rotation keeps)."""
+    finite = [p for p in complete_checkpoints(Path(root)) if _finite(p)]
+    return finite[-1] if finite else None
+
+
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
     """Delete complete checkpoints but the newest ``keep_last`` (never ``keep`` nor the newest
     one saved from a finite state), and leftover temporaries."""
     complete = complete_checkpoints(root)
-    finite = [p for p in complete if _finite(p)]
-    protected = {keep, *finite[-1:]}
+    protected = {keep, newest_finite(root)}
     for folder in complete[:-keep_last]:
         if folder not in protected:
             shutil.rmtree(folder, ignore_errors=True)

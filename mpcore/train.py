@@ -43,7 +43,13 @@ import torch.distributed as dist
 
 from mpcore.batches import local_inputs
 from mpcore.build import Run, build, resolve_device, setup
-from mpcore.checkpoint import from_rank0, latest_checkpoint, resume_newest, save_checkpoint
+from mpcore.checkpoint import (
+    from_rank0,
+    latest_checkpoint,
+    newest_finite,
+    resume_newest,
+    save_checkpoint,
+)
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.optim import lr_at, set_lr
@@ -82,7 +88,6 @@ class Trainer:
         self.checkpoint_hook = checkpoint_hook
         self.step = 0
         self.bad_steps = self.consecutive_bad = 0
-        self.last_good: Path | None = None  # newest checkpoint saved from a finite state
         self._fingerprint: dict | None = None
         self.stop_requested = False
         self.stop_signal: str | None = None  # the first SIGTERM/SIGINT received here
@@ -115,12 +120,9 @@ class Trainer:
 
     def save(self) -> Path:
         tensors = self.run.train_state.collect()
-        path = save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
+        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
                                keep_last=self.cfg.checkpoint.keep_last,
                                rank=self.run.state.rank, hook=self.checkpoint_hook)
-        if self.consecutive_bad == 0:
-            self.last_good = path
-        return path
 
     def resume(self, folder: Path | None = None) -> Path | None:
         """Load ``folder``, or the newest checkpoint of the checkpoint dir that verifies and
@@ -131,10 +133,7 @@ class Trainer:
                               world=s.world_size, only=folder)
         if found is None:
             return None
-        folder, meta = found
-        if self.consecutive_bad == 0:
-            self.last_good = folder
-        return folder
+        return found[0]
 
     def _load(self, folder: Path, meta: dict) -> None:
         """Check ``meta``'s config against this run (rank 0 decides), then restore."""
@@ -234,8 +233,8 @@ class Trainer:
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
         first = self.step - self.consecutive_bad + 1
-        intact = (f"the newest checkpoint saved from a finite state is {self.last_good}"
-                  if self.last_good else
+        good = newest_finite(self.cfg.checkpoint_dir)
+        intact = (f"the newest checkpoint saved from a finite state is {good}" if good else
                   f"no checkpoint from a finite state was saved in {self.cfg.checkpoint_dir}")
         return (f"{what}: steps {first}-{self.step} had a non-finite loss or gradient norm "
                 f"(updates skipped, nothing saved from them; training.max_bad_steps="

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 from mpcore.build import build, resolve_device, setup
-from mpcore.checkpoint import CheckpointError, save_checkpoint, verify_checkpoint
+from mpcore.checkpoint import (
+    CheckpointError,
+    newest_finite,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.rundir import rewrite_metrics
@@ -283,6 +288,7 @@ def test_rotation_keeps_the_newest_finite_checkpoint(tmp_path):
         save_checkpoint(root, step, {"x": torch.randn(4)}, {"step": step, "consecutive_bad": bad},
                         keep_last=1, rank=0)
     assert sorted(p.name for p in root.glob("step-*")) == ["step-1", "step-3"]
+    assert newest_finite(root) == root / "step-1"  # what a streak's abort message names
 
 
 def test_streak_exit_code(tmp_path, data_dir):
