@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from models import ModelConfig, build_model, export_hf
+from models import (
+    ModelConfig,
+    build_model,
+    build_vl_model,
+    export_hf,
+    export_hf_vl,
+    vl_config_from_dict,
+)
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.logical import LogicalLayout
 from mpcore.progress import ProgressBar
@@ -42,17 +49,25 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
                              f"folder holding one; pass RUN/checkpoints/step-N")
         folder = found
     meta = read_meta(folder)
-    cfg = ModelConfig(**meta["model_config"])
+    vl = "vision" in meta["model_config"]
+    cfg = (vl_config_from_dict if vl else lambda d: ModelConfig(**d))(meta["model_config"])
     state = ParallelState()
-    model = build_model(cfg, state, device="cpu")
+    model = (build_vl_model if vl else build_model)(cfg, state, device="cpu")
     cpu = torch.device("cpu")
     TrainState(model, None, LogicalLayout(cfg, 1, 0), state, RNGTracker(cpu), cpu).restore(
         folder, same_layout=False)
-    bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
-    export_hf(model, cfg, state, output, progress=lambda done, total: bar.update(done))
-    bar.close()
+    if vl:
+        export_hf_vl(model, state, output)
+    else:
+        bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
+        export_hf(model, cfg, state, output, progress=lambda done, total: bar.update(done))
+        bar.close()
     tokenizer = run_tokenizer(meta.get("config", {}))
-    if tokenizer is not None and tokenizer.is_file():
+    if vl and tokenizer is not None and tokenizer.is_file():
+        # the SentencePiece model and tokenizer.json naming the four vision ids after its vocab
+        shutil.copyfile(tokenizer, Path(output) / "tokenizer.json")
+        shutil.copyfile(tokenizer.parent / "tokenizer.model", Path(output) / "tokenizer.model")
+    elif tokenizer is not None and tokenizer.is_file():
         shutil.copyfile(tokenizer, Path(output) / "tokenizer.model")
     elif tokenizer is not None:
         logging.warning("the run's tokenizer %s is not there (run from the training folder to "
@@ -64,11 +79,24 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
 def run_tokenizer(config: dict) -> Path | None:
     """The SentencePiece model a run trained with (from its saved config), or None."""
     data = config.get("data") or {}
+    if (config.get("model") or {}).get("vision") is not None or data.get("vl_paths"):
+        return _vl_tokenizer(data)
     if data.get("paths"):
         return Path(data["tokenizer"]) if data.get("tokenizer") else None
     if "cache_dir" in data:
         return Path(data["cache_dir"]) / f"default_v{data['default_vocab_size']}.model"
     return None
+
+
+def _vl_tokenizer(data: dict) -> Path | None:
+    """``tokenizer.json`` of a VL run's first dataset (the shipped set's when none was given)."""
+    if data.get("vl_paths"):
+        return Path(data["vl_paths"][0]) / "tokenizer.json"
+    if "cache_dir" not in data:
+        return None
+    from mpcore.data.vl_default import default_folder
+
+    return default_folder(data["cache_dir"], data["default_vocab_size"]) / "tokenizer.json"
 
 
 def normal_modes(folder: Path) -> None:

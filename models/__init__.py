@@ -7,7 +7,13 @@ from models.hf_config import config_from_hf, hf_config_dict
 from models.transformer import Transformer, build_model
 from models.vision import VisionConfig, VisionTower
 from models.vl import VLModel, build_vl_model
-from models.vl_config import VLConfig, hf_vl_config_dict, is_vl_config, vl_config_from_hf
+from models.vl_config import (
+    VLConfig,
+    hf_vl_config_dict,
+    is_vl_config,
+    vl_config_from_dict,
+    vl_config_from_hf,
+)
 from models.vl_hf import export_hf_vl, load_hf_vl_model, load_hf_vl_weights
 from models.vl_inputs import local_vl_inputs, vl_inputs
 
@@ -31,6 +37,7 @@ __all__ = [
     "load_hf_vl_weights",
     "load_hf_weights",
     "local_vl_inputs",
+    "vl_config_from_dict",
     "vl_config_from_hf",
     "vl_inputs",
 ]

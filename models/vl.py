@@ -35,7 +35,7 @@ class VLModel(nn.Module):
 
     def __init__(self, cfg: VLConfig, state: ParallelState, *, sequence_parallel: bool = False,
                  cp_mode: str = "none", activation_checkpointing: bool = False,
-                 vision_cp: str = "split", dtype=None):
+                 vision_cp: str = "split", dtype=None, **decoder_options):
         super().__init__()
         cfg.check_parallel(state.tp, state.cp, cp_mode)
         if vision_cp not in MODES:
@@ -45,13 +45,18 @@ class VLModel(nn.Module):
         self.cp_group = state.cp_group
         self.text = Transformer(cfg.text, state, sequence_parallel=sequence_parallel,
                                 cp_mode=cp_mode, activation_checkpointing=activation_checkpointing,
-                                dtype=dtype)
+                                dtype=dtype, **decoder_options)
         self.visual = VisionTower(cfg.vision, state, activation_checkpointing=activation_checkpointing,
                                   dtype=dtype)
 
     @property
     def sequence_parallel(self) -> bool:
         return self.text.sequence_parallel
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards one by one: decoder layers, vision blocks, then the tower
+        (its patch embedding and merger), so a frozen tower is its own all-frozen units."""
+        return [*self.text.layers, *self.visual.layers, self.visual]
 
     def _check_vision(self, input_ids, vision_rows, pixel_values, grids) -> torch.Tensor:
         """``vision_rows`` as int64 (all -1 when None); raises ``ValueError`` before any compute
@@ -122,13 +127,15 @@ class VLModel(nn.Module):
 def build_vl_model(cfg: VLConfig, state: ParallelState, *, sequence_parallel: bool = False,
                    cp_mode: str = "none", activation_checkpointing: bool = False,
                    vision_cp: str = "split", device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32, seed: int = 0) -> VLModel:
+                   dtype: torch.dtype = torch.float32, seed: int = 0,
+                   **decoder_options) -> VLModel:
     """Create the model on the meta device, materialise this rank's shards on ``device`` and
-    initialise them (the same function at any tp degree for a given ``seed``)."""
+    initialise them (the same function at any tp degree for a given ``seed``).
+    ``decoder_options``: further keyword arguments of ``Transformer`` (kernel choices)."""
     with torch.device("meta"):
         model = VLModel(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
                         activation_checkpointing=activation_checkpointing, vision_cp=vision_cp,
-                        dtype=dtype)
+                        dtype=dtype, **decoder_options)
     model.to_empty(device=device)
     init_weights(model, seed)
     return model

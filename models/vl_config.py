@@ -81,6 +81,17 @@ class VLConfig:
         self.vision.check_parallel(tp)
 
 
+def vl_config_from_dict(d: dict) -> VLConfig:
+    """The ``VLConfig`` of ``dataclasses.asdict(cfg)`` (e.g. a checkpoint's meta.json)."""
+    vision = dict(d["vision"])
+    vision["fullatt_block_indexes"] = tuple(vision.get("fullatt_block_indexes") or ())
+    text = dict(d["text"])
+    if text.get("mrope_section") is not None:
+        text["mrope_section"] = tuple(text["mrope_section"])
+    rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
+    return VLConfig(text=ModelConfig(**text), vision=VisionConfig(**vision), **rest)
+
+
 def _text_dict(hf: dict) -> tuple[dict, list[int]]:
     """The decoder part of a VL config.json as a Qwen2 causal-LM dict, and its mrope_section."""
     text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else dict(hf)

@@ -74,16 +74,17 @@ def load_hf_vl_weights(model: VLModel, folder: str | Path, state: ParallelState)
 def load_hf_vl_model(folder: str | Path, state: ParallelState, *,
                      sequence_parallel: bool = False, cp_mode: str = "none",
                      activation_checkpointing: bool = False, vision_cp: str = "split",
-                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-                     ) -> tuple[VLModel, VLConfig]:
+                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                     **decoder_options) -> tuple[VLModel, VLConfig]:
     """Build the ``VLModel`` of a Qwen2-VL / Qwen2.5-VL checkpoint folder for ``state`` and
-    load its shards. Returns ``(model, cfg)``; a decoder-only checkpoint raises ``ValueError``
+    load its shards (``decoder_options``: further ``Transformer`` keyword arguments). Returns
+    ``(model, cfg)``; a decoder-only checkpoint raises ``ValueError``
     saying to use ``models.load_hf_model``."""
     cfg = vl_config_from_hf(folder)
     with torch.device("meta"):
         model = VLModel(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
                         activation_checkpointing=activation_checkpointing, vision_cp=vision_cp,
-                        dtype=dtype)
+                        dtype=dtype, **decoder_options)
     model.to_empty(device=device)
     init_weights(model, 0)  # buffers (rotary tables); every parameter is overwritten below
     load_hf_vl_weights(model, folder, state)

@@ -129,12 +129,19 @@ def _blend(packed: list[PackedDataset], weights: list[float], seed: int):
 
 
 def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Config,
-                 device: torch.device, shifter: LabelShifter) -> dict[str, torch.Tensor]:
+                 device: torch.device, shifter: LabelShifter,
+                 model_cfg=None) -> dict[str, torch.Tensor]:
     """Model keyword arguments of this cp rank for one global micro-batch ``batch``.
 
     Returns ``input_ids, position_ids, labels, doc_id, positions_in_doc [L]`` and local
-    ``cu_seqlens [S+1]`` on ``device`` (the module docstring says how they are made).
+    ``cu_seqlens [S+1]`` on ``device`` (the module docstring says how they are made). A VL
+    micro-batch (with ``pixel_values``) goes to ``mpcore.vl_build.vl_local_inputs`` with the
+    run's ``VLConfig`` ``model_cfg``.
     """
+    if "pixel_values" in batch:
+        from mpcore.vl_build import vl_local_inputs  # vl_build imports this module
+
+        return vl_local_inputs(batch, state, cfg, device, model_cfg)
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     labels = shifter(ids, cu)  # (T,) on the global stream, before any split
     sp = cfg.parallel.sequence_parallel and state.tp > 1

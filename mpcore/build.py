@@ -83,8 +83,13 @@ def setup(cfg: Config, source: str = "the config") -> ParallelState:
 
 def resolve_model_config(cfg: Config) -> tuple[Config, ModelConfig]:
     """The model's config (from ``model.init_from``'s config.json when set), checked against
-    the parallel layout; returns ``cfg`` with the model section made to match."""
+    the parallel layout; returns ``cfg`` with the model section made to match (and None for
+    a vision-language run, whose config ``mpcore.vl_build`` makes)."""
     m = cfg.model
+    from mpcore.vl_build import is_vl_run  # vl_build imports this module
+
+    if is_vl_run(cfg):  # the VLConfig needs the data's token ids: mpcore.vl_build.build_vl
+        return cfg, None
     if m.init_from:
         model_cfg = config_from_hf(m.init_from)
         fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)}
@@ -118,7 +123,8 @@ def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.dev
     if device.type == "cuda" and cfg.training.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
-    for layer in model.layers:
+    units = model.fsdp_units() if hasattr(model, "fsdp_units") else model.layers
+    for layer in units:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -126,13 +132,20 @@ def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.dev
 
 def build(cfg: Config, state: ParallelState, device: torch.device,
           loader: DataLoader | None = None) -> Run:
-    """Model, data parallelism, optimizer, loader (``loader`` overrides the config's data)."""
+    """Model, data parallelism, optimizer, loader (``loader`` overrides the config's data).
+    A vision-language run (``model.vision``, or a VL ``model.init_from``) is built by
+    ``mpcore.vl_build.build_vl`` into the same ``Run``."""
+    from mpcore.vl_build import build_vl, is_vl_run  # vl_build imports this module
+
+    if is_vl_run(cfg):
+        return build_vl(cfg, state, device, loader)
     cfg, model_cfg = resolve_model_config(cfg)
     p = cfg.parallel
     kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1,
                   cp_mode=p.cp_mode if state.cp > 1 else "none",
-                  activation_checkpointing=p.activation_checkpointing, device=device,
-                  dtype=torch.float32)
+                  activation_checkpointing=p.activation_checkpointing,
+                  attention_backend=cfg.model.attention_backend, fp8=cfg.model.fp8,
+                  device=device, dtype=torch.float32)
     valid_loader = summary = None
     if loader is None:  # first: data errors surface before a large model is built
         loader, valid_loader, summary = build_loaders(cfg, state)

@@ -34,6 +34,9 @@ from typing import Any
 import yaml
 
 DTYPES = ("bfloat16", "float32")
+# parallel.attention.backends.BACKENDS and kernels.fp8_linear.RECIPES (tests check they agree).
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "reference")
+FP8_RECIPES = ("none", "tensorwise")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -85,17 +88,51 @@ class ModelSection:
     init_from: str | None = None
     """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
     fields above), or null for a fresh initialisation from training.seed."""
+    attention_backend: str = "auto"
+    """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
+    exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
+    document of the local stream of one length, e.g. fixed-length samples) or reference."""
+    fp8: str = "none"
+    """none, or tensorwise: the four projections of each decoder layer run their GEMMs in FP8
+    (e4m3 activations and weights, e5m2 gradients, per-tensor current scaling); needs a GPU
+    of compute capability >= 8.9 (Ada, Hopper)."""
+    mrope_section: list[int] | None = None
+    """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
+    position rows, summing to head_dim / 2; null for plain RoPE."""
+    vision: dict | None = None
+    """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
+    models.vision.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
+    patch_size, ...; out_hidden_size defaults to hidden_size); needs mrope_section. Null: a
+    decoder-only model, unless init_from is a Qwen2-VL / Qwen2.5-VL checkpoint."""
+    freeze_vision: bool = False
+    """Keep the vision tower's weights fixed (VL models): no gradients, no optimizer state."""
+    vision_cp: str = "split"
+    """VL models under cp: split (each cp rank runs the tower on its share of the images,
+    balanced by patch count; rows all-gathered) or replicate (every rank runs every image)."""
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "hidden_size", "num_layers", "num_heads",
                   "num_kv_heads", "intermediate_size", "head_dim", "max_position_embeddings")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
+        _choice("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("model", "fp8", self.fp8, FP8_RECIPES)
+        _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
+        if self.vision is not None and not isinstance(self.vision, dict):
+            raise ValueError(f"model.vision must be a mapping of VisionConfig fields or null, "
+                             f"got {self.vision!r}")
+        if self.vision is not None and self.mrope_section is None and not self.init_from:
+            raise ValueError("model.vision is set but model.mrope_section is not; a VL decoder "
+                             "uses M-RoPE (e.g. mrope_section: [2, 3, 3] for head_dim 16)")
 
     def shape_fields(self) -> dict:
-        """Every field but ``init_from``: the keyword arguments of ``models.ModelConfig``."""
+        """The keyword arguments of ``models.ModelConfig``: every field but ``init_from``, the
+        kernel choices (``attention_backend``, ``fp8``), which go to ``build_model``, and the
+        vision fields (``mpcore.vl_build``)."""
         out = dataclasses.asdict(self)
-        del out["init_from"]
+        for name in ("init_from", "attention_backend", "fp8", "vision", "freeze_vision",
+                     "vision_cp"):
+            del out[name]
         return out
 
 
@@ -160,17 +197,24 @@ class DataSection:
     valid_fraction: float = 0.0
     """Fraction of each dataset's documents (its last ones) held out for the validation loss
     and never trained on; 0 holds out nothing."""
+    vl_paths: list[str] = field(default_factory=list)
+    """Vision-language runs: image-text dataset folders (launch/prepare_vl_data.py); empty
+    means the image set shipped with the repo, prepared on first use. Text datasets of paths
+    blend in; weights then list the VL datasets first, then the text ones."""
+    vl_drop_long: bool = False
+    """VL runs: drop (and count) samples longer than seq_len instead of stopping with an
+    error (samples are never cut: an image never crosses a micro-batch)."""
 
     def __post_init__(self):
         _positive("data", self, "default_vocab_size", "seq_len", "micro_batch", "grad_accum")
         if not 0 <= self.valid_fraction < 1:
             raise ValueError(f"data.valid_fraction must be in [0, 1), got {self.valid_fraction!r}")
-        if self.weights and len(self.weights) != len(self.paths):
+        if self.weights and not self.vl_paths and len(self.weights) != len(self.paths):
             raise ValueError(f"data.weights has {len(self.weights)} entries but data.paths has "
                              f"{len(self.paths)}; give one weight per path or none")
         if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
             raise ValueError(f"data.weights must be >= 0 with a positive sum, got {self.weights}")
-        if self.paths and not self.tokenizer:
+        if self.paths and not self.tokenizer and not self.vl_paths:
             raise ValueError("data.paths is set but data.tokenizer is not; set data.tokenizer to "
                              "the SentencePiece .model that wrote the datasets")
 
@@ -325,11 +369,6 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     """Steps, seed, dtype."""
 
-    @property
-    def total_steps(self) -> int:
-        """Length of the learning-rate schedule."""
-        return self.schedule.total_steps or self.training.max_steps
-
     def __post_init__(self):
         seq, most = self.data.seq_len, self.model.max_position_embeddings
         if seq > most:
@@ -341,6 +380,11 @@ class Config:
             raise ValueError(f"training.eval_every={self.training.eval_every} needs held-out "
                              f"documents; set data.valid_fraction (e.g. 0.05) or "
                              f"training.eval_every=0")
+
+    @property
+    def total_steps(self) -> int:
+        """Length of the learning-rate schedule."""
+        return self.schedule.total_steps or self.training.max_steps
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
+from models.vision import VisionTower
+from models.vl_config import VLConfig
 
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -40,8 +42,14 @@ TENSORBOARD_HINT = ('pip install -e ".[tensorboard]" (or pip install tensorboard
                     "logging.tensorboard=false")
 
 
-def num_params(cfg: ModelConfig) -> dict[str, int]:
-    """Logical parameter counts (independent of tp): ``total``, ``embedding``, ``head``."""
+def num_params(cfg: ModelConfig | VLConfig) -> dict[str, int]:
+    """Logical parameter counts (independent of tp): ``total``, ``embedding``, ``head``; for a
+    vision-language config also ``vision`` (the tower, included in ``total``)."""
+    if isinstance(cfg, VLConfig):
+        with torch.device("meta"):
+            vision = sum(p.numel() for p in VisionTower(cfg.vision).parameters())
+        counts = num_params(cfg.text)
+        return {**counts, "total": counts["total"] + vision, "vision": vision}
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     if cfg.qkv_bias:
@@ -55,8 +63,12 @@ def num_params(cfg: ModelConfig) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "head": head or embedding}
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward; module docstring)."""
+def flops_per_token(cfg: ModelConfig | VLConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward; module docstring). For a vision-language
+    config, the decoder's only: the tower's work depends on each batch's share of image
+    tokens, so TFLOP/s and MFU of VL runs leave it out (they are lower bounds)."""
+    if isinstance(cfg, VLConfig):
+        cfg = cfg.text
     counts = num_params(cfg)
     dense = counts["total"] - (counts["embedding"] if not cfg.tie_embeddings else 0)
     return 6.0 * dense + 12.0 * cfg.num_layers * cfg.q_size * seq_len

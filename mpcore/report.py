@@ -104,7 +104,8 @@ def validation_loss(run: Run, shifter: LabelShifter) -> float:
     position = loader.state_dict()
     loader.load_state_dict({**position, "epoch": 0, "consumed": 0})
     num = min(run.cfg.training.eval_batches, loader.steps_per_epoch)  # each sample once
-    inputs = [local_inputs(next(loader), s, run.cfg, run.device, shifter) for _ in range(num)]
+    inputs = [local_inputs(next(loader), s, run.cfg, run.device, shifter, run.model_cfg)
+              for _ in range(num)]
     count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,
                               enabled=run.device.type == "cuda"

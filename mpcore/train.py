@@ -169,7 +169,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _forward_backward(self, batches) -> torch.Tensor:
         run, s = self.run, self.run.state
-        inputs = [local_inputs(b, s, self.cfg, run.device, self.shifter) for b in batches]
+        inputs = [local_inputs(b, s, self.cfg, run.device, self.shifter, run.model_cfg)
+                  for b in batches]
         count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
         total = torch.zeros((), dtype=torch.float32, device=run.device)
         autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,

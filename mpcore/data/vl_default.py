@@ -45,6 +45,13 @@ class VLDefault(NamedTuple):
     text_prefix: Path
 
 
+def default_folder(data_dir: str | Path, vocab_size: int = 2048,
+                   settings: ImageSettings = DEFAULT_SETTINGS) -> Path:
+    """Where :func:`prepare_vl_default` puts the dataset for these arguments."""
+    tag = hashlib.sha256(json.dumps(settings.to_json(), sort_keys=True).encode()).hexdigest()
+    return Path(data_dir) / f"default_vl_v{vocab_size}_{tag[:8]}"
+
+
 def prepare_vl_default(
     data_dir: str | Path,
     vocab_size: int = 2048,
@@ -60,8 +67,7 @@ def prepare_vl_default(
         )
     model_path, text_prefix = prepare_default(data_dir, vocab_size)
     data_dir = Path(data_dir)
-    tag = hashlib.sha256(json.dumps(settings.to_json(), sort_keys=True).encode()).hexdigest()
-    out = data_dir / f"default_vl_v{vocab_size}_{tag[:8]}"
+    out = default_folder(data_dir, vocab_size, settings)
     with open(data_dir / ".prepare_vl.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until the with block closes the file
         want = dataset_fingerprint(manifest, model_path, settings)

@@ -68,8 +68,25 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_model_section_mirrors_model_config():
-    ours = {f.name for f in dataclasses.fields(ModelSection)} - {"init_from"}
+    kernels = {"init_from", "attention_backend", "fp8", "vision", "freeze_vision", "vision_cp"}
+    ours = {f.name for f in dataclasses.fields(ModelSection)} - kernels
     assert ours == {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(ModelSection().shape_fields()) == ours
+
+
+def test_kernel_choices_mirror_the_library():
+    """config.py imports nothing of ours, so it spells the names out; they must agree."""
+    from kernels.fp8_linear import RECIPES
+    from mpcore import config
+    from parallel.attention.backends import BACKENDS
+
+    assert config.ATTENTION_BACKENDS == BACKENDS and config.FP8_RECIPES == RECIPES
+    cfg = load_config(None, ["model.attention_backend=sdpa_cudnn", "model.fp8=tensorwise"])
+    assert (cfg.model.attention_backend, cfg.model.fp8) == ("sdpa_cudnn", "tensorwise")
+    with pytest.raises(ValueError, match="attention_backend"):
+        load_config(None, ["model.attention_backend=cudnn_ragged"])
+    with pytest.raises(ValueError, match="model.fp8"):
+        load_config(None, ["model.fp8=delayed"])
 
 
 def test_shipped_shapes():
@@ -83,6 +100,30 @@ def test_shipped_shapes():
     assert num_params(qwen)["total"] == 596_049_920  # Qwen3-0.6B's published count
     tiny = load_config(CONFIGS / "tiny.yaml")
     assert tiny == load_config(None)  # tiny.yaml spells out the defaults
+
+
+
+def test_shipped_vl_shape_matches_qwen2_vl_2b():
+    from types import SimpleNamespace
+
+    from mpcore.vl_build import vl_model_config
+
+    ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+               vision_end_token_id=151653)
+    tok = SimpleNamespace(vocab_size=151936, token_ids=lambda: ids)
+    cfg = vl_model_config(load_config(CONFIGS / "vl_2b.yaml"), tok)
+    import torch
+    import transformers
+
+    from models import hf_vl_config_dict
+
+    with torch.device("meta"):  # transformers' own model of this config, counted without memory
+        hf = transformers.Qwen2VLForConditionalGeneration(
+            transformers.Qwen2VLConfig(**hf_vl_config_dict(cfg)))
+    counts = num_params(cfg)
+    assert counts["total"] == sum(p.numel() for p in hf.parameters()) == 2_208_985_600
+    assert counts["vision"] == sum(p.numel() for p in hf.model.visual.parameters())
+    assert cfg.text.mrope_section == (16, 24, 24) and cfg.vision.depth == 32
 
 
 @pytest.mark.parametrize("tie, bias, qk_norm", [(True, False, False), (False, True, False),
