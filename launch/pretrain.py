@@ -17,8 +17,9 @@ gets SIGTERM too (``mpcore.processes``), and errors are printed once, not once p
 Exit codes (of this process): 0 done, or stopped by SIGTERM/SIGINT after saving a checkpoint
 (rerun to resume; under torchrun the launcher itself catches SIGTERM and exits 1, so a scheduler
 sees a failed job even though the checkpoint is complete); 2 a configuration or input error (the
-message says what to fix); 3 the run diverged (training.max_bad_steps non-finite steps in a row;
-the last good checkpoint is kept); 4 the process group did not form within
+message says what to fix); 3 the run diverged (training.max_bad_steps non-finite steps in a row,
+or training.max_steps reached inside such a streak; the message names the newest checkpoint saved
+from a finite state, which rotation keeps); 4 the process group did not form within
 parallel.init_timeout_s; 130 a second Ctrl-C.
 """
 
