@@ -18,7 +18,6 @@ receives the same update.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
@@ -26,7 +25,7 @@ from models.norm import RMSNorm
 from models.rope import apply_rope
 from parallel.attention import AttentionPlan, context_attention
 from parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.layers import ColumnParallelLinear, RowParallelLinear, linear
 from parallel.random import init_shard_, normal_init
 from parallel.state import ProcessGroup, group_size
 
@@ -74,12 +73,13 @@ class QKVProjection(ColumnParallelLinear):
     """
 
     def __init__(self, cfg: ModelConfig, *, group: ProcessGroup | None,
-                 sequence_parallel: bool, device=None, dtype=None):
+                 sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):
         tp = group_size(group)
         kv_all = cfg.local_kv_heads(tp) * tp * cfg.head_dim  # replicas counted
         super().__init__(cfg.hidden_size, cfg.q_size + 2 * kv_all, bias=cfg.qkv_bias,
                          group=group, sequence_parallel=sequence_parallel,
-                         partition_sizes=[cfg.q_size, kv_all, kv_all], device=device, dtype=dtype)
+                         partition_sizes=[cfg.q_size, kv_all, kv_all], fp8=fp8, device=device,
+                         dtype=dtype)
         self.cfg = cfg
         self.replicated = cfg.num_kv_heads % tp != 0
 
@@ -107,24 +107,25 @@ class QKVProjection(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = sp_all_gather(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return F.linear(x, self._replica_sum(self.weight), self._replica_sum(self.bias))
+        return linear(x, self._replica_sum(self.weight), self._replica_sum(self.bias), self.fp8)
 
 
 class Attention(nn.Module):
     """Self-attention of one decoder layer (module docstring). ``tp_group`` shards heads; the
-    cp group and mode that spread the sequence come with the forward's ``AttentionPlan``."""
+    cp group, mode and attention backend come with the forward's ``AttentionPlan``; ``fp8``
+    (``parallel.layers``) is the recipe of ``wqkv`` and ``wo``."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool, device=None, dtype=None):
+                 sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):
         super().__init__()
         tp = group_size(tp_group)
         self.head_dim = cfg.head_dim
         self.num_local_heads = cfg.num_heads // tp
         self.num_local_kv_heads = cfg.local_kv_heads(tp)
         self.wqkv = QKVProjection(cfg, group=tp_group, sequence_parallel=sequence_parallel,
-                                  device=device, dtype=dtype)
+                                  fp8=fp8, device=device, dtype=dtype)
         self.wo = RowParallelLinear(cfg.q_size, cfg.hidden_size, group=tp_group,
-                                    sequence_parallel=sequence_parallel, device=device,
+                                    sequence_parallel=sequence_parallel, fp8=fp8, device=device,
                                     dtype=dtype)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kernels.fp8_linear import check_fp8
 from models.attention import qkv_rows
 from models.config import ModelConfig
 from models.hf_config import config_from_hf, hf_config_dict
@@ -161,6 +162,7 @@ def load_hf_weights(model: Transformer, folder: str | Path, state: ParallelState
 
 def load_hf_model(folder: str | Path, state: ParallelState, *, sequence_parallel: bool = False,
                   cp_mode: str = "none", activation_checkpointing: bool = False,
+                  attention_backend: str = "auto", fp8: str = "none",
                   device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> tuple[Transformer, ModelConfig]:
     """Build the model of a Hugging Face checkpoint folder for ``state`` and load its shards.
@@ -168,10 +170,12 @@ def load_hf_model(folder: str | Path, state: ParallelState, *, sequence_parallel
     Same keyword arguments as ``build_model`` (no seed: nothing is drawn). Returns
     ``(model, cfg)``.
     """
+    check_fp8(fp8, device)
     cfg = config_from_hf(folder)
     with torch.device("meta"):
         model = Transformer(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
-                            activation_checkpointing=activation_checkpointing, dtype=dtype)
+                            activation_checkpointing=activation_checkpointing,
+                            attention_backend=attention_backend, fp8=fp8, dtype=dtype)
     model.to_empty(device=device)
     model.rope.reset_parameters()
     load_hf_weights(model, folder, state)

@@ -24,18 +24,19 @@ from parallel.state import ProcessGroup
 
 
 class FeedForward(nn.Module):
-    """``w2(silu(x @ gate.T) * (x @ up.T))`` with gate/up fused in ``w13``; group: tp."""
+    """``w2(silu(x @ gate.T) * (x @ up.T))`` with gate/up fused in ``w13``; group: tp;
+    ``fp8``: the recipe of ``w13`` and ``w2`` (``parallel.layers``)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None,
-                 sequence_parallel: bool, device=None, dtype=None):
+                 sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):
         super().__init__()
         inter = cfg.intermediate_size
         self.w13 = ColumnParallelLinear(cfg.hidden_size, 2 * inter, group=tp_group,
                                         sequence_parallel=sequence_parallel,
-                                        partition_sizes=[inter, inter], device=device,
-                                        dtype=dtype)
+                                        partition_sizes=[inter, inter], fp8=fp8,
+                                        device=device, dtype=dtype)
         self.w2 = RowParallelLinear(inter, cfg.hidden_size, group=tp_group,
-                                    sequence_parallel=sequence_parallel, device=device,
+                                    sequence_parallel=sequence_parallel, fp8=fp8, device=device,
                                     dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,11 @@ is all-gathered back to ``[L, hidden]``, so the per-token outputs are ``[L]``, r
     for layer: h = h + attention(attention_norm(h)); h = h + feed_forward(ffn_norm(h))
     out = head(norm(h))       # loss [L] | (logprobs [L], entropy [L]) | logits [L, V_pad / tp]
 
+Kernels: ``attention_backend`` (``parallel.attention.backends``: auto, flash, sdpa_cudnn,
+reference) runs every layer's attention; ``fp8`` (``none`` or ``tensorwise``) runs the four
+projections of every decoder layer (wqkv, wo, w13, w2) with FP8 GEMMs (``kernels.fp8_linear``);
+the embedding, the norms and the loss head stay in the autocast dtype.
+
 Weights: built on the meta device, materialised on ``device``, then each module's
 ``reset_parameters(param_seed(seed, module_name))`` draws the LOGICAL full tensor and keeps this
 rank's shard, so ``build_model`` gives the same function at any tp degree.
@@ -23,12 +28,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.fp8_linear import check_fp8
 from models.attention import Attention
 from models.config import ModelConfig
 from models.mlp import FeedForward
 from models.norm import RMSNorm
 from models.rope import RotaryEmbedding
 from parallel.attention import AttentionPlan
+from parallel.attention.backends import check_name
 from parallel.collectives import copy_to_tp, sp_all_gather
 from parallel.head import OUTPUTS, OutputWeight, head_forward
 from parallel.labels import check_cu_seqlens
@@ -49,16 +56,17 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then SwiGLU feed-forward."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bool,
-                 dtype=None):
+                 fp8: str = "none", dtype=None):
         super().__init__()
         norm = dict(group=state.tp_group, sum_grad_over_tp=sequence_parallel and state.tp > 1,
                     dtype=dtype)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.attention = Attention(cfg, tp_group=state.tp_group,
-                                   sequence_parallel=sequence_parallel, dtype=dtype)
+                                   sequence_parallel=sequence_parallel, fp8=fp8, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.feed_forward = FeedForward(cfg, tp_group=state.tp_group,
-                                        sequence_parallel=sequence_parallel, dtype=dtype)
+                                        sequence_parallel=sequence_parallel, fp8=fp8,
+                                        dtype=dtype)
 
     def forward(self, h, cos, sin, plan: AttentionPlan):
         h = h + self.attention(self.attention_norm(h), cos, sin, plan)
@@ -70,9 +78,11 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, *,
                  sequence_parallel: bool = False, cp_mode: str = "none",
-                 activation_checkpointing: bool = False, dtype=None):
+                 activation_checkpointing: bool = False, attention_backend: str = "auto",
+                 fp8: str = "none", dtype=None):
         super().__init__()
         cfg.check_parallel(state.tp, state.cp, cp_mode)
+        self.attention_backend, self.fp8 = check_name(attention_backend), fp8
         if state.cp > 1 and cp_mode == "none":
             raise ValueError(f"cp = {state.cp} needs cp_mode 'ring' or 'ulysses', got 'none'")
         self.cfg, self.tp, self.tp_group = cfg, state.tp, state.tp_group
@@ -85,7 +95,8 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                      cfg.mrope_section)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, dtype=dtype)
+            DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, fp8=fp8,
+                         dtype=dtype)
             for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
                             sum_grad_over_tp=self.sequence_parallel, dtype=dtype)
@@ -162,7 +173,8 @@ class Transformer(nn.Module):
         embeddings into ``h`` first)."""
         # Checked and planned once for all layers (no per-layer sync or cp metadata gather).
         plan = AttentionPlan(packing.doc_id, packing.positions_in_doc, packing.cu_seqlens,
-                             mode=self.cp_mode, group=self.cp_group)
+                             mode=self.cp_mode, group=self.cp_group,
+                             backend=self.attention_backend)
         cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -199,17 +211,22 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 def build_model(cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bool = False,
                 cp_mode: str = "none", activation_checkpointing: bool = False,
+                attention_backend: str = "auto", fp8: str = "none",
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int = 0) -> Transformer:
     """Create the model on the meta device, materialise this rank's shards on ``device`` and
     initialise them (the same function at any tp degree for a given ``seed``).
 
-    Raises ``ValueError`` when ``cfg`` does not fit ``state`` (heads, kv heads, intermediate
-    size vs tp; Ulysses heads vs cp) or when cp > 1 without a cp mode.
+    ``attention_backend`` and ``fp8``: the kernels (module docstring). Raises ``ValueError``
+    when ``cfg`` does not fit ``state`` (heads, kv heads, intermediate size vs tp; Ulysses
+    heads vs cp), when cp > 1 without a cp mode, on an unknown backend or recipe, or when
+    ``fp8`` is asked for on a device without FP8 GEMMs (not CUDA, or compute capability < 8.9).
     """
+    check_fp8(fp8, device)
     with torch.device("meta"):
         model = Transformer(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
-                            activation_checkpointing=activation_checkpointing, dtype=dtype)
+                            activation_checkpointing=activation_checkpointing,
+                            attention_backend=attention_backend, fp8=fp8, dtype=dtype)
     model.to_empty(device=device)
     init_weights(model, seed)
     return model

@@ -15,7 +15,8 @@ For a tied model the shared matrix is the output head, so the count is all param
 
 Output per logged step: one line on stdout, one JSON object in ``RUN_DIR/metrics.jsonl``
 (keys ``step loss grad_norm lr tokens_per_s tflops mfu mem_gib``, plus ``valid_loss`` on the
-steps that ran a validation; tokens/s and TFLOP/s are per device; ``mfu`` is null where the
+steps that ran a validation, and ``image_tokens_per_s`` for vision-language runs: the image
+placeholders among the tokens counted by ``tokens_per_s``, which counts every position); tokens/s and TFLOP/s are per device; ``mfu`` is null where the
 device has no entry in the peak table, e.g. on CPU), and TensorBoard scalars when enabled
 (``pip install -e ".[tensorboard]"``; nothing else needs the package). The stdout line also
 shows step time, elapsed time and ETA.
@@ -37,7 +38,7 @@ from models.vl_config import VLConfig
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "mem_gib")
-OPTIONAL_KEYS = ("valid_loss",)
+OPTIONAL_KEYS = ("valid_loss", "image_tokens_per_s")
 TENSORBOARD_HINT = ('pip install -e ".[tensorboard]" (or pip install tensorboard), or set '
                     "logging.tensorboard=false")
 

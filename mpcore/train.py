@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models.vl_config import VLConfig
 from mpcore.batches import local_inputs
 from mpcore.build import Run, build, resolve_device, setup
 from mpcore.checkpoint import (
@@ -99,6 +100,11 @@ class Trainer:
         self.tokens_per_step = data.seq_len * data.micro_batch * data.grad_accum * s.dp
         self.flops_per_token = flops_per_token(run.model_cfg, data.seq_len)
         self.peak = peak_flops(run.device, self.cfg.training.dtype)
+        # VL runs also report image tokens/s: placeholders counted on the host per step
+        # (the loader's tensors are on the CPU: no sync), summed over dp at each log line.
+        self.placeholders = (torch.tensor(run.model_cfg.placeholder_ids)
+                             if isinstance(run.model_cfg, VLConfig) else None)
+        self.image_tokens = self.window_steps = 0
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
@@ -169,6 +175,10 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _forward_backward(self, batches) -> torch.Tensor:
         run, s = self.run, self.run.state
+        if self.placeholders is not None:
+            self.image_tokens += sum(int(torch.isin(b["input_ids"], self.placeholders).sum())
+                                     for b in batches)
+            self.window_steps += 1
         inputs = [local_inputs(b, s, self.cfg, run.device, self.shifter, run.model_cfg)
                   for b in batches]
         count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
@@ -320,12 +330,19 @@ class Trainer:
         world = self.run.state.world_size
         tokens_per_s = self.tokens_per_step * steps_per_s / world  # per device
         flops = tokens_per_s * self.flops_per_token
+        extra = {} if valid is None else {"valid_loss": valid}
+        if self.placeholders is not None:  # collective over dp: every rank logs the same steps
+            count = torch.tensor(float(self.image_tokens), dtype=torch.float64)
+            if self.run.state.dp > 1:
+                dist.all_reduce(count, group=self.run.state.dp_group)
+            share = float(count) / max(self.tokens_per_step * self.window_steps, 1)
+            extra["image_tokens_per_s"] = tokens_per_s * share
+            self.image_tokens = self.window_steps = 0
         metrics.log({"step": self.step, "loss": loss, "grad_norm": norm,
                      "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
                      "tflops": flops / 1e12,
                      "mfu": None if self.peak is None else flops / self.peak,
-                     "mem_gib": max_memory_gib(self.run.device)}
-                    | ({} if valid is None else {"valid_loss": valid}), printed=times)
+                     "mem_gib": max_memory_gib(self.run.device)} | extra, printed=times)
 
 
 def train(cfg: Config, source: str = "the config", loader=None,

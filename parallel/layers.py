@@ -13,6 +13,11 @@ works). Under SP the activations between TP regions are split along the token di
   rank r owns ids ``[r * V_pad / tp, (r + 1) * V_pad / tp)``; other ids are masked to zero rows
   and the partial embeddings summed over tp (all-reduce, or reduce-scatter under SP).
 
+FP8 (``fp8="tensorwise"``, Hopper): the local matmul of the two linear layers runs its three
+GEMMs in FP8 (``kernels.fp8_linear``); the collectives around it are unchanged and move the
+activations in their own dtype (bf16 under autocast), so TP, SP and CP work as they do without
+it. ``"none"``: ``F.linear``.
+
 Init: ``reset_parameters(seed)`` draws the logical full weight from ``seed`` and keeps this
 rank's slice, so the layer is the same function at every TP degree. Replicated parameters used
 on token-sharded activations (a bias under SP) pass through ``copy_to_tp`` so their gradient is
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_linear import check_fp8, fp8_linear
 from parallel.collectives import (
     copy_to_tp,
     gather_last_dim,
@@ -56,6 +62,24 @@ def shard_parts(full: torch.Tensor, dim: int, parts: Sequence[int], tp: int, ran
     return torch.cat([p.chunk(tp, dim=dim)[rank] for p in pieces], dim=dim)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fp8: str = "none") -> torch.Tensor:
+    """``x @ weight.T + bias``: ``F.linear``, or with FP8 GEMMs when ``fp8 == "tensorwise"``
+    (bias added after, in the output dtype)."""
+    if fp8 == "none":
+        return F.linear(x, weight, bias)
+    y = fp8_linear(x, weight)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _check_fp8_shape(fp8: str, weight: torch.Tensor, what: str) -> None:
+    check_fp8(fp8)
+    if fp8 != "none" and (weight.shape[0] % 16 or weight.shape[1] % 16):
+        raise ValueError(f"fp8={fp8!r}: the FP8 GEMM needs the local weight's dims multiples of "
+                         f"16, {what} has {tuple(weight.shape)} on each of the tp ranks; set "
+                         f"fp8 to 'none' or change the shape")
+
+
 def pad_vocab_rows(full: torch.Tensor, tp: int) -> torch.Tensor:
     """``[V, ...] -> [ceil(V / tp) * tp, ...]`` with zero rows appended (vocab padding)."""
     padded_rows = -(-full.shape[0] // tp) * tp
@@ -71,13 +95,14 @@ class ColumnParallelLinear(nn.Module):
         partition_sizes: logical output parts sharded separately (default: one part).
         gather_output: all-gather the output to ``[T, out]`` (default: keep ``[T, out / tp]``).
         sequence_parallel: the input is ``[T / tp, in]`` and is all-gathered first.
+        fp8: ``"none"`` or ``"tensorwise"`` (module docstring).
     Shapes: x ``[T, in]`` (``[T / tp, in]`` under SP) -> ``[T, out / tp]`` or ``[T, out]``.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  group: ProcessGroup | None = None, gather_output: bool = False,
                  sequence_parallel: bool = False, partition_sizes: Sequence[int] | None = None,
-                 init_std: float = 0.02, device=None, dtype=None):
+                 init_std: float = 0.02, fp8: str = "none", device=None, dtype=None):
         super().__init__()
         self.group, self.tp, self.tp_rank = group, group_size(group), group_rank(group)
         self.in_features, self.out_features = in_features, out_features
@@ -93,6 +118,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(local_out, device=device, dtype=dtype))
                      if bias else None)
+        _check_fp8_shape(fp8, self.weight, "ColumnParallelLinear")
+        self.fp8 = fp8
 
     def reset_parameters(self, seed: int) -> None:
         take = lambda full: shard_parts(full, 0, self.partition_sizes, self.tp, self.tp_rank)  # noqa: E731
@@ -106,12 +133,12 @@ class ColumnParallelLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input width {x.shape[-1]} != in_features {self.in_features}")
         x = sp_all_gather(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.fp8)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
-                f"sp={self.sequence_parallel}, parts={self.partition_sizes}")
+                f"sp={self.sequence_parallel}, parts={self.partition_sizes}, fp8={self.fp8}")
 
 
 class RowParallelLinear(nn.Module):
@@ -119,12 +146,13 @@ class RowParallelLinear(nn.Module):
 
     The input is already split on its last dim (the output of a ColumnParallelLinear).
     Shapes: x ``[T, in / tp]`` -> ``[T, out]`` (all-reduced) or ``[T / tp, out]`` under SP
-    (reduce-scattered over tokens; T must be divisible by tp).
+    (reduce-scattered over tokens; T must be divisible by tp). ``fp8``: as in
+    ``ColumnParallelLinear``.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 init_std: float = 0.02, device=None, dtype=None):
+                 init_std: float = 0.02, fp8: str = "none", device=None, dtype=None):
         super().__init__()
         self.group, self.tp, self.tp_rank = group, group_size(group), group_rank(group)
         self.in_features, self.out_features = in_features, out_features
@@ -133,6 +161,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
                      if bias else None)
+        _check_fp8_shape(fp8, self.weight, "RowParallelLinear")
+        self.fp8 = fp8
 
     def reset_parameters(self, seed: int) -> None:
         init_shard_(self.weight, (self.out_features, self.in_features),
@@ -146,7 +176,7 @@ class RowParallelLinear(nn.Module):
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"input width {x.shape[-1]} != local in_features "
                              f"{self.weight.shape[1]} (= {self.in_features} / tp {self.tp})")
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, fp8=self.fp8)
         if self.sequence_parallel:
             y = sp_reduce_scatter(y, self.group)
             bias = copy_to_tp(self.bias, self.group) if self.bias is not None else None
@@ -157,7 +187,7 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
-                f"sp={self.sequence_parallel}")
+                f"sp={self.sequence_parallel}, fp8={self.fp8}")
 
 
 class VocabParallelEmbedding(nn.Module):

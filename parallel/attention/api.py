@@ -11,12 +11,16 @@ Modes:
     "ring"     K/V blocks travel around ``group`` (``ring.py``)
     "ulysses"  all-to-all tokens <-> heads over ``group`` (``ulysses.py``; needs H % cp == 0)
 A cp group of size 1 runs the local path whatever the mode.
+
+Kernels: ``backend`` (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``reference``)
+picks what computes each block, under every mode.
 """
 
 from __future__ import annotations
 
 import torch
 
+from parallel.attention import backends
 from parallel.attention.primitive import Block, attend_block, plan_block, use_flash
 from parallel.attention.ring import plan_ring, ring_attend
 from parallel.attention.ulysses import check_ulysses_heads, plan_ulysses, ulysses_attend
@@ -82,32 +86,36 @@ class AttentionPlan:
     work on the metadata) run at the first layer only. The plan is made on first use for the
     path ``q`` takes (``primitive.use_flash``) and kept per path; under the ring and Ulysses
     modes that first use is a collective over ``group``, which every rank reaches at the same
-    layer. ``doc_id``, ``pos`` ``[T_local]`` and ``cu_seqlens`` as in :func:`context_attention`.
-    Raises ``ValueError`` on malformed metadata or a mode that does not fit the group.
+    layer. ``doc_id``, ``pos`` ``[T_local]`` and ``cu_seqlens`` as in :func:`context_attention`;
+    ``backend``: the attention kernels (``backends.BACKENDS``). Raises ``ValueError`` on
+    malformed metadata, an unknown backend or a mode that does not fit the group, and at the
+    first layer when a named backend cannot run these tokens (the reason in the message).
     """
 
     def __init__(self, doc_id: torch.Tensor, pos: torch.Tensor,
                  cu_seqlens: torch.Tensor | None = None, *, mode: str = "none",
-                 group: ProcessGroup | None = None):
+                 group: ProcessGroup | None = None, backend: str = "auto"):
         self.cp = group_size(group)
         _check_metadata(doc_id, pos, cu_seqlens, mode, self.cp)
         self.doc_id, self.pos, self.cu_seqlens = doc_id, pos, cu_seqlens
         self.mode, self.group = mode, group
+        self.backend = backends.check_name(backend)
         self.num_tokens = doc_id.shape[0]
         self._planned: dict = {}
 
     def blocks(self, q: torch.Tensor) -> list[Block]:
         """The blocks of ``q``'s path: one (local attention, or Ulysses over the gathered
         stream) or ``cp`` (the ring's steps); planned on the first call for that path."""
-        key = (use_flash(q), q.device)
+        key = (use_flash(q, self.backend), q.device)
         if key not in self._planned:
             if self.cp == 1:
                 planned = [plan_block(q, self.doc_id, self.pos, self.doc_id, self.pos,
-                                      self.cu_seqlens)]
+                                      self.cu_seqlens, self.backend)]
             elif self.mode == "ring":
-                planned = plan_ring(q, self.doc_id, self.pos, self.group, self.cu_seqlens)
+                planned = plan_ring(q, self.doc_id, self.pos, self.group, self.cu_seqlens,
+                                    self.backend)
             else:
-                planned = [plan_ulysses(q, self.doc_id, self.pos, self.group)]
+                planned = [plan_ulysses(q, self.doc_id, self.pos, self.group, self.backend)]
             self._planned[key] = planned
         return self._planned[key]
 
@@ -117,7 +125,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       cu_seqlens: torch.Tensor | None = None, mode: str = "none",
                       group: ProcessGroup | None = None,
                       softmax_scale: float | None = None,
-                      plan: AttentionPlan | None = None) -> torch.Tensor:
+                      plan: AttentionPlan | None = None, backend: str = "auto") -> torch.Tensor:
     """Causal, document-respecting attention of this rank's tokens; returns ``out [T, H, D]``
     in q's dtype (with autograd).
 
@@ -131,18 +139,20 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``RankLayout.cu_seqlens`` is such: a zigzag document's two chunks form one segment). On
     CUDA it lets the local path, and the ring's own-block step, run one flash call without the
     host-side plan; the CPU path and ulysses do not use it. ``softmax_scale`` defaults to
-    ``head_dim ** -0.5``. Raises ``ValueError`` on bad shapes, an unknown mode, ``mode="none"``
-    with a cp group larger than one, or heads not divisible by cp under ulysses.
+    ``head_dim ** -0.5``. ``backend``: the attention kernels (``backends.py``; with a plan, the
+    plan's). Raises ``ValueError`` on bad shapes, an unknown mode, ``mode="none"`` with a cp
+    group larger than one, heads not divisible by cp under ulysses, or a named backend that
+    cannot run these tokens.
     """
     if plan is None:
         if doc_id is None or pos is None:
             raise ValueError("pass doc_id and pos (the metadata of this rank's tokens), or a "
                              "plan (AttentionPlan)")
-        plan = AttentionPlan(doc_id, pos, cu_seqlens, mode=mode, group=group)
+        plan = AttentionPlan(doc_id, pos, cu_seqlens, mode=mode, group=group, backend=backend)
     elif doc_id is not None or pos is not None or cu_seqlens is not None or group is not None \
-            or mode != "none":
-        raise ValueError("pass either a plan or doc_id/pos/cu_seqlens/mode/group, not both: "
-                         "the plan already holds the metadata, mode and group")
+            or mode != "none" or backend != "auto":
+        raise ValueError("pass either a plan or doc_id/pos/cu_seqlens/mode/group/backend, not "
+                         "both: the plan already holds the metadata, mode, group and backend")
     _check_qkv(q, k, v, plan.num_tokens, plan.mode, plan.cp)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     blocks = plan.blocks(q)

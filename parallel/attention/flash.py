@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from parallel.attention.reference import compute_dtype, merge_partials
+from parallel.attention.sdpa_cudnn import sdpa_cudnn_backward, sdpa_cudnn_forward
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -54,7 +55,9 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class FlashCall:
     """One varlen kernel call: query rows ``q_index`` (None: all rows, in order) in segments
-    ``cu_q``, paired with key rows ``k_index`` in segments ``cu_k`` (int32 on the device)."""
+    ``cu_q``, paired with key rows ``k_index`` in segments ``cu_k`` (int32 on the device).
+    ``uniform``: every query segment has ``max_q`` rows and every key segment ``max_k`` (a
+    dense ``[B, L]`` batch); ``backend``: the kernel that runs it (``backends.assign``)."""
 
     causal: bool
     q_index: torch.Tensor | None
@@ -63,6 +66,8 @@ class FlashCall:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    uniform: bool = False
+    backend: str = "flash"
 
 
 def _runs(doc: np.ndarray, pos: np.ndarray, side: str):
@@ -121,9 +126,10 @@ def _call(causal: bool, segs, order_q, order_k, device) -> FlashCall:
     len_k = np.array([s[3] - s[2] for s in segs])
     cu = [torch.from_numpy(np.concatenate(([0], np.cumsum(n))).astype(np.int32)).to(device)
           for n in (len_q, len_k)]
+    uniform = bool(len_q.min() == len_q.max() and len_k.min() == len_k.max())
     return FlashCall(causal, _index(order_q, [s[:2] for s in segs], device),
                      _index(order_k, [s[2:] for s in segs], device), cu[0], cu[1],
-                     int(len_q.max()), int(len_k.max()))
+                     int(len_q.max()), int(len_k.max()), uniform)
 
 
 def plan_flash(doc_q, pos_q, doc_k, pos_k, device) -> list[FlashCall]:
@@ -140,8 +146,9 @@ def plan_flash(doc_q, pos_q, doc_k, pos_k, device) -> list[FlashCall]:
 def plan_cu_seqlens(cu_seqlens: torch.Tensor, device) -> list[FlashCall]:
     """One causal call for tokens in order, documents cut by ``cu_seqlens [docs+1]``."""
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    max_len = int(cu_seqlens.diff().max())  # CPU-GPU sync point when cu_seqlens is on the GPU
-    return [FlashCall(True, None, None, cu, cu, max_len, max_len)]
+    # CPU-GPU sync point when cu_seqlens is on the GPU.
+    min_len, max_len = (int(n) for n in torch.aminmax(cu_seqlens.diff()))
+    return [FlashCall(True, None, None, cu, cu, max_len, max_len, min_len == max_len)]
 
 
 @lru_cache(maxsize=1)
@@ -214,23 +221,30 @@ def _whole(calls: list[FlashCall]) -> FlashCall | None:
     return None
 
 
-def run_forward(q, k, v, calls: list[FlashCall], scale: float, kernel=flash_forward):
+KERNELS = {"flash": (flash_forward, flash_backward),
+           "sdpa_cudnn": (sdpa_cudnn_forward, sdpa_cudnn_backward)}
+
+
+def run_forward(q, k, v, calls: list[FlashCall], scale: float, kernel=None):
     """Execute planned calls; returns ``out [T, H, D]`` and ``lse [H, T]`` (rows no call
     covers: 0 and -inf). ``out`` is in the accumulation dtype (fp32) when partial results are
     merged, and the kernel's own output (q's dtype) when one call covers every row: the merge
-    would return it unchanged, after five passes over ``[T, H, D]`` in fp32. ``kernel`` has
-    ``flash_forward``'s signature."""
+    would return it unchanged, after five passes over ``[T, H, D]`` in fp32. ``kernel`` (with
+    ``flash_forward``'s signature) overrides each call's backend (tests)."""
     num_q, num_heads, dim = q.shape
     acc = compute_dtype(q.dtype)
     whole = _whole(calls)
     if whole is not None:
-        o, lse_c = kernel(q.contiguous(), k.contiguous(), v.contiguous(), whole.cu_q,
-                          whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale)
+        fwd = kernel or KERNELS[whole.backend][0]
+        o, lse_c = fwd(q.contiguous(), k.contiguous(), v.contiguous(), whole.cu_q,
+                       whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale)
         return o, lse_c.to(acc)
     out = torch.zeros(num_q, num_heads, dim, dtype=acc, device=q.device)
     lse = torch.full((num_heads, num_q), float("-inf"), dtype=acc, device=q.device)
     for c in calls:
-        o, lse_c = kernel(_take(q, c.q_index), _take(k, c.k_index), _take(v, c.k_index), c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale)
+        fwd = kernel or KERNELS[c.backend][0]
+        o, lse_c = fwd(_take(q, c.q_index), _take(k, c.k_index), _take(v, c.k_index), c.cu_q,
+                       c.cu_k, c.max_q, c.max_k, c.causal, scale)
         if c.q_index is not None:
             o = torch.zeros_like(out).index_copy_(0, c.q_index, o.to(acc))
             lse_c = torch.full_like(lse, float("-inf")).index_copy_(1, c.q_index, lse_c.to(acc))
@@ -239,23 +253,25 @@ def run_forward(q, k, v, calls: list[FlashCall], scale: float, kernel=flash_forw
 
 
 def run_backward(dout, q, k, v, out, lse, calls: list[FlashCall], scale: float,
-                 kernel=flash_backward):
+                 kernel=None):
     """Gradients through planned calls given the final ``out``/``lse``; returns ``dq``, ``dk``,
     ``dv`` (the contribution of these keys) in the accumulation dtype (fp32), or as the kernel
     gives them (the inputs' dtype) when one call covers every row."""
     acc = compute_dtype(q.dtype)
     whole = _whole(calls)
     if whole is not None:
-        return kernel(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                      out.to(q.dtype).contiguous(), lse.to(acc).contiguous(), whole.cu_q,
-                      whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale)
+        bwd = kernel or KERNELS[whole.backend][1]
+        return bwd(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                   out.to(q.dtype).contiguous(), lse.to(acc).contiguous(), whole.cu_q,
+                   whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     out, lse = out.to(q.dtype), lse.to(acc)
     for c in calls:
         qi, ki = c.q_index, c.k_index
-        dq_c, dk_c, dv_c = kernel(
+        bwd = kernel or KERNELS[c.backend][1]
+        dq_c, dk_c, dv_c = bwd(
             _take(dout, qi), _take(q, qi), _take(k, ki), _take(v, ki), _take(out, qi),
             _take(lse, qi, dim=1), c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale)
         _add(dq, qi, dq_c)

@@ -6,11 +6,13 @@ Layout: packed streams. ``q [T, H, D]``, ``k``/``v`` ``[S, H_kv, D]`` with ``H %
 ``pos_k[s] <= pos_q[t]``. Outputs: ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32
 (float64 for float64 inputs), ``lse = log sum_s exp(scale * q.k_s)`` over the visible keys.
 
-One place selects the path (``use_flash``): CUDA tensors in fp16/bf16 with a head dim the
-kernel takes run PyTorch's flash varlen kernels (``flash.py``: a host-side plan turns the
-metadata into one causal and one non-causal segment call); everything else runs the exact
-masked reference (``reference.py``). Both expose the same block interface used by the ring:
-``plan_block`` once per (query side, key side), then ``block_forward``/``block_backward``.
+The backend (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``reference``) selects the
+path: the kernel backends plan the metadata on the host into at most one causal and one
+non-causal segment call (``flash.py``), each run by PyTorch's flash varlen kernels or, when
+its segments all have one length, dense cuDNN SDPA (``sdpa_cudnn.py``); the reference path is
+the exact masked attention (``reference.py``), which ``auto`` takes where no kernel takes q
+(CPU, fp32). All expose the same block interface used by the ring: ``plan_block`` once per
+(query side, key side), then ``block_forward``/``block_backward``.
 """
 
 from __future__ import annotations
@@ -19,22 +21,23 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.attention import flash
+from parallel.attention import backends, flash
 from parallel.attention.reference import any_visible, reference_backward, reference_forward
 
 
-def use_flash(q: torch.Tensor) -> bool:
-    """True when ``q`` (and its k/v) go to the flash kernel: CUDA, fp16/bf16, head dim a
-    multiple of 8 up to 256. The single switch between the flash and the reference path."""
-    return (q.is_cuda and q.dtype in flash.FLASH_DTYPES and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256)
+def use_flash(q: torch.Tensor, backend: str = "auto") -> bool:
+    """True when ``q`` (and its k/v) go to the kernel path (flash planning; flash or dense
+    cuDNN calls) under ``backend``, False for the exact reference. ``auto``: CUDA, fp16/bf16,
+    head dim a multiple of 8 up to 256. Raises ``ValueError`` when a named kernel backend
+    cannot take q."""
+    return backends.uses_kernels(backend, q)
 
 
 @dataclass(frozen=True)
 class Block:
     """How the attention of one query side over one key side is computed.
 
-    ``calls``: flash kernel calls (flash path) or None; ``meta``: ``(doc_q, pos_q, doc_k,
+    ``calls``: kernel calls (kernel path, each with its backend) or None; ``meta``: ``(doc_q, pos_q, doc_k,
     pos_k)`` on the tensors' device (reference path) or None; ``empty``: no query sees any key.
     """
 
@@ -44,17 +47,21 @@ class Block:
 
 
 def plan_block(q: torch.Tensor, doc_q, pos_q, doc_k, pos_k,
-               cu_seqlens: torch.Tensor | None = None) -> Block:
-    """Plan queries ``(doc_q, pos_q) [T]`` over keys ``(doc_k, pos_k) [S]`` for ``q``'s path.
+               cu_seqlens: torch.Tensor | None = None, backend: str = "auto") -> Block:
+    """Plan queries ``(doc_q, pos_q) [T]`` over keys ``(doc_k, pos_k) [S]`` for ``q``'s path
+    under attention ``backend`` (``backends.BACKENDS``).
 
-    ``cu_seqlens`` (flash path only): the query and key sides are the same tokens, in order,
+    ``cu_seqlens`` (kernel path only): the query and key sides are the same tokens, in order,
     documents cut at ``cu_seqlens``; it skips the host-side plan. The metadata may live on the
-    CPU (no CPU-GPU sync on the flash path) or on q's device.
+    CPU (no CPU-GPU sync on the kernel path) or on q's device. Raises ``ValueError`` when a
+    named backend cannot run q or one of the calls (``backends.py`` says why).
     """
-    if use_flash(q):
+    if use_flash(q, backend):
         if cu_seqlens is not None:
-            return Block(flash.plan_cu_seqlens(cu_seqlens, q.device), None, False)
-        calls = flash.plan_flash(doc_q, pos_q, doc_k, pos_k, q.device)
+            calls = flash.plan_cu_seqlens(cu_seqlens, q.device)
+        else:
+            calls = flash.plan_flash(doc_q, pos_q, doc_k, pos_k, q.device)
+        calls = [backends.assign(backend, c, q) for c in calls]
         return Block(calls, None, not calls)
     meta = tuple(t.to(q.device) for t in (doc_q, pos_q, doc_k, pos_k))
     return Block(None, meta, not any_visible(*meta))
@@ -102,16 +109,18 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        doc_q: torch.Tensor, pos_q: torch.Tensor,
                        doc_k: torch.Tensor | None = None, pos_k: torch.Tensor | None = None,
                        cu_seqlens: torch.Tensor | None = None,
-                       softmax_scale: float | None = None):
+                       softmax_scale: float | None = None, backend: str = "auto"):
     """Causal attention within documents, with autograd. Returns ``(out [T, H, D], lse [H, T])``.
 
     ``doc_k``/``pos_k`` default to the query metadata (self-attention, ``S == T``). Shapes are
     the caller's to check (``parallel.attention.context_attention`` validates them).
+    ``backend``: see ``backends.py``.
     """
     if doc_k is None or pos_k is None:
         doc_k, pos_k = doc_q, pos_q
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return attend_block(q, k, v, plan_block(q, doc_q, pos_q, doc_k, pos_k, cu_seqlens), scale)
+    block = plan_block(q, doc_q, pos_q, doc_k, pos_k, cu_seqlens, backend)
+    return attend_block(q, k, v, block, scale)
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,

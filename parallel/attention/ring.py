@@ -90,14 +90,16 @@ class _RingAttention(torch.autograd.Function):
 
 
 def plan_ring(q: torch.Tensor, doc_id: torch.Tensor, pos: torch.Tensor,
-              group: ProcessGroup | None, cu_seqlens: torch.Tensor | None = None) -> list[Block]:
-    """The ``cp`` blocks of the ring for ``q``'s path (step s: this rank's queries over the
-    keys of rank ``rank - s``). All-gathers the metadata: a collective over ``group``."""
+              group: ProcessGroup | None, cu_seqlens: torch.Tensor | None = None,
+              backend: str = "auto") -> list[Block]:
+    """The ``cp`` blocks of the ring for ``q``'s path under attention ``backend`` (step s: this
+    rank's queries over the keys of rank ``rank - s``). All-gathers the metadata: a collective
+    over ``group``."""
     cp, rank = group_size(group), group_rank(group)
     docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T) each, on the CPU
     me = (docs[rank], poss[rank])
-    blocks = [plan_block(q, *me, *me, cu_seqlens)]
-    blocks += [plan_block(q, *me, docs[(rank - s) % cp], poss[(rank - s) % cp])
+    blocks = [plan_block(q, *me, *me, cu_seqlens, backend)]
+    blocks += [plan_block(q, *me, docs[(rank - s) % cp], poss[(rank - s) % cp], None, backend)
                for s in range(1, cp)]
     return blocks
 
@@ -110,8 +112,8 @@ def ring_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, doc_id: torch.Tensor,
                    pos: torch.Tensor, group: ProcessGroup | None,
-                   cu_seqlens: torch.Tensor | None = None,
-                   softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None,
+                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within documents over the whole cp group's stream; returns this rank's
     ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` (fp32, no gradient).
 
@@ -122,4 +124,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, doc_id:
     are validated by ``context_attention``.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return ring_attend(q, k, v, plan_ring(q, doc_id, pos, group, cu_seqlens), scale, group)
+    blocks = plan_ring(q, doc_id, pos, group, cu_seqlens, backend)
+    return ring_attend(q, k, v, blocks, scale, group)

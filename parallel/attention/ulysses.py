@@ -37,12 +37,12 @@ def check_ulysses_heads(num_heads: int, cp: int) -> None:
 
 
 def plan_ulysses(q: torch.Tensor, doc_id: torch.Tensor, pos: torch.Tensor,
-                 group: ProcessGroup | None) -> Block:
-    """The block of the gathered (rank-major) stream for ``q``'s path. All-gathers the
-    metadata: a collective over ``group``."""
+                 group: ProcessGroup | None, backend: str = "auto") -> Block:
+    """The block of the gathered (rank-major) stream for ``q``'s path under attention
+    ``backend``. All-gathers the metadata: a collective over ``group``."""
     docs, poss = gather_metadata(doc_id, pos, group, q.device)  # (cp, T): rank-major
     flat_doc, flat_pos = docs.reshape(-1), poss.reshape(-1)
-    return plan_block(q, flat_doc, flat_pos, flat_doc, flat_pos)
+    return plan_block(q, flat_doc, flat_pos, flat_doc, flat_pos, None, backend)
 
 
 def ulysses_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block,
@@ -60,8 +60,10 @@ def ulysses_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Blo
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       doc_id: torch.Tensor, pos: torch.Tensor, group: ProcessGroup | None,
-                      softmax_scale: float | None = None) -> torch.Tensor:
+                      softmax_scale: float | None = None,
+                      backend: str = "auto") -> torch.Tensor:
     """Causal attention within documents over the cp group's whole stream; returns this rank's
     ``out [T, H, D]`` (q's dtype). Shapes are validated by ``context_attention``."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return ulysses_attend(q, k, v, plan_ulysses(q, doc_id, pos, group), scale, group)
+    block = plan_ulysses(q, doc_id, pos, group, backend)
+    return ulysses_attend(q, k, v, block, scale, group)

@@ -162,3 +162,7 @@ def test_default_command_trains(tmp_path):
             .splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, rows
+    # Image placeholders are a share of the tokens: half the budgets come from the image set.
+    shares = [r["image_tokens_per_s"] / r["tokens_per_s"] for r in rows]
+    assert all(0 <= x < 1 for x in shares) and sum(shares) > 0, shares
+    assert "image_tokens_per_s" in proc.stdout

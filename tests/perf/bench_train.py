@@ -3,6 +3,7 @@
 Usage (one GPU, both sides in one run):
     python tests/perf/bench_train.py [OUT.json] [--config PATH] [--steps 20] [--warmup 5]
         [--seq 4096] [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
+        [--fp8 none|tensorwise] [--attention-backend auto|flash|sdpa_cudnn]
 Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
     torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
         neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
@@ -25,7 +26,9 @@ allocator peak to read) and ``tokens_per_s_per_gpu`` is per process.
 
 Reported per side: median step time over ``--steps`` timed steps (after ``--warmup``), tokens/s
 per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
-the first/last loss (a sanity check that each side trains). JSON goes to OUT (default
+the first/last loss (a sanity check that each side trains). ``--fp8`` and
+``--attention-backend`` set mpcore's ``model.fp8`` and ``model.attention_backend`` (the
+baselines stay bf16 with SDPA); the JSON names both (``fp8``, ``backend``). JSON goes to OUT (default
 tests/perf/results/train_h200.json), written by rank 0.
 """
 
@@ -118,7 +121,8 @@ def bench_mpcore(args) -> dict:
                  f"parallel.activation_checkpointing={args.activation_checkpointing}",
                  f"training.device={_device_kind()}", "training.dtype=bfloat16",
                  "checkpoint.resume=false", "checkpoint.every=0", "optimizer.backend=torch",
-                 "schedule.warmup_steps=10", f"logging.run_dir={args.run_dir}"]
+                 "schedule.warmup_steps=10", f"logging.run_dir={args.run_dir}",
+                 f"model.fp8={args.fp8}", f"model.attention_backend={args.attention_backend}"]
     cfg = load_config(args.config, overrides)
     state = setup(cfg, str(args.config))
     device = resolve_device(cfg)
@@ -216,12 +220,18 @@ def parse_args(argv):
     parser.add_argument("--forward-backward-only", action="store_true",
                         help="time forward + backward only (no clipping, no optimizer step)")
     parser.add_argument("--run-dir", default="/tmp/bench_train_run")
+    parser.add_argument("--fp8", default="none", choices=["none", "tensorwise"],
+                        help="mpcore's model.fp8 (FP8 GEMMs in the decoder projections)")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "flash", "sdpa_cudnn", "reference"],
+                        help="mpcore's model.attention_backend")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    init_distributed()  # pretrain's: NCCL on CUDA, gloo on CPU
+    # pretrain's: NCCL on CUDA, gloo on CPU, within the config's rendezvous timeout
+    init_distributed(load_config(args.config).parallel.init_timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -229,7 +239,8 @@ def main(argv=None) -> int:
               "world_size": world, "shape": args.config.stem, "seq": args.seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
               "activation_checkpointing": args.activation_checkpointing,
-              "forward_backward_only": args.forward_backward_only}
+              "forward_backward_only": args.forward_backward_only, "fp8": args.fp8,
+              "backend": args.attention_backend}
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))

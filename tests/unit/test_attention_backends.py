@@ -1,0 +1,133 @@
+"""Attention backend names and the choice per kernel call, on CPU: which calls are uniform
+(dense SDPA can run them), what auto picks, and the errors of named backends that cannot run
+a case. The kernels themselves run in tests/gpu/test_attention_backends_gpu.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import ModelConfig, build_model
+from parallel.attention import AttentionPlan, backends, context_attention, flash
+from parallel.attention.primitive import plan_block, use_flash
+from parallel.state import ParallelState
+
+RESULTS = Path(__file__).resolve().parents[1] / "perf" / "results" / "attention_h200.json"
+
+
+def _meta(lengths):
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    return doc, torch.arange(sum(lengths)) - starts[doc]
+
+
+def _zigzag(lengths, cp, rank):
+    """(doc, pos) of rank ``rank``'s tokens: chunks r and 2cp-1-r of every document."""
+    docs, poss = [], []
+    for d, n in enumerate(lengths):
+        chunk = n // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            docs.append(torch.full((chunk,), d))
+            poss.append(torch.arange(c * chunk, (c + 1) * chunk))
+    return torch.cat(docs), torch.cat(poss)
+
+
+def test_names_and_reference_on_cpu():
+    q = torch.randn(10, 4, 8)
+    with pytest.raises(ValueError, match="unknown attention backend 'cudnn_ragged'"):
+        backends.check_name("cudnn_ragged")
+    assert not use_flash(q) and not use_flash(q, "reference")
+    for name in backends.KERNEL_BACKENDS:
+        with pytest.raises(ValueError, match=f"'{name}' cannot run here: it needs CUDA"):
+            use_flash(q, name)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        AttentionPlan(*_meta([4, 6]), backend="fast")
+
+
+def test_uniform_calls():
+    (equal,) = flash.plan_cu_seqlens(torch.tensor([0, 64, 128, 192]), "cpu")
+    (ragged,) = flash.plan_cu_seqlens(torch.tensor([0, 64, 100, 192]), "cpu")
+    assert equal.uniform and (equal.max_q, equal.max_k) == (64, 64) and not ragged.uniform
+    # Zigzag, equal documents: every ring step's calls are uniform (the own block causal with
+    # equal sides, the remote blocks full).
+    lengths, cp = [64, 64, 64], 2
+    for rank in range(cp):
+        me = _zigzag(lengths, cp, rank)
+        for src in range(cp):
+            calls = flash.plan_flash(*me, *_zigzag(lengths, cp, src), "cpu")
+            assert calls and all(c.uniform for c in calls), (rank, src)
+            assert all(c.max_q == c.max_k for c in calls if c.causal)
+    # Ulysses: the gathered rank-major stream sorts into whole documents, one causal call.
+    gathered = [torch.cat(t) for t in zip(*(_zigzag(lengths, cp, r) for r in range(cp)),
+                                           strict=True)]
+    (call,) = flash.plan_flash(*gathered, *gathered, "cpu")
+    assert call.causal and call.uniform and call.max_q == 64
+    # Documents of different lengths: not uniform.
+    mixed = _meta([64, 32, 64])
+    assert not any(c.uniform for c in flash.plan_flash(*mixed, *mixed, "cpu"))
+
+
+def test_auto_and_named_choices():
+    (long,) = flash.plan_cu_seqlens(torch.tensor([0, 4096, 8192]), "cpu")
+    (short,) = flash.plan_cu_seqlens(torch.tensor([0, 16, 32]), "cpu")
+    (ragged,) = flash.plan_cu_seqlens(torch.tensor([0, 4000, 8192]), "cpu")
+    assert backends.auto_choice(long, sdpa_available=True) == "sdpa_cudnn"
+    assert backends.auto_choice(long, sdpa_available=False) == "flash"
+    assert backends.auto_choice(short, sdpa_available=True) == "flash"
+    assert backends.auto_choice(ragged, sdpa_available=True) == "flash"
+    q = torch.randn(8192, 4, 8)
+    assert backends.assign("flash", ragged, q).backend == "flash"
+    with pytest.raises(ValueError, match="'sdpa_cudnn' cannot run this attention call: its "
+                                         "segments have different lengths"):
+        backends.assign("sdpa_cudnn", ragged, q)
+    causal_unequal = flash.FlashCall(True, None, None, long.cu_q, long.cu_q, 64, 128, True)
+    with pytest.raises(ValueError, match="top-left aligned"):
+        backends.assign("sdpa_cudnn", causal_unequal, q)
+    assert backends.assign("sdpa_cudnn", long, q).backend == "sdpa_cudnn"
+
+
+def test_auto_threshold_matches_the_measured_table():
+    """AUTO_SDPA_MIN_LEN must agree with the committed measurement: at every measured uniform
+    case, auto's choice is the faster of flash and sdpa_cudnn (or within 3% of it)."""
+    table = json.loads(RESULTS.read_text())
+    rows = [r for r in table["cases"] if r["uniform"] and "sdpa_cudnn" in r["ms"]
+            and "flash" in r["ms"]]
+    assert rows, "no uniform case in the table"
+    for r in rows:
+        call = flash.FlashCall(r["causal"], None, None, torch.zeros(1), torch.zeros(1),
+                               r["len_q"], r["len_k"], True)
+        chosen = backends.auto_choice(call, sdpa_available=True)
+        best = min(r["ms"][name] for name in ("flash", "sdpa_cudnn"))
+        assert r["ms"][chosen] <= 1.03 * best, (r["name"], chosen, r["ms"])
+
+
+def test_plan_block_and_context_attention_take_the_backend():
+    doc, pos = _meta([5, 1, 7])
+    q = torch.randn(13, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(13, 2, 8, dtype=torch.float64), torch.randn(13, 2, 8, dtype=torch.float64)
+    assert plan_block(q, doc, pos, doc, pos, None, "reference").calls is None
+    out_ref = context_attention(q, k, v, doc_id=doc, pos=pos, backend="reference")
+    out_auto = context_attention(q, k, v, doc_id=doc, pos=pos)
+    assert torch.equal(out_ref, out_auto)  # auto on CPU is the reference
+    with pytest.raises(ValueError, match="'flash' cannot run here"):
+        context_attention(q, k, v, doc_id=doc, pos=pos, backend="flash")
+    with pytest.raises(ValueError, match="not both"):
+        context_attention(q, k, v, plan=AttentionPlan(doc, pos), backend="flash")
+
+
+def test_model_passes_its_backend_to_the_plan():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                      num_kv_heads=2, intermediate_size=48)
+    ids = torch.randint(0, 64, (12,))
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    pos = torch.cat([torch.arange(6), torch.arange(6)])
+    ref = build_model(cfg, ParallelState(), attention_backend="reference", seed=1)
+    auto = build_model(cfg, ParallelState(), seed=1)
+    run = dict(cu_seqlens=cu, output="logits")
+    torch.testing.assert_close(ref(ids, pos, **run), auto(ids, pos, **run), rtol=0, atol=0)
+    named = build_model(cfg, ParallelState(), attention_backend="sdpa_cudnn", seed=1)
+    with pytest.raises(ValueError, match="'sdpa_cudnn' cannot run here: it needs CUDA"):
+        named(ids, pos, **run)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        build_model(cfg, ParallelState(), attention_backend="te")
