@@ -7,13 +7,18 @@ Refused (they change the data order or what a step means), listed as ``key: save
     data.paths, data.tokenizer   by CONTENT (fingerprints), so moved or copied files still resume
     data.global_batch            micro_batch x grad_accum x dp; the split may change (resharding)
     data.seq_len, data.seed, data.weights, data.valid_fraction, training.seed
+    data.vl_paths, data.vl_drop_long   the image-text datasets (by path) and which samples stay
     schedule.total_steps         the schedule's length (``Config.total_steps``), warmup_steps,
                                  decay, min_lr_ratio
-    model.*                      the shape (init_from and max_position_embeddings excepted)
+    model.*                      the model (the vision tower and freeze_vision included), but
+                                 for choices of kernels or layout that compute the same model:
+                                 init_from, max_position_embeddings, attention_backend, fp8,
+                                 vision_cp
 A key named in ``checkpoint.accept_changes`` is accepted instead (logged).
 
 Allowed and logged: everything else (logging.*, checkpoint.every / keep_last, the parallel
-layout, optimizer.*, training.max_steps, ...). One exception is kept deliberately lenient:
+layout, optimizer.*, training.max_steps, ...), including keys added later outside ``model``
+unless they are listed here. One exception is kept deliberately lenient:
 when ``schedule.total_steps`` is null in both configs the schedule follows ``max_steps``, so
 raising ``max_steps`` stretches it; that is allowed with a warning saying how to keep it.
 
@@ -32,9 +37,11 @@ from mpcore.config import Config, to_dict
 
 _WHOLE_BELOW = 8 << 20
 _BLOCKS, _BLOCK = 64, 64 << 10
-_EXEMPT_MODEL = ("init_from", "max_position_embeddings")
-REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction", "training.seed",
-           "schedule.warmup_steps", "schedule.decay", "schedule.min_lr_ratio")
+_EXEMPT_MODEL = ("init_from", "max_position_embeddings", "attention_backend", "fp8",
+                 "vision_cp")
+REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction", "data.vl_paths",
+           "data.vl_drop_long", "training.seed", "schedule.warmup_steps", "schedule.decay",
+           "schedule.min_lr_ratio")
 
 
 def file_fingerprint(path: str | Path) -> str:

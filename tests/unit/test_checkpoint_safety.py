@@ -27,8 +27,9 @@ from mpcore.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from mpcore.config import load_config
+from mpcore.config import load_config, to_dict
 from mpcore.data import prepare_default
+from mpcore.resume_check import compare
 from mpcore.rundir import rewrite_metrics
 from mpcore.train import Trainer, TrainingDiverged, train
 
@@ -232,6 +233,22 @@ def test_resume_refuses_changes_that_change_the_run(tmp_path, data_dir, caplog):
     assert result.step == 6
 
 
+def test_compare_sorts_changes_into_refused_and_allowed():
+    saved = load_config(None, [])
+    meta = {"config": to_dict(saved), "layout": {"dp": 2}}
+    now = load_config(None, ["model.hidden_size=256", "model.freeze_vision=true",
+                             "model.vision_cp=replicate", "data.vl_drop_long=true",
+                             "data.micro_batch=2", "data.grad_accum=4", "parallel.tp=2",
+                             "logging.log_every=3", "training.max_steps=300"])
+    refused, allowed = compare(meta, now, 1, None)
+    assert {k for k, _, _ in refused} == {"model.hidden_size", "model.freeze_vision",
+                                          "data.vl_drop_long"}  # global batch 4x1x2 = 2x4x1
+    assert {k for k, _, _ in allowed} == {
+        "model.vision_cp", "data.micro_batch", "data.grad_accum", "parallel.tp",
+        "logging.log_every", "training.max_steps",
+        "schedule.total_steps (follows training.max_steps)"}
+
+
 def test_metrics_after_resume_hold_each_step_once(copy, data_dir, base):
     shutil.rmtree(copy / "checkpoints" / "step-8")  # killed after logging step 8, before saving
     result = train(tiny(copy, data_dir))
@@ -309,7 +326,7 @@ def test_streak_exit_code(tmp_path, data_dir):
 
 
 CHILD = """import json, sys
-from mpcore.config import load_config
+from mpcore.config import load_config, to_dict
 from mpcore.train import train
 
 def hook(stage, path):
