@@ -139,6 +139,10 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
 
     if is_vl_run(cfg):
         return build_vl(cfg, state, device, loader)
+    if cfg.data.vl_paths:
+        raise ValueError(f"data.vl_paths {cfg.data.vl_paths} holds image-text data but the model "
+                         f"has no vision tower; set model.vision (or model.init_from a Qwen2-VL "
+                         f"checkpoint), or train a text model on data.paths")
     cfg, model_cfg = resolve_model_config(cfg)
     p = cfg.parallel
     kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1,

@@ -103,6 +103,19 @@ def test_frozen_tower_stays_frozen(runs):
 
     cfg = tiny(tmp, "frozen", "model.freeze_vision=true")
     run = build(cfg, setup(cfg), torch.device("cpu"))
+    unfrozen = build(tiny(tmp, "unfrozen"), setup(cfg), torch.device("cpu"))
+    # First step, same weights and batch: the text side's gradients do not depend on whether
+    # the tower trains (its forward is the same), so they agree exactly.
+    batches = run.loader.next_step()
+    unfrozen.loader.next_step()
+    Trainer(run)._forward_backward(batches)
+    Trainer(unfrozen)._forward_backward(batches)
+    for (name, p), q in zip(run.model.text.named_parameters(), unfrozen.model.text.parameters(),
+                            strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert all(p.grad is None for p in run.model.visual.parameters())
+    assert any(float(p.grad.abs().max()) > 0 for p in unfrozen.model.visual.parameters())
+    run.optimizer.zero_grad(set_to_none=True)
     visual = {k: v.clone() for k, v in run.model.visual.state_dict().items()}
     text = {k: v.clone() for k, v in run.model.text.state_dict().items()}
     trainer = Trainer(run)
@@ -111,7 +124,26 @@ def test_frozen_tower_stays_frozen(runs):
         assert math.isfinite(loss)
     assert all(torch.equal(v, visual[k]) for k, v in run.model.visual.state_dict().items())
     assert any(not torch.equal(v, text[k]) for k, v in run.model.text.state_dict().items())
-    assert not any(p.requires_grad for p in run.model.visual.parameters())
+
+
+def test_text_only_manifest_trains_and_image_data_needs_a_vl_model(runs, tmp_path):
+    tmp, _, _ = runs
+    from mpcore.data import prepare_vl_dataset
+    from mpcore.data.vl_default import DEFAULT_SETTINGS
+
+    manifest = tmp_path / "text.jsonl"
+    manifest.write_text("".join(json.dumps({"text": f"line {i} of a text-only manifest"}) + "\n"
+                                for i in range(16)))
+    folder = prepare_vl_dataset(manifest, tmp_path / "text_vl", tmp / "data" / "default_v512.model",
+                                DEFAULT_SETTINGS, progress=False)
+    result = train(tiny(tmp, "text_only", f"data.vl_paths=[{folder}]", "training.max_steps=2",
+                        "data.grad_accum=1"))
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+    with pytest.raises(ValueError, match="holds image-text data but the model has no vision"):
+        train(load_config(None, [f"data.vl_paths=[{folder}]", "training.device=cpu",
+                                 f"logging.run_dir={tmp_path}/text_model",
+                                 f"data.cache_dir={tmp}/data", "data.default_vocab_size=512",
+                                 "model.vocab_size=512"]))
 
 
 def test_export_loads_in_transformers(runs):
