@@ -1,0 +1,49 @@
+"""Where mpcore's VL training step spends its time: torch.profiler over a few steps of the
+Qwen2-VL-2B shape on the shipped real images (the step and batches of ``bench_vl.py``).
+
+    python tests/perf/profile_vl.py [OUT.txt] [bench_vl options]
+
+Warms up, profiles 3 steps and prints the top operators by device time and by host time.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vl  # noqa: E402
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = argv.pop(0) if argv and not argv[0].startswith("--") else "/tmp/profile_vl.txt"
+    captured = {}
+
+    def timed(step, steps, warmup):
+        for i in range(3):
+            step(i)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(3, 6):
+                step(i)
+            torch.cuda.synchronize()
+        captured["prof"] = prof
+        return {"step_ms": 1.0, "peak_gib": 0.0, "first_loss": 0.0, "last_loss": 0.0}
+
+    bench_vl._timed = timed
+    bench_vl.main([str(Path(out).with_suffix(".json")), "--skip-hf", *argv])
+    events = captured["prof"].key_averages()
+    text = (events.table(sort_by="cuda_time_total", row_limit=40) + "\n"
+            + events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=15))
+    Path(out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
