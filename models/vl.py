@@ -31,7 +31,8 @@ from parallel.state import ParallelState
 
 
 class VLModel(nn.Module):
-    """The vision-language model (module docstring). Build it with :func:`build_vl_model`."""
+    """The vision-language model (module docstring). Build it with :func:`build_vl_model`.
+    ``decoder_options``: further ``Transformer`` keyword arguments (kernel choices)."""
 
     def __init__(self, cfg: VLConfig, state: ParallelState, *, sequence_parallel: bool = False,
                  cp_mode: str = "none", activation_checkpointing: bool = False,
@@ -46,8 +47,8 @@ class VLModel(nn.Module):
         self.text = Transformer(cfg.text, state, sequence_parallel=sequence_parallel,
                                 cp_mode=cp_mode, activation_checkpointing=activation_checkpointing,
                                 dtype=dtype, **decoder_options)
-        self.visual = VisionTower(cfg.vision, state, activation_checkpointing=activation_checkpointing,
-                                  dtype=dtype)
+        self.visual = VisionTower(cfg.vision, state,
+                                  activation_checkpointing=activation_checkpointing, dtype=dtype)
 
     @property
     def sequence_parallel(self) -> bool:
