@@ -32,11 +32,13 @@ from parallel.state import ParallelState
 
 class VLModel(nn.Module):
     """The vision-language model (module docstring). Build it with :func:`build_vl_model`.
+    ``vision_attention``: the tower's attention kernel on CUDA (``models.vision.attention``);
     ``decoder_options``: further ``Transformer`` keyword arguments (kernel choices)."""
 
     def __init__(self, cfg: VLConfig, state: ParallelState, *, sequence_parallel: bool = False,
                  cp_mode: str = "none", activation_checkpointing: bool = False,
-                 vision_cp: str = "split", dtype=None, **decoder_options):
+                 vision_cp: str = "split", vision_attention: str = "auto", dtype=None,
+                 **decoder_options):
         super().__init__()
         cfg.check_parallel(state.tp, state.cp, cp_mode)
         if vision_cp not in MODES:
@@ -48,7 +50,8 @@ class VLModel(nn.Module):
                                 cp_mode=cp_mode, activation_checkpointing=activation_checkpointing,
                                 dtype=dtype, **decoder_options)
         self.visual = VisionTower(cfg.vision, state,
-                                  activation_checkpointing=activation_checkpointing, dtype=dtype)
+                                  activation_checkpointing=activation_checkpointing,
+                                  attention_kernel=vision_attention, dtype=dtype)
 
     @property
     def sequence_parallel(self) -> bool:

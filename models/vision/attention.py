@@ -7,10 +7,12 @@ parallelism). ``wqkv`` (column-parallel, parts ``[q, k, v]``, bias) gives this r
 attends to all rows of its segment (a frame, or a Qwen2.5-VL window), and the row-parallel
 ``wo`` (bias added once, after the all-reduce over tp) gives ``[N, hidden]`` again.
 
-Kernels: CUDA fp16/bf16 with a head dim flash takes (``parallel.attention.use_flash``) runs one
-non-causal flash varlen call over all segments (``parallel.attention.flash``'s kernel calls,
-with an autograd Function here). Everything else runs ``F.scaled_dot_product_attention`` in the
-input dtype on the segments batched by length: one call per distinct segment length.
+Kernels: CUDA fp16/bf16 with a head dim flash takes (``parallel.attention.use_flash``) runs, by
+default, dense non-causal cuDNN calls on the segments batched by length
+(``parallel.attention.sdpa_cudnn``), or one non-causal flash varlen call over all segments
+(``parallel.attention.flash``'s kernel calls); each with an autograd Function here. Everything
+else runs ``F.scaled_dot_product_attention`` in the input dtype on the segments batched by
+length: one call per distinct segment length.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from kernels.rope import rope
 from models.vision.config import VisionConfig
-from parallel.attention import flash, use_flash
+from parallel.attention import flash, sdpa_cudnn, use_flash
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.state import ProcessGroup, group_size
 
@@ -105,11 +107,63 @@ class _FlashSegments(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def segment_attention(q, k, v, segments: Segments, scale: float) -> torch.Tensor:
+class _CudnnSegments(torch.autograd.Function):
+    """forward: the segments batched by length, one dense non-causal cuDNN call per length
+    (``parallel.attention.sdpa_cudnn``); backward: cuDNN's backward of each call, from its
+    saved output and log-sum-exp. Rows are gathered per length and put back in row order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segments: Segments, scale: float):
+        rows, inverse = segments.groups
+        saved, outs = [], []
+        for index in rows:
+            length, flat = index.shape[1], index.flatten()
+            qs, ks, vs = (t.index_select(0, flat) for t in (q, k, v))  # (B * L, H, D)
+            out, lse = sdpa_cudnn.sdpa_cudnn_forward(qs, ks, vs, None, None, length, length,
+                                                     False, scale)
+            saved += [qs, ks, vs, out, lse]
+            outs.append(out)
+        ctx.save_for_backward(*saved)
+        ctx.rows, ctx.inverse, ctx.scale = rows, inverse, scale
+        return torch.cat(outs).index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved, grads = ctx.saved_tensors, [[], [], []]
+        order = torch.cat([index.flatten() for index in ctx.rows])
+        dout = dout.index_select(0, order)  # rows in the groups' order
+        start = 0
+        for g, index in enumerate(ctx.rows):
+            qs, ks, vs, out, lse = saved[5 * g:5 * g + 5]
+            length, num = index.shape[1], index.numel()
+            parts = sdpa_cudnn.sdpa_cudnn_backward(dout[start:start + num], qs, ks, vs, out,
+                                                   lse, None, None, length, length, False,
+                                                   ctx.scale)
+            for acc, part in zip(grads, parts, strict=True):
+                acc.append(part)
+            start += num
+        dq, dk, dv = (torch.cat(acc).index_select(0, ctx.inverse) for acc in grads)
+        return dq, dk, dv, None, None
+
+
+KERNELS = ("auto", "flash", "cudnn")
+
+
+def segment_attention(q, k, v, segments: Segments, scale: float,
+                      kernel: str = "auto") -> torch.Tensor:
     """Bidirectional attention inside segments: ``q, k, v [N, H, D]`` -> ``[N, H, D]`` in q's
-    dtype. Flash varlen on CUDA fp16/bf16, the batched SDPA reference otherwise."""
+    dtype. On CUDA fp16/bf16 (a head dim flash takes) ``kernel`` picks ``flash`` (one
+    non-causal varlen call over all segments) or ``cudnn`` (dense cuDNN calls, one per distinct
+    segment length); ``auto`` is cudnn: a Qwen2-VL-2B training step on an H200 took 562.6 ms
+    with it, 574.8 ms with flash (tests/perf/results/vl_h200*.json; head dim 80, images of
+    1.7k-5.4k patches), at 1.4 GiB more peak (the per-length gathers are saved for backward).
+    Elsewhere the batched SDPA reference."""
+    if kernel not in KERNELS:
+        raise ValueError(f"vision attention kernel must be one of {KERNELS}, got {kernel!r}")
     if q.shape[0] == 0:
         return torch.zeros_like(q)
+    if use_flash(q) and kernel in ("auto", "cudnn"):
+        return _CudnnSegments.apply(q, k, v, segments, scale)
     if use_flash(q):
         return _FlashSegments.apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                     segments.cu, segments.max_len, scale)
@@ -129,6 +183,7 @@ class VisionAttention(nn.Module):
                                          dtype=dtype)
         self.wo = RowParallelLinear(hid, hid, bias=True, group=tp_group, device=device,
                                     dtype=dtype)
+        self.kernel = "auto"  # segment_attention's CUDA kernel (VisionTower's attention_kernel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: Segments) -> torch.Tensor:
@@ -138,5 +193,5 @@ class VisionAttention(nn.Module):
         v = v.contiguous()  # its own storage: saved alone, not as a view of the fused output
         q = rope(q, cos, sin, v.dtype)
         k = rope(k, cos, sin, v.dtype)
-        out = segment_attention(q, k, v, segments, d ** -0.5)
+        out = segment_attention(q, k, v, segments, d ** -0.5, self.kernel)
         return self.wo(out.reshape(num, heads * d))

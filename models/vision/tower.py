@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels.swiglu import swiglu
 from models.norm import RMSNorm
 from models.transformer import init_weights
-from models.vision.attention import Segments, VisionAttention, rotary_tables
+from models.vision.attention import KERNELS, Segments, VisionAttention, rotary_tables
 from models.vision.config import VisionConfig
 from models.vision.plan import VisionPlan, plan_vision
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -155,8 +155,12 @@ class VisionTower(nn.Module):
 
     def __init__(self, cfg: VisionConfig,
                  state_or_tp_group: ParallelState | ProcessGroup | None = None, *,
-                 activation_checkpointing: bool = False, dtype=None):
+                 activation_checkpointing: bool = False, attention_kernel: str = "auto",
+                 dtype=None):
         super().__init__()
+        if attention_kernel not in KERNELS:
+            raise ValueError(f"attention_kernel must be one of {KERNELS}, got "
+                             f"{attention_kernel!r}")
         group = (state_or_tp_group.tp_group if isinstance(state_or_tp_group, ParallelState)
                  else state_or_tp_group)
         self.cfg, self.tp_group = cfg, group
@@ -167,6 +171,8 @@ class VisionTower(nn.Module):
         self.layers = nn.ModuleList(VisionBlock(cfg, group, dtype=dtype)
                                     for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, group, dtype=dtype)
+        for layer in self.layers:
+            layer.attention.kernel = attention_kernel
 
     def plan(self, grid_thw) -> VisionPlan:
         """Host-side plan of ``grid_thw`` (checks it; ``models.vision.plan``)."""

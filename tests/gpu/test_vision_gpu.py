@@ -1,4 +1,4 @@
-"""Vision tower on CUDA: flash segment attention and the bf16 tower vs references.
+"""Vision tower on CUDA: flash and cuDNN segment attention and the bf16 tower vs references.
 
 - The flash path (non-causal varlen, one call over all segments) vs the SDPA reference path on
   the same bf16 q, k, v (frames and Qwen2.5-VL windows of three images): forward and backward,
@@ -61,22 +61,25 @@ def _attend(fn, q, k, v, segments, cotangent):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 @pytest.mark.parametrize("which", ["frames", "windows"])
-def test_flash_segments_match_reference(which, monkeypatch):
+def test_flash_segments_match_reference(which, kernel, monkeypatch):
     cfg = vision_config_from_hf(HF["qwen2_5_vl"][2], "qwen2_5_vl")
     plan = plan_vision(cfg, GRID)
     cu, max_len = ((plan.frame_cu, plan.max_frame) if which == "frames"
                    else (plan.window_cu, plan.max_window))
     calls = []
-    kernel = flash.flash_forward
-    monkeypatch.setattr(flash, "flash_forward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    original = flash.flash_forward
+    monkeypatch.setattr(flash, "flash_forward",
+                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(NUM_PATCHES, 4, 64, device="cuda", generator=gen).bfloat16()
                for _ in range(3))
     cotangent = torch.randn(NUM_PATCHES, 4, 64, device="cuda", generator=gen)
     segments = Segments(cu, max_len, torch.device("cuda"))
-    got = _attend(segment_attention, q, k, v, segments, cotangent)
-    assert calls, "the flash kernel was not called"
+    got = _attend(lambda *a: segment_attention(*a, kernel=kernel), q, k, v, segments,
+                  cotangent)
+    assert bool(calls) == (kernel == "flash"), "the flash kernel ran iff asked for"
     ref16 = _attend(attention_reference, q, k, v, segments, cotangent)
     ref32 = _attend(attention_reference, q.float(), k.float(), v.float(), segments, cotangent)
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref16, ref32, strict=True):

@@ -264,7 +264,8 @@ def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
     cuda = device.type == "cuda"
     state = ParallelState.build()
     model = build_vl_model(cfg, state, device=device, dtype=torch.float32,
-                           activation_checkpointing=args.activation_checkpointing)
+                           activation_checkpointing=args.activation_checkpointing,
+                           vision_attention=args.vision_attention)
     model.train()
     optimizer = _optimizer(model, cuda)
     on_device = [b.to(device) for b in batches]
@@ -496,6 +497,8 @@ def parse_args(argv):
     parser.add_argument("--forward-backward-only", action="store_true",
                         help="time forward + backward only (no clipping, no optimizer step)")
     parser.add_argument("--skip-hf", action="store_true", help="only time mpcore")
+    parser.add_argument("--vision-attention", default="auto", choices=["auto", "flash", "cudnn"],
+                        help="mpcore's vision attention kernel on CUDA (models.vision.attention)")
     parser.add_argument("--count-params", action="store_true",
                         help="print both models' parameter counts (meta device) and exit")
     args = parser.parse_args(argv)
@@ -525,6 +528,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "config": args.config, "seq": seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
               "activation_checkpointing": args.activation_checkpointing,
+              "vision_attention": args.vision_attention,
               "forward_backward_only": args.forward_backward_only,
               "step": "forward + backward" + ("" if args.forward_backward_only else
                                              " + clip 1.0 + AdamW (fused on CUDA)"),

@@ -320,3 +320,12 @@ def test_hf_dict_errors_name_the_key():
         vision_config_from_hf({**base, "patch_size": [14, 16]}, "qwen2_vl")
     with pytest.raises(ValueError, match=r"integer mlp_ratio"):
         hf_vision_config_dict(VisionConfig("qwen2_vl", 2, 32, 4, 48, 24))
+
+
+def test_unknown_attention_kernel_raises():
+    from models.vision import VisionConfig, VisionTower
+
+    cfg = VisionConfig(arch="qwen2_vl", depth=1, hidden_size=16, num_heads=2,
+                       intermediate_size=32, out_hidden_size=8, patch_size=2)
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        VisionTower(cfg, attention_kernel="ring")
