@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from kernels.fp8_linear import check_fp8
 from models.attention import qkv_rows
@@ -148,11 +149,16 @@ def load_hf_weights(model: Transformer, folder: str | Path, state: ParallelState
     Raises ``ValueError`` naming a missing tensor, or a tensor whose shape disagrees with the
     model's config (both shapes in the message), before copying it.
     """
-    ckpt = _Checkpoint(Path(folder))
-    table = shard_map(model.cfg, state.tp, state.tp_rank)
+    fill_from_table(model, _Checkpoint(Path(folder)),
+                    shard_map(model.cfg, state.tp, state.tp_rank))
+
+
+@torch.no_grad()
+def fill_from_table(model: nn.Module, ckpt: _Checkpoint, table: dict[str, list[Piece]]) -> None:
+    """Copy into each parameter of ``model`` its pieces (``table``) read from ``ckpt``."""
     params = dict(model.named_parameters())
     if set(params) != set(table):
-        raise AssertionError(f"shard map and model disagree: {set(params) ^ set(table)}")
+        raise AssertionError(f"shard map and model disagree: {sorted(set(params) ^ set(table))}")
     for name, pieces in table.items():
         param = params[name]
         local = torch.cat([ckpt.read(p) for p in pieces], dim=pieces[0].dim)
@@ -191,10 +197,18 @@ def export_hf(model: Transformer, cfg: ModelConfig, state: ParallelState,
     gathers (over ``state.tp_group``); rank 0 writes; a barrier then lets every rank read it.
     ``progress(done, total)`` is called after each parameter is gathered.
     """
-    if state.rank == 0:
-        hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
+    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
+    write_hf(model, state, out_dir, hf_dict,
+             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
+
+
+@torch.no_grad()
+def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dict: dict,
+             maps: list[dict[str, list[Piece]]], progress=None) -> None:
+    """Gather every parameter of ``model`` into its full HF tensors (``maps[r]``: tp rank r's
+    shard map) on the tp group of global rank 0; rank 0 writes ``config.json`` (``hf_dict``)
+    and ``model.safetensors``; then a barrier. Collective over the world."""
     if state.cp_rank == 0 and state.dp_rank == 0:
-        maps = [shard_map(cfg, state.tp, rank) for rank in range(state.tp)]
         full: dict[str, torch.Tensor] = {}
         params = list(model.named_parameters())
         for i, (name, param) in enumerate(params):

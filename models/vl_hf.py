@@ -11,19 +11,15 @@ over the tp group of global rank 0, which writes ``config.json`` + ``model.safet
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import save_file
 
-from models.hf import Piece, _Checkpoint, _scatter_back, shard_map
+from models.hf import Piece, _Checkpoint, fill_from_table, shard_map, write_hf
 from models.transformer import init_weights
 from models.vision.hf import vision_shard_map
 from models.vl import VLModel
 from models.vl_config import VLConfig, hf_vl_config_dict, vl_config_from_hf
-from parallel.collectives import all_gather
 from parallel.state import ParallelState
 
 # Hub name prefix -> the same tensor's name in transformers' module layout.
@@ -59,16 +55,8 @@ class _VLCheckpoint(_Checkpoint):
 def load_hf_vl_weights(model: VLModel, folder: str | Path, state: ParallelState) -> None:
     """Fill every parameter of ``model`` with this tp rank's shard of the checkpoint's tensors
     (``ValueError`` naming a missing tensor or a shape that disagrees with the config)."""
-    ckpt = _VLCheckpoint(Path(folder))
-    table = vl_shard_map(model.cfg, state.tp, state.tp_rank)
-    params = dict(model.named_parameters())
-    if set(params) != set(table):
-        raise AssertionError(f"shard map and model disagree: {sorted(set(params) ^ set(table))}")
-    for name, pieces in table.items():
-        param = params[name]
-        local = torch.cat([ckpt.read(p) for p in pieces], dim=pieces[0].dim)
-        assert local.shape == param.shape, (name, local.shape, param.shape)
-        param.copy_(local.to(param.dtype))
+    fill_from_table(model, _VLCheckpoint(Path(folder)),
+                    vl_shard_map(model.cfg, state.tp, state.tp_rank))
 
 
 def load_hf_vl_model(folder: str | Path, state: ParallelState, *,
@@ -100,18 +88,5 @@ def export_hf_vl(model: VLModel, state: ParallelState, out_dir: str | Path) -> N
     """
     cfg = model.cfg
     hf_dict = hf_vl_config_dict(cfg)  # raises before any communication on bad configs
-    if state.cp_rank == 0 and state.dp_rank == 0:
-        maps = [vl_shard_map(cfg, state.tp, rank) for rank in range(state.tp)]
-        full: dict[str, torch.Tensor] = {}
-        for name, param in model.named_parameters():
-            shards = all_gather(param.detach(), 0, state.tp_group).cpu().chunk(state.tp)
-            for rank, shard in enumerate(shards):
-                _scatter_back(shard, maps[rank][name], full)
-        if state.rank == 0:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(hf_dict, indent=2) + "\n")
-            save_file({k: v.contiguous() for k, v in full.items()}, out / "model.safetensors",
-                      metadata={"format": "pt"})
-    if dist.is_initialized():
-        dist.barrier()
+    write_hf(model, state, out_dir, hf_dict,
+             [vl_shard_map(cfg, state.tp, rank) for rank in range(state.tp)])

@@ -161,11 +161,20 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:
         model = build_model(model_cfg, state, seed=cfg.training.seed, **kwargs)
+    return assemble(cfg, model_cfg, state, device, model, tracker, loader, valid_loader,
+                    summary)
+
+
+def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
+             model: nn.Module, tracker: RNGTracker, loader, valid_loader=None,
+             summary=None) -> Run:
+    """The ``Run`` around a built ``model`` (decoder or VL): data-parallel wrapping, optimizer
+    over the parameters that train, the true global grad norm, the checkpointed train state."""
     layout = LogicalLayout(model_cfg, state.tp, state.tp_rank)
     module = _wrap(model, cfg, state, device)
     names = {id(param): name for name, param in model.named_parameters()}
     optimizer = build_optimizer(model, cfg, device.type)
-    fsdp = state.dp_cp > 1 and p.data_parallel == "fsdp"
+    fsdp = state.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"
     grad_norm = GradNorm(model, names, layout, state.tp_group, fsdp, device)
     train_state = TrainState(model, optimizer, layout, state, tracker, device)
     return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,

@@ -179,10 +179,7 @@ def build_vl(cfg: Config, state: ParallelState, device: torch.device, loader=Non
     """``mpcore.build.build`` for a VL run: loaders first (data errors before the model), the
     ``VLModel`` (from ``model.init_from`` or from scratch), optionally a frozen tower, then the
     same wrapping, optimizer, grad norm and train state as the text path."""
-    from mpcore.build import Run, _wrap
-    from mpcore.logical import LogicalLayout
-    from mpcore.optim import GradNorm, build_optimizer
-    from mpcore.train_state import TrainState
+    from mpcore.build import assemble  # build imports this module
     from parallel.random import model_parallel_seed
 
     valid_loader = summary = tok = None
@@ -210,15 +207,7 @@ def build_vl(cfg: Config, state: ParallelState, device: torch.device, loader=Non
         model = build_vl_model(vl_cfg, state, seed=cfg.training.seed, **kwargs)
     if cfg.model.freeze_vision:
         freeze_vision(model)
-    layout = LogicalLayout(vl_cfg, state.tp, state.tp_rank)
-    module = _wrap(model, cfg, state, device)
-    names = {id(param): name for name, param in model.named_parameters()}
-    optimizer = build_optimizer(model, cfg, device.type)
-    fsdp = state.dp_cp > 1 and p.data_parallel == "fsdp"
-    grad_norm = GradNorm(model, names, layout, state.tp_group, fsdp, device)
-    train_state = TrainState(model, optimizer, layout, state, tracker, device)
-    return Run(cfg, vl_cfg, state, device, model, module, optimizer, grad_norm, loader,
-               train_state, tracker, valid_loader, summary)
+    return assemble(cfg, vl_cfg, state, device, model, tracker, loader, valid_loader, summary)
 
 
 def freeze_vision(model: nn.Module) -> int:

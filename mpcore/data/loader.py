@@ -28,7 +28,7 @@ with the same global batch size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ class DataLoader:
 
     ``samples``: a sequence of :class:`PackedSample` (PackedDataset or BlendedDataset).
     ``dp_rank``/``dp``: coordinates in the data-parallel group (not the dp x cp group).
+    ``collate_fn``: samples -> micro-batch dict (default :func:`collate`).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class DataLoader:
         dp: int,
         dp_rank: int,
         seed: int,
+        collate_fn: Callable[[list], dict[str, torch.Tensor]] | None = None,
     ):
         for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("dp", dp)):
             if value < 1:
@@ -74,6 +76,7 @@ class DataLoader:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
         self.samples = samples
+        self.collate_fn = collate if collate_fn is None else collate_fn
         self.micro_batch, self.grad_accum, self.seed = micro_batch, grad_accum, seed
         self.dp, self.dp_rank = dp, dp_rank
         self.global_batch = micro_batch * grad_accum * dp
@@ -114,7 +117,7 @@ class DataLoader:
             self.consumed = 0
         indices = self.micro_batch_indices(self.epoch, self.consumed)
         self.consumed += self.micro_batch * self.dp
-        return collate([self.samples[int(i)] for i in indices])
+        return self.collate_fn([self.samples[int(i)] for i in indices])
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """The ``grad_accum`` micro-batches of one optimizer step."""

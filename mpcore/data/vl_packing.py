@@ -249,11 +249,5 @@ class VLDataLoader(DataLoader):
     """``DataLoader`` over VL packed samples: the same order, dp split, ``state_dict`` and
     resume; each micro-batch is :func:`collate_vl`'s dict."""
 
-    def __next__(self) -> dict[str, torch.Tensor]:
-        # DataLoader.__next__ with collate_vl in place of collate (loader.py is not ours to edit)
-        if self.consumed >= self.steps_per_epoch * self.global_batch:
-            self.epoch += 1
-            self.consumed = 0
-        indices = self.micro_batch_indices(self.epoch, self.consumed)
-        self.consumed += self.micro_batch * self.dp
-        return collate_vl([self.samples[int(i)] for i in indices])
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, collate_fn=collate_vl, **kwargs)
