@@ -3,7 +3,13 @@
 Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
     python tests/perf/bench_vl.py [OUT.json] [--config 2b|tiny] [--steps 10] [--warmup 3]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
-        [--forward-backward-only] [--skip-hf] [--count-params]
+        [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
+Context parallelism (mpcore only; e.g. on nvidia-h200-x2), the tower's work split over the cp
+ranks or replicated on each (which to keep at this shape is what the run decides):
+    torchrun --nproc-per-node 2 tests/perf/bench_vl.py OUT.json --cp 2 [--cp-mode ring|ulysses]
+        [--vision-cp split|replicate]
+    Gradients are summed over cp by one all-reduce per tensor after backward; tokens/s is per
+    GPU (the step's tokens over cp GPUs).
 
 Model (``--config 2b``): Qwen2-VL-2B's shape, built here (no download): vision depth 32, width
 1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 patch merger into 1536; text hidden 1536, 28 layers,
@@ -63,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +84,7 @@ from models import (  # noqa: E402
     local_vl_inputs,
 )
 from mpcore.data.images import load_image, num_placeholders, process_image  # noqa: E402
+from mpcore.processes import init_distributed  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "vl_h200.json"
@@ -231,19 +239,26 @@ def _timed(step, steps: int, warmup: int) -> dict:
             "first_loss": losses[0], "last_loss": losses[-1]}
 
 
-def _train_step(model, optimizer, args, loss_fn):
-    """``step(i)``: loss_fn(i) -> scalar loss; backward; clip + optimizer step unless
-    ``--forward-backward-only``; zero grads; the loss as a float."""
+def _train_step(model, optimizer, args, loss_fn, group=None):
+    """``step(i)``: loss_fn(i) -> scalar loss; backward (gradients summed over ``group``: the
+    cp ranks hold the same weights); clip + optimizer step unless ``--forward-backward-only``;
+    zero grads; the loss as a float."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(i: int) -> float:
         loss = loss_fn(i)
         loss.backward()
+        if group is not None:
+            for p in params:  # one bucket per tensor: simple, not what FSDP/DDP would do
+                dist.all_reduce(p.grad, group=group)
         if not args.forward_backward_only:
             torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        loss = loss.detach()
+        if group is not None:  # each cp rank's loss is its share of the global mean
+            dist.all_reduce(loss, group=group)
+        return float(loss)
 
     return step
 
@@ -252,8 +267,8 @@ def _optimizer(model, cuda: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), fused=cuda or None, **OPTIM)
 
 
-def _rates(result: dict, batches: list[Batch], image_id: int) -> dict:
-    seconds = result["step_ms"] / 1e3
+def _rates(result: dict, batches: list[Batch], image_id: int, gpus: int = 1) -> dict:
+    seconds = result["step_ms"] / 1e3 * gpus  # per GPU: the step's tokens over its GPUs
     text = statistics.mean(int((b.ids != image_id).sum()) for b in batches)
     result["tokens_per_s_per_gpu"] = batches[0].ids.numel() / seconds
     result["text_tokens_per_s_per_gpu"] = text / seconds
@@ -262,10 +277,12 @@ def _rates(result: dict, batches: list[Batch], image_id: int) -> dict:
 
 def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
     cuda = device.type == "cuda"
-    state = ParallelState.build()
+    state = ParallelState.build(1, args.cp)
     model = build_vl_model(cfg, state, device=device, dtype=torch.float32,
                            activation_checkpointing=args.activation_checkpointing,
-                           vision_attention=args.vision_attention)
+                           vision_attention=args.vision_attention,
+                           cp_mode=args.cp_mode if args.cp > 1 else "none",
+                           vision_cp=args.vision_cp)
     model.train()
     optimizer = _optimizer(model, cuda)
     on_device = [b.to(device) for b in batches]
@@ -282,12 +299,15 @@ def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
     def loss_fn(i: int) -> torch.Tensor:
         kwargs = inputs(i)
         count = (kwargs["labels"] != -100).sum()  # valid targets (no placeholder, no doc end)
+        if state.cp > 1:  # the global count: each cp rank holds a share of the targets
+            dist.all_reduce(count, group=state.cp_group)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss_sum = model(**kwargs, output="loss_sum")  # () fp32
         return loss_sum / count
 
-    result = _rates(_timed(_train_step(model, optimizer, args, loss_fn), args.steps,
-                           args.warmup), batches, cfg.image_token_id)
+    group = state.cp_group if state.cp > 1 else None
+    result = _rates(_timed(_train_step(model, optimizer, args, loss_fn, group), args.steps,
+                           args.warmup), batches, cfg.image_token_id, state.cp)
     prep = []
     for i in range(5):  # the host-side input preparation alone (it is inside step_ms)
         _sync()
@@ -497,6 +517,12 @@ def parse_args(argv):
     parser.add_argument("--forward-backward-only", action="store_true",
                         help="time forward + backward only (no clipping, no optimizer step)")
     parser.add_argument("--skip-hf", action="store_true", help="only time mpcore")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context parallelism (under torchrun with --nproc-per-node CP; "
+                             "mpcore only)")
+    parser.add_argument("--cp-mode", default="ring", choices=["ring", "ulysses"])
+    parser.add_argument("--vision-cp", default="split", choices=["split", "replicate"],
+                        help="how the cp ranks share the tower's work (models.vl_vision)")
     parser.add_argument("--vision-attention", default="auto", choices=["auto", "flash", "cudnn"],
                         help="mpcore's vision attention kernel on CUDA (models.vision.attention)")
     parser.add_argument("--count-params", action="store_true",
@@ -520,7 +546,15 @@ def main(argv=None) -> int:
     if args.count_params:
         return 0 if params["mpcore"] == params["transformers"] else 1
     seq = args.seq or default_seq
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    init_distributed(300.0)  # under torchrun: NCCL on CUDA (device LOCAL_RANK), gloo on CPU
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != args.cp:
+        raise SystemExit(f"--cp {args.cp} needs exactly {args.cp} processes (torchrun "
+                         f"--nproc-per-node {args.cp}), got {world}")
+    if args.cp > 1:
+        args.skip_hf = True  # the baselines run on one GPU
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
     samples = build_samples(cfg, seq, image_tokens, args.image_fraction,
                             args.distinct_batches * args.micro_batch)
     batches = make_batches(samples, args.micro_batch)
@@ -528,7 +562,9 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "config": args.config, "seq": seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
               "activation_checkpointing": args.activation_checkpointing,
-              "vision_attention": args.vision_attention,
+              "vision_attention": args.vision_attention, "cp": args.cp,
+              "cp_mode": args.cp_mode if args.cp > 1 else None,
+              "vision_cp": args.vision_cp if args.cp > 1 else None,
               "forward_backward_only": args.forward_backward_only,
               "step": "forward + backward" + ("" if args.forward_backward_only else
                                              " + clip 1.0 + AdamW (fused on CUDA)"),
@@ -539,11 +575,14 @@ def main(argv=None) -> int:
     if not args.skip_hf:
         run_baselines(args, cfg, batches, device, report)
         compare(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
-    print(f"\nwrote {out}\n{table(report)}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report, indent=1))
+        print(f"\nwrote {out}\n{table(report)}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     ran = [report[k] for k in ("mpcore", "hf", "hf_liger") if "step_ms" in report.get(k, {})]
     ok = "step_ms" in report["mpcore"] and all(math.isfinite(r["last_loss"]) for r in ran)
     return 0 if ok else 1

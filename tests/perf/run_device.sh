@@ -33,6 +33,12 @@ elif [ "${1:-}" = x2 ]; then
   run train_cp2_ulysses 240 "${two[@]}" "$out/train_h200x2_cp2_ulysses.json" --cp 2 \
     --cp-mode ulysses --steps 10 --warmup 3
   run train_dp2_fsdp 240 "${two[@]}" "$out/train_h200x2_dp2_fsdp.json" --steps 10 --warmup 3
+  # The VL tower under cp=2: split over the ranks by patch count vs replicated on each; keep the
+  # faster as model.vision_cp's default (issue 10 asks for this measurement).
+  vl2=(torchrun --nproc-per-node 2 tests/perf/bench_vl.py)
+  run vl_cp2_split 240 "${vl2[@]}" "$out/vl_h200x2_cp2_split.json" --cp 2 --vision-cp split
+  run vl_cp2_replicate 240 "${vl2[@]}" "$out/vl_h200x2_cp2_replicate.json" --cp 2 \
+    --vision-cp replicate
 elif [ "${1:-}" = vl ]; then
   # bash tests/perf/run_device.sh vl   (nvidia-h200; carry .whl for the liger-kernel side):
   # Qwen2-VL-2B shape on real images, mpcore vs transformers (+ liger), about 2-3 minutes.

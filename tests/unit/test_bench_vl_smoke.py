@@ -93,3 +93,20 @@ def test_comparison(report):
     assert report["speedup_vs_best_baseline"] == pytest.approx(
         report["mpcore"]["tokens_per_s_per_gpu"] / report["hf"]["tokens_per_s_per_gpu"])
     assert report["memory_ratio_vs_best_baseline"] is None
+
+
+@pytest.mark.parametrize("vision_cp", ["split", "replicate"])
+def test_cp2_under_torchrun_trains_like_one_process(report, vision_cp, tmp_path):
+    """The --cp mode (for the two-GPU run): the same losses as the single-process mpcore side
+    of the fixture's run (same weights, same batches; fp32 on the CPU)."""
+    out = tmp_path / "cp2.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "tests/perf/bench_vl.py", str(out), "--config", "tiny", "--seq", str(SEQ),
+           "--micro-batch", str(MICRO_BATCH), "--steps", str(STEPS), "--warmup", str(WARMUP),
+           "--cp", "2", "--vision-cp", vision_cp]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got, want = json.loads(out.read_text())["mpcore"], report["mpcore"]
+    for key in ("first_loss", "last_loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
