@@ -96,8 +96,18 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def _complete(folder: Path) -> bool:
-    """Cheap test (no hashing): the save got as far as its manifest."""
-    return (folder / MANIFEST).is_file()
+    """Cheap test (no hashing): the save got as far as its manifest (or it is a whole
+    checkpoint written before manifests existed: :func:`_legacy`)."""
+    return (folder / MANIFEST).is_file() or _legacy(folder)
+
+
+def _legacy(folder: Path) -> bool:
+    """A ``step-N`` folder without a manifest but with ``.metadata`` and ``meta.json``: saved
+    by an mpcore from before manifests (it renamed its folders into place only once whole, so
+    the name alone says it finished). Saves now write the manifest before that rename, so
+    such a folder is never a save of this version cut short."""
+    return (not (folder / MANIFEST).exists() and (folder / ".metadata").is_file()
+            and (folder / META).is_file())
 
 
 def step_folders(root: str | Path) -> list[Path]:
@@ -168,6 +178,11 @@ def verify_checkpoint(folder: str | Path, rank: int = 0, world: int = 1) -> list
     ``sorted(files)[rank::world]``, so the world reads the checkpoint once in total.
     """
     folder = Path(folder)
+    if _legacy(folder):
+        if rank == 0:
+            log.warning("%s has no %s (saved before checkpoints recorded their files): its "
+                        "bytes cannot be verified; loading it as it is", folder, MANIFEST)
+        return []
     files, why = read_manifest(folder)
     if files is None:
         return [why]

@@ -385,3 +385,17 @@ def test_kill_9_during_saves_resumes_the_same_curve(tmp_path, data_dir):
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), (seed, kills)
     assert [r["loss"] for r in got] == [r["loss"] for r in want], (seed, kills)
 
+
+
+def test_checkpoint_from_before_manifests_still_resumes(copy, data_dir, base, caplog):
+    """A whole step folder without manifest.json (what mpcore wrote before manifests) resumes,
+    with a warning that its bytes cannot be verified: upgrading must not cost a run its
+    progress. The run continues the uninterrupted curve exactly."""
+    root = copy / "checkpoints"
+    shutil.rmtree(root / "step-8")
+    (root / "step-6" / "manifest.json").unlink()
+    (root / "latest").write_text("step-6\n")
+    with caplog.at_level(logging.WARNING):
+        result = train(tiny(copy, data_dir))
+    assert result.step == STEPS and result.losses == base[1][6:]
+    assert "cannot be verified" in caplog.text and "step-6" in caplog.text
