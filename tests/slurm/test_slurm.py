@@ -93,9 +93,11 @@ def latest_step(run_dir: Path) -> int | None:
 
 
 def sigterm_saves(output: str) -> list[int]:
-    """Steps of the "SIGTERM: saved step N" lines rank 0 logs (mpcore.train)."""
-    marker = "SIGTERM: saved step "
-    return [int(line.split(marker)[1].split()[0]) for line in output.splitlines() if marker in line]
+    """Steps of the "SIGTERM: stopped after step N; the last checkpoint is ..." lines rank 0
+    logs after the save a stop signal makes (mpcore.train)."""
+    marker = "SIGTERM: stopped after step "
+    return [int(line.split(marker)[1].split(";")[0]) for line in output.splitlines()
+            if marker in line]
 
 
 def wait_for_step(run_dir: Path, step: int, job, timeout: float = JOB_TIMEOUT) -> None:
