@@ -116,7 +116,8 @@ class VLModel(nn.Module):
         h = self.text.tok_embeddings(input_ids)  # (L or L/tp, hidden)
         if self.sequence_parallel:  # this tp rank's token slice, as the reduce-scatter left it
             vision_rows = vision_rows.chunk(self.tp)[self.tp_rank]
-        slots = (vision_rows >= 0).nonzero().view(-1)  # local positions of placeholders
+        # Local positions of placeholders; nonzero is a CPU-GPU sync (its size is data).
+        slots = (vision_rows >= 0).nonzero().view(-1)
         if pixel_values is None:
             pixel_values = h.new_zeros(0, self.cfg.vision.patch_dim)
         rows, zero = vision_rows_for_rank(
