@@ -37,6 +37,7 @@ from mpcore.data.images import (
     load_image,
     process_image,
 )
+from mpcore.data.jsonl import json_lines
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "images")
 
@@ -121,15 +122,10 @@ def read_input(path: str | Path, spec: InputSpec) -> list[ScoreItem]:
         raise ValueError(f"--input {path}: no such file; pass a JSONL file with one "
                          f'{{"input_ids": [...]}} per line')
     items, cache = [], {}
-    for num, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{num}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno}); each line must "
-                             f'be one JSON object such as {{"input_ids": [1, 2, 3]}}') from e
+    for _, where, row, problem in json_lines(path):
+        if problem:
+            raise ValueError(f"{where}: {problem}; each line must be one JSON object such as "
+                             f'{{"input_ids": [1, 2, 3]}}')
         items.append(parse_line(row, spec, where, path.parent, cache))
     return items
 

@@ -49,15 +49,17 @@ class Progress:
         self.start = self.last = time.monotonic()
 
     def update(self, num_docs: int, num_tokens: int, force: bool = False) -> None:
+        self.show(f"{num_docs:,} docs", num_tokens, force)
+
+    def show(self, counts: str, num_tokens: int, force: bool = False) -> None:
+        """``label: <counts>, <num_tokens> tokens, <rate> tokens/s`` (the final one on ``force``)."""
         now = time.monotonic()
         if not force and now - self.last < self.interval:
             return
         self.last = now
         rate = num_tokens / max(now - self.start, 1e-9)
         end = "\n" if force else "\r"
-        self.stream.write(
-            f"{self.label}: {num_docs:,} docs, {num_tokens:,} tokens, {rate:,.0f} tokens/s{end}"
-        )
+        self.stream.write(f"{self.label}: {counts}, {num_tokens:,} tokens, {rate:,.0f} tokens/s{end}")
         self.stream.flush()
 
 

@@ -15,11 +15,12 @@ larger than RAM streams.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
+
+from mpcore.data.jsonl import json_lines
 
 TRAIN_COMMAND = (
     "python launch/prepare_data.py --input CORPUS.jsonl --output-prefix PREFIX "
@@ -61,21 +62,15 @@ def iter_documents(paths: Iterable[str | Path], text_key: str = "text") -> Itera
 
 
 def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_key]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object with a {text_key!r} string "
-                    f"({type(e).__name__}: {e}); pass --text-key to name the field"
-                ) from None
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{line_no}: {text_key!r} is not a string")
-            if text:
-                yield text
+    for _, where, obj, problem in json_lines(path):
+        text = obj.get(text_key) if isinstance(obj, dict) else None
+        if problem or text_key not in (obj if isinstance(obj, dict) else {}):
+            raise ValueError(f"{where}: expected a JSON object with a {text_key!r} string "
+                             f"({problem or 'no such key'}); pass --text-key to name the field")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: {text_key!r} is not a string")
+        if text:
+            yield text
 
 
 def _iter_paragraphs(path: Path) -> Iterator[str]:

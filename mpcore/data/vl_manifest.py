@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from mpcore.data.images import (
     smart_resize,
 )
 from mpcore.data.indexed import Progress
+from mpcore.data.jsonl import json_lines
 
 SCHEMA = "mpcore/data/vl_manifest.py"
 MAX_REPORTED = 20
@@ -146,17 +146,7 @@ class VLProgress(Progress):
     def update(
         self, num_samples: int, num_tokens: int, num_images: int = 0, force: bool = False
     ) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.interval:
-            return
-        self.last = now
-        rate = num_tokens / max(now - self.start, 1e-9)
-        end = "\n" if force else "\r"
-        self.stream.write(
-            f"{self.label}: {num_samples:,} samples, {num_images:,} images, "
-            f"{num_tokens:,} tokens, {rate:,.0f} tokens/s{end}"
-        )
-        self.stream.flush()
+        self.show(f"{num_samples:,} samples, {num_images:,} images", num_tokens, force)
 
 
 def _fail(where: str, message: str) -> ValueError:
@@ -260,22 +250,16 @@ def _parsed_lines(path: Path) -> Iterator[tuple[str, ManifestSample | None, str 
     if not path.is_file():
         raise ValueError(f"manifest {path} does not exist")
     folder = path.resolve().parent
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield where, None, f"{where}: not JSON ({e}); each line is one JSON object"
-                continue
-            try:
-                kind, parts, max_pixels = parse_line(obj, folder, where)
-            except ValueError as e:
-                yield where, None, str(e)
-                continue
-            yield where, ManifestSample(line_no, kind, tuple(parts), max_pixels), None
+    for line_no, where, obj, problem in json_lines(path):
+        if problem:
+            yield where, None, f"{where}: {problem}; each line is one JSON object"
+            continue
+        try:
+            kind, parts, max_pixels = parse_line(obj, folder, where)
+        except ValueError as e:
+            yield where, None, str(e)
+            continue
+        yield where, ManifestSample(line_no, kind, tuple(parts), max_pixels), None
 
 
 def iter_manifest(path: str | Path) -> Iterator[ManifestSample]:

@@ -27,13 +27,13 @@ The four ``*_token_id`` keys are ``models.vl_config.VLConfig``'s field names.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 from mpcore.data.tokenizer import Tokenizer
+from mpcore.manifest import file_entry
 
 FORMAT, VERSION = "mpcore.vl_tokenizer", 1
 SPECIAL_NAMES = ("image_pad", "video_pad", "vision_start", "vision_end")
@@ -41,11 +41,8 @@ TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "visi
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The sha256 of the file's bytes (``mpcore.manifest``'s streaming hash)."""
+    return file_entry(Path(path), sync=False)["sha256"]
 
 
 class VLTokenizer:

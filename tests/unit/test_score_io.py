@@ -205,3 +205,13 @@ def test_vl_spec_reads_the_processor_config(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"merge_size": 1}))
     with pytest.raises(ValueError, match="merge_size = 1 but the model's vision config has 2"):
         vl_spec(cfg, tmp_path)
+
+
+def test_line_that_is_not_utf8_names_its_line(tmp_path):
+    from mpcore.data.jsonl import json_lines
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"input_ids": [1]}\n\n{"input_ids": [2, \xff]}\n')
+    lines = list(json_lines(path))
+    assert [(x.number, x.value) for x in lines] == [(1, {"input_ids": [1]}), (3, None)]
+    assert lines[1].where == f"{path}:3" and lines[1].problem.startswith("not UTF-8")
