@@ -39,7 +39,7 @@ from models.config import ModelConfig
 from models.hf_config import config_from_hf, hf_config_dict
 from models.transformer import Transformer
 from parallel.collectives import all_gather
-from parallel.state import ParallelState
+from parallel.state import ParallelState, ProcessGroup
 
 
 class Piece(NamedTuple):
@@ -209,14 +209,7 @@ def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dic
     shard map) on the tp group of global rank 0; rank 0 writes ``config.json`` (``hf_dict``)
     and ``model.safetensors``; then a barrier. Collective over the world."""
     if state.cp_rank == 0 and state.dp_rank == 0:
-        full: dict[str, torch.Tensor] = {}
-        params = list(model.named_parameters())
-        for i, (name, param) in enumerate(params):
-            shards = all_gather(param.detach(), 0, state.tp_group).cpu().chunk(state.tp)
-            for rank, shard in enumerate(shards):
-                _scatter_back(shard, maps[rank][name], full)
-            if progress is not None:
-                progress(i + 1, len(params))
+        full = gather_full(dict(model.named_parameters()), maps, state.tp_group, progress)
         if state.rank == 0:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +218,27 @@ def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dic
                       metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()
+
+
+@torch.no_grad()
+def gather_full(local: dict[str, torch.Tensor], maps: list[dict[str, list[Piece]]],
+                group: ProcessGroup | None, progress=None) -> dict[str, torch.Tensor]:
+    """Full HF tensors (CPU, by HF name) from this tp rank's local tensors by our name (the
+    parameters, or their gradients); ``maps[r]``: tp rank r's shard map. Collective over the
+    tp ``group`` (tensors every rank holds whole are not gathered); ``progress(done, total)``
+    after each tensor."""
+    full: dict[str, torch.Tensor] = {}
+    for i, (name, tensor) in enumerate(local.items()):
+        tensor = tensor.detach()
+        if all(m[name] == maps[0][name] for m in maps):  # replicated: every rank holds it all
+            _scatter_back(tensor.cpu(), maps[0][name], full)
+        else:
+            shards = all_gather(tensor, 0, group).cpu().chunk(len(maps))
+            for rank, shard in enumerate(shards):
+                _scatter_back(shard, maps[rank][name], full)
+        if progress is not None:
+            progress(i + 1, len(local))
+    return full
 
 
 def _scatter_back(shard: torch.Tensor, pieces: list[Piece], full: dict) -> None:

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import torch
 
-from models.hf import Piece, _Checkpoint, _scatter_back
+from models.hf import Piece, _Checkpoint, fill_from_table, gather_full
 from models.vision.config import VisionConfig
 from models.vision.tower import VisionTower
-from parallel.collectives import all_gather
 from parallel.state import ParallelState, ProcessGroup, group_size
 
 
@@ -130,14 +129,7 @@ def load_vision_weights(tower: VisionTower, source: str | Path | _Checkpoint,
     """
     _check_state(tower, state)
     ckpt = source if isinstance(source, _Checkpoint) else _Checkpoint(Path(source))
-    table = vision_shard_map(tower.cfg, tower.tp, tower.tp_rank, prefix)
-    params = dict(tower.named_parameters())
-    if set(params) != set(table):
-        raise AssertionError(f"shard map and tower disagree: {set(params) ^ set(table)}")
-    for name, pieces in table.items():
-        local = torch.cat([ckpt.read(p) for p in pieces], dim=pieces[0].dim)
-        assert local.shape == params[name].shape, (name, local.shape, params[name].shape)
-        params[name].copy_(local.to(params[name].dtype))
+    fill_from_table(tower, ckpt, vision_shard_map(tower.cfg, tower.tp, tower.tp_rank, prefix))
 
 
 def load_vision_tower(source: str | Path | _Checkpoint, cfg: VisionConfig,
@@ -167,16 +159,7 @@ def vision_hf_tensors(local: dict[str, torch.Tensor], cfg: VisionConfig,
     """
     tp = group_size(tp_group)
     maps = [vision_shard_map(cfg, tp, rank, prefix) for rank in range(tp)]
-    full: dict[str, torch.Tensor] = {}
-    for name in maps[0]:
-        tensor = local[name].detach()
-        if all(m[name] == maps[0][name] for m in maps):  # replicated: every rank holds it all
-            _scatter_back(tensor.cpu(), maps[0][name], full)
-            continue
-        shards = all_gather(tensor, 0, tp_group).cpu().chunk(tp)
-        for rank, shard in enumerate(shards):
-            _scatter_back(shard, maps[rank][name], full)
-    return full
+    return gather_full({name: local[name] for name in maps[0]}, maps, tp_group)
 
 
 def export_vision_weights(tower: VisionTower,

@@ -18,9 +18,8 @@ from harness import run_distributed
 from hf_vl_tiny import reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 from test_vl_model import rel, score_and_grads
 
-from models.hf import _scatter_back
+from models.hf import gather_full
 from models.vl_hf import load_hf_vl_model, vl_shard_map
-from parallel.collectives import all_gather
 from parallel.state import ParallelState
 
 # (tp, cp, cp_mode, sequence_parallel, activation_checkpointing, vision_cp)
@@ -78,12 +77,8 @@ def _worker(rank, world, folders, refs):
 
 def _logical(grads, cfg, state):
     """Every gradient as the logical (tp=1) hub tensor, on tp rank 0 of cp rank 0; else None."""
-    full: dict[str, torch.Tensor] = {}
     maps = [vl_shard_map(cfg, state.tp, r) for r in range(state.tp)]
-    for name, g in grads.items():
-        shards = all_gather(g, 0, state.tp_group).chunk(state.tp)
-        for r, shard in enumerate(shards):
-            _scatter_back(shard, maps[r][name], full)
+    full = gather_full(grads, maps, state.tp_group)
     return full if state.tp_rank == 0 and state.cp_rank == 0 else None
 
 
