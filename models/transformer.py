@@ -103,6 +103,10 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else OutputWeight(
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group, dtype=dtype)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules FSDP2 shards one by one (then the model itself): the decoder layers."""
+        return list(self.layers)
+
     def head_weight(self) -> torch.Tensor:
         """``[V_pad / tp, hidden]``: the embedding's weight when tied, else ``output.weight``."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight

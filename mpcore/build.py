@@ -123,9 +123,8 @@ def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.dev
     if device.type == "cuda" and cfg.training.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
-    units = model.fsdp_units() if hasattr(model, "fsdp_units") else model.layers
-    for layer in units:
-        fully_shard(layer, **kwargs)
+    for unit in model.fsdp_units():  # decoder layers (and vision blocks), then the root
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -94,8 +94,8 @@ def _sync() -> None:
 
 
 def _timed(step, steps: int, warmup: int) -> dict:
-    """Run ``step()`` (returns a loss float) warmup + steps times; median time, peak memory
-    (CUDA's allocator peak; None on CPU)."""
+    """Run ``step(i)`` (returns a loss float) for i in range(warmup + steps); median time of
+    the last ``steps``, peak memory (CUDA's allocator peak; None on CPU), first/last loss."""
     cuda = torch.cuda.is_available()
     _sync()
     if cuda:
@@ -104,7 +104,7 @@ def _timed(step, steps: int, warmup: int) -> dict:
     for i in range(warmup + steps):
         _sync()
         start = time.perf_counter()
-        losses.append(step())  # the float() inside syncs
+        losses.append(step(i))  # the float() inside syncs
         _sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -136,7 +136,8 @@ def bench_mpcore(args) -> dict:
         run.optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
-    step = forward_backward if args.forward_backward_only else lambda: trainer.train_step()[0]
+    step = (lambda _: forward_backward()) if args.forward_backward_only else (
+        lambda _: trainer.train_step()[0])
     result = _timed(step, args.steps, args.warmup)
     tokens = args.seq * args.micro_batch * state.dp  # per step, whole world
     result["tokens_per_s_per_gpu"] = tokens / (result["step_ms"] / 1e3) / state.world_size
@@ -180,7 +181,7 @@ def bench_hf(args, liger: bool) -> dict:
                                   eps=opt.eps, weight_decay=opt.weight_decay, fused=cuda or None)
     loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0)
 
-    def step() -> float:
+    def step(_: int) -> float:
         ids = loader.tokens().to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=ids, labels=ids).loss

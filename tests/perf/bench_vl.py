@@ -87,6 +87,9 @@ from mpcore.data.images import load_image, num_placeholders, process_image  # no
 from mpcore.processes import init_distributed  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import _sync, _timed  # noqa: E402  (one timing for every benchmark)
+
 DEFAULT_OUT = Path(__file__).parent / "results" / "vl_h200.json"
 IMAGES = REPO / "launch" / "data" / "images"
 NEWLINE = 10  # the byte "\n"
@@ -212,31 +215,6 @@ def data_report(cfg: VLConfig, batches: list[Batch]) -> dict:
                              "the tail cycles through all captions",
             "images": "launch/data/images, resized by process_image (min/max_pixels) to "
                       "the merged-token counts of the config's cycle"}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(step, steps: int, warmup: int) -> dict:
-    """``step(i)`` (returns a loss float) warmup + steps times; median time, peak memory
-    (CUDA's allocator peak over the whole run; None on CPU), first/last loss."""
-    cuda = torch.cuda.is_available()
-    _sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for i in range(warmup + steps):
-        _sync()
-        start = time.perf_counter()
-        losses.append(step(i))  # the float() inside syncs
-        _sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return {"step_ms": 1e3 * statistics.median(times),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def _train_step(model, optimizer, args, loss_fn, group=None):

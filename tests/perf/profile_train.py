@@ -25,12 +25,12 @@ def main(argv=None) -> int:
     captured = {}
 
     def timed(step, steps, warmup):
-        for _ in range(3):
-            step()
+        for i in range(3):
+            step(i)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
+            for i in range(3, 6):
+                step(i)
             torch.cuda.synchronize()
         captured["prof"] = prof
         return {"step_ms": 1.0, "peak_gib": 0.0, "first_loss": 0.0, "last_loss": 0.0}
