@@ -122,7 +122,7 @@ class VLModel(nn.Module):
             pixel_values = h.new_zeros(0, self.cfg.vision.patch_dim)
         rows, zero = vision_rows_for_rank(
             self.visual, pixel_values, grids, vision_rows.index_select(0, slots),
-            merge=self.cfg.vision.spatial_merge_size, out_dim=self.cfg.text.hidden_size,
+            merge=self.cfg.vision.spatial_merge_size,
             mode=self.vision_cp, cp_group=self.cp_group,
             sum_grad_group=self.tp_group if self.sequence_parallel else None)
         h = h.index_copy(0, slots, rows.to(h.dtype)) + zero.to(h.dtype)

@@ -97,9 +97,8 @@ def _text_dict(hf: dict) -> tuple[dict, list[int]]:
     text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else dict(hf)
     text.pop("vision_config", None)
     text.pop("text_config", None)
-    for key in ("tie_word_embeddings",):  # an outer key wins (5.x moves it out of text_config)
-        if key in hf:
-            text[key] = hf[key]
+    if "tie_word_embeddings" in hf:  # the outer key wins (5.x moves it out of text_config)
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     section = None
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
@@ -112,7 +111,6 @@ def _text_dict(hf: dict) -> tuple[dict, list[int]]:
     if section is None:
         raise ValueError("config.json has no mrope_section (in text_config.rope_parameters or "
                          "rope_scaling); a Qwen2-VL decoder uses M-RoPE")
-    # Qwen2-VL saves sliding-window fields that it never uses when use_sliding_window is off.
     text["architectures"] = ["Qwen2ForCausalLM"]
     text.setdefault("layer_types", None)
     return text, section

@@ -44,22 +44,24 @@ def assign_items(sizes: list[int], cp: int) -> list[int]:
 
 
 def _run_tower(tower: nn.Module, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]],
-               merge: int) -> torch.Tensor:
-    """``tower(pixel_values, grids)``; with no items, zero rows still tied to every parameter
-    (one dummy ``1 x merge x merge`` window of zeros, times 0)."""
+               merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tower(pixel_values, grids), zero)``. With no items the tower still runs, on one dummy
+    ``1 x merge x merge`` window of zeros: no rows come back, and ``zero`` (0 times its output)
+    ties every parameter to the loss."""
     if grids:
-        return tower(pixel_values, torch.tensor(grids, dtype=torch.int64))
+        out = tower(pixel_values, torch.tensor(grids, dtype=torch.int64))
+        return out, out.new_zeros(())
     dummy = pixel_values.new_zeros(merge * merge, pixel_values.shape[1])
     out = tower(dummy, torch.tensor([[1, merge, merge]], dtype=torch.int64))  # (1, H)
-    return out[:0] + 0 * out.sum()  # (0, H), connected to the parameters
+    return out[:0], 0 * out.sum()
 
 
 def vision_rows_for_rank(tower: nn.Module, pixel_values: torch.Tensor,
                          grid_thw: list[tuple[int, int, int]], needed: torch.Tensor, *,
-                         merge: int, out_dim: int, mode: str, cp_group: ProcessGroup | None,
+                         merge: int, mode: str, cp_group: ProcessGroup | None,
                          sum_grad_group: ProcessGroup | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [n, out_dim], zero)``: the tower output rows ``needed [n]`` (int64 indices into
+    """``(rows [n, H], zero)``: the tower output rows ``needed [n]`` (int64 indices into
     the concatenated merged rows of all items), and a scalar 0 tied to every tower parameter
     (add it to the loss path so ranks that need nothing still backprop through the tower).
     ``pixel_values [N, patch_dim]`` (``N = 0`` when there are no items).
@@ -76,10 +78,7 @@ def vision_rows_for_rank(tower: nn.Module, pixel_values: torch.Tensor,
     patches = [t * h * w for t, h, w in grid_thw]
     cp = group_size(cp_group)
     if mode == "replicate" or cp == 1:
-        out = _run_tower(tower, pixel_values, grid_thw, merge)  # (R, H)
-        zero = 0 * out.sum() if not grid_thw else out.new_zeros(())
-        if not grid_thw:
-            return out.new_zeros(0, out_dim), zero
+        out, zero = _run_tower(tower, pixel_values, grid_thw, merge)  # (R, H)
         return copy_to_tp(out, sum_grad_group).index_select(0, needed), zero
     owner = assign_items(patches, cp)
     rank = group_rank(cp_group)
@@ -89,13 +88,12 @@ def vision_rows_for_rank(tower: nn.Module, pixel_values: torch.Tensor,
     mine = [i for i in range(len(patches)) if owner[i] == rank]
     local_pixels = (torch.cat([pixel_values[pix_start[i]:pix_start[i + 1]] for i in mine])
                     if mine else pixel_values)
-    out = _run_tower(tower, local_pixels, [grid_thw[i] for i in mine], merge)  # (R_rank, H)
+    out, zero = _run_tower(tower, local_pixels, [grid_thw[i] for i in mine], merge)  # (R_r, H)
     rows = [n // merge ** 2 for n in patches]
     share = [sum(rows[i] for i in range(len(rows)) if owner[i] == r) for r in range(cp)]
     width = max(share)
-    zero = out.new_zeros(()) if mine else 0 * out.sum()
-    if width == 0:
-        return out.new_zeros(0, out_dim), zero
+    if width == 0:  # no item anywhere: nothing to exchange
+        return out, zero
     padded = torch.cat([out, out.new_zeros(width - out.shape[0], out.shape[1])])
     gathered = sp_all_gather(padded, cp_group)  # (cp * width, H); backward: reduce-scatter
     gathered = copy_to_tp(gathered, sum_grad_group)
