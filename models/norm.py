@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rmsnorm import rms_norm
+from kernels.rmsnorm import add_rms_norm, rms_norm
 from parallel.collectives import copy_to_tp
 from parallel.state import ProcessGroup
 
@@ -31,9 +31,18 @@ class RMSNorm(nn.Module):
         with torch.no_grad():
             self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp(self.weight, self.group) if self.sum_grad_over_tp else self.weight
-        return rms_norm(x, weight, self.eps)
+    def _weight(self) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.group) if self.sum_grad_over_tp else self.weight
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``kernels.rmsnorm``)."""
+        return rms_norm(x, self._weight(), self.eps, out_dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor,
+            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm and the norm, fused: ``(x + delta, norm(x +
+        delta))`` (``kernels.rmsnorm.add_rms_norm``)."""
+        return add_rms_norm(x, delta, self._weight(), self.eps, out_dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.weight.shape[0]}, eps={self.eps}, sum_grad_over_tp={self.sum_grad_over_tp}"

@@ -10,6 +10,12 @@ is all-gathered back to ``[L, hidden]``, so the per-token outputs are ``[L]``, r
     for layer: h = h + attention(attention_norm(h)); h = h + feed_forward(ffn_norm(h))
     out = head(norm(h))       # loss [L] | (logprobs [L], entropy [L]) | logits [L, V_pad / tp]
 
+As computed: each residual add runs inside the norm that follows it (``RMSNorm.add``, one fused
+kernel each way on CUDA), so a layer hands the next its output unadded, ``(h, delta)``; under
+autocast the norms write bf16, which the projections and the head would cast them to anyway.
+The values are those of the lines above to fp32 rounding (``kernels.rmsnorm``); what goes is
+the separate add, cast and gradient-accumulation passes over the fp32 residual stream.
+
 Kernels: ``attention_backend`` (``parallel.attention.backends``: auto, flash, sdpa_cudnn,
 reference) runs every layer's attention; ``fp8`` (``none`` or ``tensorwise``) runs the four
 projections of every decoder layer (wqkv, wo, w13, w2) with FP8 GEMMs (``kernels.fp8_linear``);
@@ -68,9 +74,24 @@ class DecoderLayer(nn.Module):
                                         sequence_parallel=sequence_parallel, fp8=fp8,
                                         dtype=dtype)
 
-    def forward(self, h, cos, sin, plan: AttentionPlan):
-        h = h + self.attention(self.attention_norm(h), cos, sin, plan)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, h, delta, cos, sin, plan: AttentionPlan):
+        """``(h, delta) -> (h', delta')``: the residual stream and the previous layer's output
+        not yet added to it (None before the first layer). Each residual add runs fused into
+        the norm after it (``RMSNorm.add``); the norms write the autocast dtype that the
+        projections compute in, so no separate casts (the module docstring has the math)."""
+        dtype = _autocast_dtype(h)
+        if delta is None:
+            x = self.attention_norm(h, dtype)
+        else:
+            h, x = self.attention_norm.add(h, delta, dtype)
+        h, x = self.ffn_norm.add(h, self.attention(x, cos, sin, plan), dtype)
+        return h, self.feed_forward(x)
+
+
+def _autocast_dtype(h: torch.Tensor) -> torch.dtype | None:
+    """The dtype the next matmul computes ``h`` in under autocast (None: no autocast)."""
+    kind = h.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class Transformer(nn.Module):
@@ -180,12 +201,14 @@ class Transformer(nn.Module):
                              mode=self.cp_mode, group=self.cp_group,
                              backend=self.attention_backend)
         cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
+        delta = None  # each layer's output, added to h inside the next norm
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, plan, use_reentrant=False)
+                h, delta = checkpoint(layer, h, delta, cos, sin, plan, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, plan)
-        h = self.norm(h)
+                h, delta = layer(h, delta, cos, sin, plan)
+        dtype = _autocast_dtype(h)
+        h = self.norm(h, dtype) if delta is None else self.norm.add(h, delta, dtype)[1]
         # The head's kernels return partial hidden grads: both mappings sum them over tp.
         h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(
             h, self.tp_group)  # (L, hidden)

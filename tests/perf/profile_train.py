@@ -1,9 +1,11 @@
 """Where mpcore's training step spends its time: torch.profiler over a few Llama-3.2-1B steps.
 
-    python tests/perf/profile_train.py [OUT.txt] [--seq 4096] [--micro-batch 4]
+    python tests/perf/profile_train.py [OUT.txt] [--seq 4096] [--micro-batch 4] [bench_train flags]
 
 Builds the run exactly as ``bench_train.py`` does (pretrain's code path, random tokens), warms
-up, profiles 3 steps and prints the top operators by device time and by host time.
+up, profiles 3 steps and prints the top operators by device time and by host time, then the
+elementwise and copy operators grouped by their input shapes (to find the casts, copies and
+passes that can go), and the device's idle gaps (host syncs, launch-bound stretches).
 """
 
 from __future__ import annotations
@@ -18,6 +20,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
 
 
+ELEMENTWISE = ("aten::copy_", "aten::_to_copy", "aten::add", "aten::add_", "aten::fill_",
+               "aten::cat", "aten::sum", "aten::clone", "aten::repeat_interleave", "aten::mul")
+
+
+def by_input_shape(prof, rows: int = 40) -> str:
+    """Device time of the elementwise/copy operators per (operator, input shapes): what the
+    casts and copies are, by the tensors they move."""
+    shaped = prof.key_averages(group_by_input_shape=True)
+    keep = [e for e in shaped if e.key in ELEMENTWISE and e.device_time_total > 0]
+    keep.sort(key=lambda e: -e.device_time_total)
+    lines = ["elementwise and copy operators by input shapes (device ms over the profiled "
+             "steps, calls, shapes):"]
+    for e in keep[:rows]:
+        lines.append(f"{e.device_time_total / 1e3:9.2f} ms {e.count:6d}  {e.key:24s} "
+                     f"{e.input_shapes}")
+    return "\n".join(lines) + "\n"
+
+
+def idle_gaps(prof, steps: int = 3, rows: int = 15) -> str:
+    """Where the GPU waits: the gaps between consecutive device activities (kernels, copies,
+    memsets) of the profiled steps, their total per step, and the longest ones with the
+    activity on each side."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+                   for e in trace.get("traceEvents", [])
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gaps, end, last = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    total = sum(g for g, _, _ in gaps)
+    lines = [f"device idle between activities: {total / 1e3 / steps:.2f} ms per step "
+             f"({len(gaps)} gaps over {steps} steps); longest:"]
+    for gap, before, after in sorted(gaps, reverse=True)[:rows]:
+        lines.append(f"{gap / 1e3:8.3f} ms  after {before[:60]!r}  before {after[:60]!r}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = argv.pop(0) if argv and not argv[0].startswith("--") else "/tmp/profile_train.txt"
@@ -28,7 +75,8 @@ def main(argv=None) -> int:
         for i in range(3):
             step(i)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     record_shapes=True) as prof:
             for i in range(3, 6):
                 step(i)
             torch.cuda.synchronize()
@@ -39,7 +87,8 @@ def main(argv=None) -> int:
     bench_train.bench_mpcore(args)
     events = captured["prof"].key_averages()
     text = (events.table(sort_by="cuda_time_total", row_limit=30) + "\n"
-            + events.table(sort_by="self_cpu_time_total", row_limit=20))
+            + events.table(sort_by="self_cpu_time_total", row_limit=20) + "\n"
+            + by_input_shape(captured["prof"]) + "\n" + idle_gaps(captured["prof"]))
     Path(out).write_text(text)
     print(text)
     return 0

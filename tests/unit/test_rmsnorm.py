@@ -9,7 +9,15 @@ import sys
 import pytest
 import torch
 
-from kernels.rmsnorm import MAX_HIDDEN, rms_norm, rms_norm_reference, rms_norm_triton
+from kernels.rmsnorm import (
+    MAX_HIDDEN,
+    add_rms_norm,
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_triton,
+)
 
 
 def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,6 +79,23 @@ def test_bad_weight_shape_raises(x_shape, w_shape):
             assert str(tuple(x_shape)) in str(info.value)
 
 
+def test_out_dtype_is_one_cast_of_the_result():
+    x, weight = torch.randn(6, 40), torch.randn(40)
+    got = rms_norm_reference(x, weight, 0.1, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, rms_norm_reference(x, weight, 0.1).bfloat16())
+
+
+def test_add_rms_norm_reference_is_the_add_then_the_norm():
+    x, delta, weight = torch.randn(5, 24), torch.randn(5, 24).bfloat16(), torch.randn(24)
+    s, y = add_rms_norm(x, delta, weight, 0.1, out_dtype=torch.bfloat16)
+    assert s.dtype == torch.float32 and torch.equal(s, x + delta)
+    assert torch.equal(y, rms_norm_reference(x + delta, weight, 0.1).bfloat16())
+    for fn in (add_rms_norm, add_rms_norm_reference, add_rms_norm_triton):
+        with pytest.raises(ValueError, match="delta must be"):
+            fn(x, delta[:4], weight)
+
+
 def test_weight_on_other_device_raises():
     with pytest.raises(ValueError, match="one device"):
         rms_norm(torch.randn(2, 4, device="meta"), torch.randn(4))
@@ -88,7 +113,7 @@ def test_triton_kernels_under_interpreter():
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "interpreter checks passed: 6" in proc.stdout, proc.stdout + proc.stderr
+    assert "interpreter checks passed: 10" in proc.stdout, proc.stdout + proc.stderr
 
 
 # Interpreter cases: (leading shape, H, dtype, view). H is never a power of two; row
@@ -142,13 +167,50 @@ def _check_case(lead, hidden, dtype, view):
         assert same >= 0.99, f"only {same:.3f} of outputs equal the reference"
 
 
+# Fused add + norm: (x dtype, delta dtype, out_dtype, whether s has a use of its own). fp16
+# stands in for bf16 (the interpreter's bf16 is not trusted here).
+_ADD_CASES = [
+    (torch.float32, torch.float16, torch.float16, True),
+    (torch.float32, torch.float16, torch.float16, False),
+    (torch.float16, torch.float16, None, True),
+    (torch.float32, torch.float32, None, True),
+]
+
+
+def _check_add_case(x_dtype, delta_dtype, out_dtype, s_used, rows=29, hidden=200):
+    """The fused kernels against the unfused graph (torch's add, the reference norm, the cast),
+    forward and every gradient, including the gradient that reaches s from its own use."""
+    x0 = torch.randn(rows, hidden).to(x_dtype)
+    d0 = torch.randn(rows, hidden).to(delta_dtype)
+    w0 = (1 + 0.1 * torch.randn(hidden)).to(x_dtype)
+    g_s, g_y = torch.randn(rows, hidden), torch.randn(rows, hidden)
+    results = []
+    for fn in (add_rms_norm_triton, add_rms_norm_reference):
+        x, d, w = (t.clone().requires_grad_() for t in (x0, d0, w0))
+        s, y = fn(x, d, w, 0.5, out_dtype)
+        loss = (y.float() * g_y).sum() + ((s.float() * g_s).sum() if s_used else 0)
+        loss.backward()
+        results.append((s, y, x.grad, d.grad, w.grad))
+    case = f"{x_dtype} + {delta_dtype} -> {out_dtype}, s used: {s_used}"
+    for name, got, want in zip(("s", "y", "dx", "ddelta", "dw"), *results, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{case}: {name}"
+        if name == "s":
+            assert torch.equal(got, want), f"{case}: s"
+        else:
+            tol = 1e-5 if got.dtype == torch.float32 else 2e-3
+            err = _rel_err(got, want)
+            assert err <= tol, f"{case}: {name} rel err {err:.2e} > {tol:.0e}"
+
+
 def _interpreter_checks():
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.manual_seed(0)
     # CPU tensors reach the kernels here; compiled Triton would refuse them.
     for case in _INTERPRETER_CASES:
         _check_case(*case)
-    print(f"interpreter checks passed: {len(_INTERPRETER_CASES)}")
+    for case in _ADD_CASES:
+        _check_add_case(*case)
+    print(f"interpreter checks passed: {len(_INTERPRETER_CASES) + len(_ADD_CASES)}")
 
 
 if __name__ == "__main__":
