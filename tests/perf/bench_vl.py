@@ -4,6 +4,7 @@ Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
     python tests/perf/bench_vl.py [OUT.json] [--config 2b|tiny] [--steps 10] [--warmup 3]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
         [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
+        [--data prepared|synthetic]
 Context parallelism (mpcore only; e.g. on nvidia-h200-x2), the tower's work split over the cp
 ranks or replicated on each (which to keep at this shape is what the run decides):
     torchrun --nproc-per-node 2 tests/perf/bench_vl.py OUT.json --cp 2 [--cp-mode ring|ulysses]
@@ -15,18 +16,23 @@ Model (``--config 2b``): Qwen2-VL-2B's shape, built here (no download): vision d
 1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 patch merger into 1536; text hidden 1536, 28 layers,
 12 heads, 2 KV heads, MLP 8960, vocab 151936, tied embeddings, QKV biases, M-RoPE sections
 [16, 24, 24], rope theta 1e6. Special ids of the real Qwen2-VL vocabulary: image 151655, video
-151656, vision start 151652, vision end 151653. Both sides start from fresh random weights.
+151656, vision start 151652, vision end 151653 (``--data prepared`` replaces them by its
+tokenizer's, 2048-2051). Both sides start from fresh random weights.
 
-Data: every sample is ONE document of exactly ``--seq`` tokens, made of the shipped real images
-(launch/data/images, cycled in captions.jsonl order) each as ``<vision_start> <image_pad>*n
-<vision_end>`` followed by its caption and a newline, images added while the image tokens stay
-under ``--image-fraction`` of the sample, then a text tail up to ``--seq``. Text is encoded as
-its UTF-8 bytes, ids 0-255 (the byte range of the Qwen2 vocabulary; not the real tokenizer's
-merges: any ids < vocab cost the same). The images are small (at most 256 px a side), so
-``mpcore.data.images.process_image`` UPSCALES them (``min_pixels``) to a cycle of merged-token
-counts (``PRESETS``: 400 to ~1.3k each for 2b, the size of photos and documents in VL training
-sets; the default 0.6 gives 5 images, ~50% image tokens, ~16.4k patches per 8192-token sample);
-the pixel content is the real image's. A step takes ``--micro-batch`` samples:
+Data (tests/perf/vl_batches.py): every sample is ONE document of exactly ``--seq`` tokens, made
+of the shipped real images (launch/data/images, cycled in captions.jsonl order) each as
+``<vision_start> <image_pad>*n <vision_end>`` followed by its caption and a newline, images added
+while the image tokens stay under ``--image-fraction`` of the sample, then a text tail up to
+``--seq``. The images are small (at most 256 px a side), so they are UPSCALED (process_image's
+bicubic resize with ``min_pixels``) to a cycle of merged-token counts (``PRESETS``: 400 to ~1.3k
+each for 2b, the size of photos and documents in VL training sets; the default 0.6 gives 5
+images, ~50% image tokens, ~16.4k patches per 8192-token sample); the pixel content is the real
+image's. ``--data prepared`` (default): the samples go through the training data path, a
+manifest prepared by ``prepare_vl_dataset`` into a store read by ``VLPackedDataset`` and
+``VLDataLoader`` (text from the project's VL tokenizer, targets from the store's loss mask, the
+model's four VL ids the tokenizer's; vl_batches.py says what differs and why).
+``--data synthetic``: the same samples built in memory, text as UTF-8 bytes (ids 0-255), the real
+Qwen2-VL special ids. A step takes ``--micro-batch`` samples, the SAME batches on every side:
 transformers gets ``input_ids [B, seq]`` (no padding needed: all samples have the same length),
 mpcore the same tokens as one packed stream of B documents.
 
@@ -34,9 +40,9 @@ Step, the SAME on every side: forward + backward + gradient clipping at 1.0 + Ad
 CUDA; lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on every tensor), fp32 parameters under bf16
 autocast (fp32 without autocast on the CPU). ``--forward-backward-only`` drops clipping and the
 optimizer step on every side. Each side's step starts from the raw sample already on the device
-(ids, pixel rows, grids) and includes its own input preparation: mpcore's labels, M-RoPE
-positions and vision rows (``models.local_vl_inputs``, host work with one sync), transformers'
-labels and ``mm_token_type_ids`` (its M-RoPE index is computed inside its forward).
+(ids, pixel rows, grids, loss mask) and includes its own input preparation: mpcore's labels,
+M-RoPE positions and vision rows (``models.local_vl_inputs``, host work with one sync),
+transformers' labels and ``mm_token_type_ids`` (its M-RoPE index is computed inside its forward).
 Sides: mpcore (``build_vl_model``, loss = ``output="loss_sum"`` / valid-label count);
 transformers ``Qwen2VLForConditionalGeneration`` (``hf_vl_config_dict`` of the same config,
 SDPA; flash_attention_2 as a further side only when it imports); the same with liger-kernel's
@@ -45,18 +51,22 @@ reported as applied or not (its RoPE patch targets a function transformers 5.x n
 
 Reported per side: median step time after warmup, tokens/s (all tokens) and text tokens/s
 (non-placeholder tokens), peak allocated GiB (reset between sides, everything freed between
-sides), first/last loss. Also the data (images, image-token fraction, patches per step), the
+sides), first/last loss, the targets per step and a digest of the batches it was fed (both
+must agree across sides). Also ``data_path`` and the data (images, image-token fraction, patches
+per step; for ``prepared`` the store's counts under ``data.store``), the
 parameter counts of both models (built on the meta device; they must agree), and the speedup
 and memory ratio against the best baseline. JSON to OUT (default
 tests/perf/results/vl_h200.json); a markdown table is printed last.
 
 Without CUDA (``--config tiny``, tests/unit/test_bench_vl_smoke.py): a tiny VL config, small
-images, fp32, unfused AdamW; ``peak_gib`` is null and liger is reported missing.
+images, fp32, unfused AdamW, vocab 516 (the smallest SentencePiece vocab the prepared path's
+tokenizer allows, 512, and the four VL ids); ``peak_gib`` is null and liger is reported missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import inspect
 import json
@@ -65,7 +75,6 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,16 +92,14 @@ from models import (  # noqa: E402
     hf_vl_config_dict,
     local_vl_inputs,
 )
-from mpcore.data.images import load_image, num_placeholders, process_image  # noqa: E402
 from mpcore.processes import init_distributed  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import _sync, _timed  # noqa: E402  (one timing for every benchmark)
+from vl_batches import Batch, build_batches, digest  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "vl_h200.json"
-IMAGES = REPO / "launch" / "data" / "images"
-NEWLINE = 10  # the byte "\n"
 OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 GRAD_CLIP = 1.0
 
@@ -111,7 +118,7 @@ def qwen2_vl_2b() -> VLConfig:
 
 def tiny() -> VLConfig:
     """A CPU-sized Qwen2-VL (real 14-px patches, so the shipped images feed it as they are)."""
-    text = ModelConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4,
+    text = ModelConfig(vocab_size=516, hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, intermediate_size=96, rope_theta=1e6,
                        rms_norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
                        mrope_section=(2, 3, 3))
@@ -121,100 +128,10 @@ def tiny() -> VLConfig:
                     vision_start_token_id=302, vision_end_token_id=303)
 
 
-# name -> (config, default seq, merged tokens per image, cycled with the images)
-PRESETS = {"2b": (qwen2_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880)),
-           "tiny": (tiny, 256, (9, 16, 6))}
-
-
-@dataclass
-class Batch:
-    """One step's samples: ``ids [B, T]`` int64, ``pixels [N, patch_dim]`` fp32 (images in
-    stream order), ``grid [I, 3]`` int64 (on the CPU: mpcore reads it on the host)."""
-
-    ids: torch.Tensor
-    pixels: torch.Tensor
-    grid: torch.Tensor
-
-    def to(self, device) -> Batch:
-        return Batch(self.ids.to(device), self.pixels.to(device), self.grid)
-
-
-def text_ids(text: str) -> list[int]:
-    """UTF-8 bytes as token ids 0-255 (module docstring)."""
-    return list(text.encode("utf-8"))
-
-
-def _image(cfg: VLConfig, name: str, tokens: int, cache: dict):
-    """``(pixels, grid)`` of image ``name`` resized to about ``tokens`` merged tokens."""
-    key = (name, tokens)
-    if key not in cache:
-        v = cfg.vision
-        unit = (v.patch_size * v.spatial_merge_size) ** 2  # pixels per merged token
-        cache[key] = process_image(load_image(IMAGES / name), patch_size=v.patch_size,
-                                   temporal_patch_size=v.temporal_patch_size,
-                                   merge_size=v.spatial_merge_size, min_pixels=tokens * unit,
-                                   max_pixels=2 * tokens * unit, name=name)
-    return cache[key]
-
-
-def build_samples(cfg: VLConfig, seq: int, image_tokens: tuple[int, ...], fraction: float,
-                  num: int) -> list[tuple[list[int], list[torch.Tensor], list[tuple]]]:
-    """``num`` samples ``(ids, pixel rows per image, grids)`` of exactly ``seq`` tokens each
-    (module docstring); image k of the whole run is entry ``k % 15`` of captions.jsonl at
-    ``image_tokens[k % len]`` merged tokens, so consecutive samples hold different images."""
-    entries = [json.loads(line) for line in (IMAGES / "captions.jsonl").read_text().splitlines()
-               if line.strip()]
-    tail = text_ids("\n".join(e["caption"] for e in entries) + "\n")
-    merge, cache, samples, k = cfg.vision.spatial_merge_size, {}, [], 0
-    for _ in range(num):
-        ids, pixels, grids, placeholders = [], [], [], 0
-        while True:
-            entry = entries[k % len(entries)]
-            rows, grid = _image(cfg, entry["image"], image_tokens[k % len(image_tokens)], cache)
-            n = num_placeholders(grid, merge)
-            block = [cfg.vision_start_token_id, *[cfg.image_token_id] * n,
-                     cfg.vision_end_token_id, *text_ids(entry["caption"]), NEWLINE]
-            if pixels and (placeholders + n > fraction * seq or len(ids) + len(block) > seq):
-                break
-            if len(ids) + len(block) > seq:
-                raise ValueError(f"--seq {seq} cannot hold one image of {n} tokens and its "
-                                 f"caption; raise --seq")
-            ids += block
-            pixels.append(rows)
-            grids.append(grid)
-            placeholders += n
-            k += 1
-        ids += [tail[i % len(tail)] for i in range(seq - len(ids))]
-        samples.append((ids, pixels, grids))
-    return samples
-
-
-def make_batches(samples, micro_batch: int) -> list[Batch]:
-    out = []
-    for i in range(0, len(samples) - micro_batch + 1, micro_batch):
-        group = samples[i:i + micro_batch]
-        out.append(Batch(torch.tensor([s[0] for s in group], dtype=torch.int64),
-                         torch.cat([p for s in group for p in s[1]]),
-                         torch.tensor([g for s in group for g in s[2]], dtype=torch.int64)))
-    return out
-
-
-def data_report(cfg: VLConfig, batches: list[Batch]) -> dict:
-    """What one step holds, averaged over the distinct batches."""
-    images = [b.grid.shape[0] for b in batches]
-    tokens = [b.ids.numel() for b in batches]
-    image_tokens = [int((b.ids == cfg.image_token_id).sum()) for b in batches]
-    return {"distinct_batches": len(batches), "images_per_step": statistics.mean(images),
-            "tokens_per_step": tokens[0],
-            "image_tokens_per_step": statistics.mean(image_tokens),
-            "text_tokens_per_step": tokens[0] - statistics.mean(image_tokens),
-            "image_token_fraction": sum(image_tokens) / sum(tokens),
-            "patches_per_step": statistics.mean(b.pixels.shape[0] for b in batches),
-            "image_grids_first_step": batches[0].grid.tolist(),
-            "text_encoding": "UTF-8 bytes as ids 0-255; captions from captions.jsonl, "
-                             "the tail cycles through all captions",
-            "images": "launch/data/images, resized by process_image (min/max_pixels) to "
-                      "the merged-token counts of the config's cycle"}
+# name -> (config, default seq, merged tokens per image (cycled with the images), text vocab of
+# the prepared path's tokenizer)
+PRESETS = {"2b": (qwen2_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
+           "tiny": (tiny, 256, (9, 16, 6), 512)}
 
 
 def _train_step(model, optimizer, args, loss_fn, group=None):
@@ -264,14 +181,13 @@ def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
     model.train()
     optimizer = _optimizer(model, cuda)
     on_device = [b.to(device) for b in batches]
-    seq = batches[0].ids.shape[1]
-    cu = [torch.arange(0, b.ids.numel() + 1, seq, dtype=torch.int32, device=device)
-          for b in on_device]
 
     def inputs(i: int) -> dict:
         b = on_device[i % len(on_device)]
-        _, kwargs = local_vl_inputs(state, b.ids.view(-1), cu[i % len(cu)], cfg,
-                                    pixel_values=b.pixels, image_grid_thw=b.grid)
+        mask = None if b.loss_mask is None else b.loss_mask.view(-1)
+        _, kwargs = local_vl_inputs(state, b.ids.view(-1), b.cu_seqlens, cfg,
+                                    pixel_values=b.pixels, image_grid_thw=b.grid,
+                                    loss_mask=mask)
         return kwargs
 
     def loss_fn(i: int) -> torch.Tensor:
@@ -294,6 +210,12 @@ def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
         _sync()
         prep.append(time.perf_counter() - start)
     result["input_prep_ms"] = 1e3 * statistics.median(prep)
+    targets = torch.stack([(inputs(i)["labels"] != -100).sum() for i in range(len(on_device))])
+    if group is not None:  # each cp rank holds a share of the targets
+        dist.all_reduce(targets, group=group)
+    result["target_tokens_per_step"] = targets.double().mean().item()
+    result["batches_sha256"] = digest(t for b in on_device for t in (b.ids.view(-1), b.pixels,
+                                                                     b.grid))
     return result
 
 
@@ -355,19 +277,25 @@ def bench_hf(args, cfg: VLConfig, batches: list[Batch], device, attn: str = "sdp
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = _optimizer(model, cuda)
     takes_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
-    on_device = [Batch(b.ids.to(device), b.pixels.to(device), b.grid.to(device)) for b in batches]
+    on_device = [dataclasses.replace(b.to(device), grid=b.grid.to(device)) for b in batches]
+
+    def labels(b: Batch) -> torch.Tensor:  # [B, T]; transformers shifts them itself
+        return b.ids.masked_fill(~b.targets(cfg.image_token_id), -100)
 
     def loss_fn(i: int) -> torch.Tensor:
         b = on_device[i % len(on_device)]
-        image = b.ids == cfg.image_token_id
-        kwargs = {"mm_token_type_ids": image.int()} if takes_types else {}
+        kwargs = ({"mm_token_type_ids": (b.ids == cfg.image_token_id).int()} if takes_types
+                  else {})
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             out = model(input_ids=b.ids, pixel_values=b.pixels, image_grid_thw=b.grid,
-                        labels=b.ids.masked_fill(image, -100), use_cache=False, **kwargs)
+                        labels=labels(b), use_cache=False, **kwargs)
         return out.loss
 
     result = _rates(_timed(_train_step(model, optimizer, args, loss_fn), args.steps,
                            args.warmup), batches, cfg.image_token_id)
+    result["target_tokens_per_step"] = statistics.mean(
+        int((labels(b)[:, 1:] != -100).sum()) for b in on_device)
+    result["batches_sha256"] = digest(t for b in on_device for t in (b.ids, b.pixels, b.grid))
     result["attn_implementation"] = attn
     if liger:
         result["liger_patches_applicable"] = patches
@@ -489,6 +417,9 @@ def parse_args(argv):
     parser.add_argument("--micro-batch", type=int, default=1, help="samples per step")
     parser.add_argument("--image-fraction", type=float, default=0.6,
                         help="images are added while their tokens stay under this share")
+    parser.add_argument("--data", default="prepared", choices=["prepared", "synthetic"],
+                        help="batches through the prepared-data path (manifest, store, "
+                             "loader) or built in memory (tests/perf/vl_batches.py)")
     parser.add_argument("--distinct-batches", type=int, default=4,
                         help="different batches, cycled over the steps")
     parser.add_argument("--activation-checkpointing", action="store_true")
@@ -516,7 +447,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    make_config, default_seq, image_tokens = PRESETS[args.config]
+    make_config, default_seq, image_tokens, text_vocab = PRESETS[args.config]
     cfg = make_config()
     params = count_params(cfg)
     print(f"parameters (meta device): mpcore {params['mpcore']:,}, transformers "
@@ -533,9 +464,8 @@ def main(argv=None) -> int:
         args.skip_hf = True  # the baselines run on one GPU
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
               else torch.device("cpu"))
-    samples = build_samples(cfg, seq, image_tokens, args.image_fraction,
-                            args.distinct_batches * args.micro_batch)
-    batches = make_batches(samples, args.micro_batch)
+    cfg, batches, data = build_batches(args.data, cfg, seq, image_tokens, args.image_fraction,
+                                       args.micro_batch, args.distinct_batches, text_vocab)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "config": args.config, "seq": seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
@@ -547,7 +477,7 @@ def main(argv=None) -> int:
               "step": "forward + backward" + ("" if args.forward_backward_only else
                                              " + clip 1.0 + AdamW (fused on CUDA)"),
               "autocast": "bfloat16" if device.type == "cuda" else None,
-              "num_params": params, "data": data_report(cfg, batches)}
+              "num_params": params, "data_path": args.data, "data": data}
     print(json.dumps(report["data"], indent=1), flush=True)
     report["mpcore"] = _guarded("mpcore", bench_mpcore, args, cfg, batches, device)
     if not args.skip_hf:

@@ -1,12 +1,16 @@
 """Smoke run of tests/perf/bench_vl.py on the CPU, so that it works the first time on a GPU.
 
-One subprocess from the repo root with CUDA hidden: ``--config tiny`` (a tiny Qwen2-VL built in
-the script, the shipped real images at a few merged tokens each), two samples per step (the
-batched transformers input and a two-document packed stream), 1 warmup + 1 timed step, mpcore
-and transformers side by side. The JSON is checked field by field: the data (images, image-token
-fraction that adds up), equal parameter counts, finite positive tokens/s that agree with the
-step time, null peak memory on CPU, finite losses near ln(vocab) for fresh models, liger
-reported missing (it needs CUDA), and the speedup computed against the baseline that ran.
+One subprocess per data path from the repo root with CUDA hidden: ``--config tiny`` (a tiny
+Qwen2-VL built in the script, the shipped real images at a few merged tokens each), two samples
+per step (the batched transformers input and a two-document packed stream), 1 warmup + 1 timed
+step, mpcore and transformers side by side. The JSON is checked field by field: the data
+(images, image-token fraction that adds up, the prepared store's counts: image tokens that are
+the grids' patches / merge^2, every sample once, no padding), equal parameter counts, the same
+batches (digest) and targets per step on both sides, finite positive tokens/s that agree with
+the step time, null peak memory on CPU, finite losses near ln(vocab) for fresh models, liger
+reported missing (it needs CUDA), and the speedup computed against the baseline that ran. In
+process: the prepared store holds process_image's own upscale of every original image, bit for
+bit, and the loader's batches are the store's samples, each once.
 """
 
 from __future__ import annotations
@@ -20,19 +24,27 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from mpcore.data import VLDataset
+from mpcore.data.images import load_image, process_image
+from mpcore.data.vl_manifest import iter_manifest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "perf"))
+import bench_vl  # noqa: E402
+import vl_batches  # noqa: E402
+
 SEQ, MICRO_BATCH, STEPS, WARMUP = 256, 2, 1, 1
-VOCAB = 320  # bench_vl.tiny()
+DISTINCT = 4  # bench_vl's --distinct-batches default
+VOCAB = 516  # bench_vl.tiny()
 TIMEOUT = 300  # seconds; about 20 s on 2 busy cores
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench_vl") / "vl.json"
+def _run(out: Path, data: str) -> dict:
     cmd = [sys.executable, "tests/perf/bench_vl.py", str(out), "--config", "tiny", "--seq",
            str(SEQ), "--micro-batch", str(MICRO_BATCH), "--steps", str(STEPS), "--warmup",
-           str(WARMUP)]
+           str(WARMUP), "--data", data]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                             start_new_session=True)
@@ -50,8 +62,21 @@ def report(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("bench_vl") / "vl.json", "prepared")
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("bench_vl") / "vl.json", "synthetic")
+
+
 def _check_side(side: dict, data: dict) -> None:
     assert math.isfinite(side["step_ms"]) and side["step_ms"] > 0, side
+    # the same batches (what the side fed its model) and the same targets on every side
+    assert side["batches_sha256"] == data["batches_sha256"], (side, data)
+    assert side["target_tokens_per_step"] == data["target_tokens_per_step"], (side, data)
     seconds = side["step_ms"] / 1e3
     assert side["tokens_per_s_per_gpu"] == pytest.approx(SEQ * MICRO_BATCH / seconds)
     assert side["text_tokens_per_s_per_gpu"] == pytest.approx(
@@ -69,23 +94,78 @@ def test_header_and_data(report):
     assert report["forward_backward_only"] is False and report["autocast"] is None
     params = report["num_params"]
     assert params["mpcore"] == params["transformers"] > 0
+    assert report["data_path"] == "prepared"
+    _check_data(report["data"])
+    store = report["data"]["store"]
+    assert store["samples"] == store["budgets"] == DISTINCT * MICRO_BATCH  # each sample once
+    assert store["tokens"] == store["samples"] * SEQ and store["pad_tokens"] == 0
+    assert store["image_tokens"] * 4 == store["pixel_rows"]  # merge 2: 4 patches per token
     data = report["data"]
+    assert data["image_tokens_per_step"] * DISTINCT == store["image_tokens"]
+    assert data["patches_per_step"] * DISTINCT == store["pixel_rows"]
+    assert data["images_per_step"] * DISTINCT == store["images"]
+    assert store["tokenizer"]["image_token_id"] == store["tokenizer"]["text_vocab_size"] == 512
+
+
+def _check_data(data: dict) -> None:
     assert data["tokens_per_step"] == SEQ * MICRO_BATCH
     assert data["images_per_step"] >= MICRO_BATCH  # at least one real image per sample
     assert data["image_tokens_per_step"] + data["text_tokens_per_step"] == SEQ * MICRO_BATCH
+    assert 0 < data["target_tokens_per_step"] < data["text_tokens_per_step"]
     assert 0 < data["image_token_fraction"] < 1
+    assert data["patches_per_step"] == 4 * data["image_tokens_per_step"]  # the grids' tokens
     # every image of the first step: 4 patches per merged token, grids of whole merge windows
     grids = data["image_grids_first_step"]
     assert all(t == 1 and h % 2 == 0 and w % 2 == 0 for t, h, w in grids)
 
 
-def test_both_sides_ran(report):
+def _check_sides(report: dict) -> None:
     _check_side(report["mpcore"], report["data"])
     assert report["mpcore"]["input_prep_ms"] > 0
     _check_side(report["hf"], report["data"])
     assert report["hf"]["attn_implementation"] == "sdpa"
     assert set(report["hf_liger"]) == {"missing"}, report["hf_liger"]  # no liger run on CPU
     assert set(report["hf_fa2"]) == {"missing"}, report["hf_fa2"]
+
+
+def test_both_sides_ran(report):
+    _check_sides(report)
+
+
+def test_synthetic_data_path(synthetic):
+    assert synthetic["data_path"] == "synthetic" and "store" not in synthetic["data"]
+    _check_data(synthetic["data"])
+    _check_sides(synthetic)
+
+
+def test_prepared_store_is_the_upscaled_images(tmp_path):
+    """Every image of the store: process_image's own upscale of the original file, bit for bit;
+    placeholder runs as long as the grids say, never a target; the loader's batches are the
+    store's samples, each once."""
+    make_config, _, image_tokens, text_vocab = bench_vl.PRESETS["tiny"]
+    cfg, batches, store = vl_batches.prepared_batches(make_config(), SEQ, image_tokens, 0.6,
+                                                      MICRO_BATCH, 2, text_vocab, tmp_path)
+    ds = VLDataset(tmp_path / "store")
+    assert cfg.image_token_id == ds.tokenizer.image_pad_id and len(ds) == 2 * MICRO_BATCH
+    for i, sample in enumerate(iter_manifest(tmp_path / "manifest.jsonl")):
+        rows, grids = [], []
+        for path in sample.images:  # images/<name>.<tokens>.png
+            name, tokens, _ = path.name.rsplit(".", 2)
+            r, g = process_image(load_image(vl_batches.IMAGES / name),
+                                 min_pixels=int(tokens) * 784, max_pixels=2 * int(tokens) * 784)
+            rows.append(r)
+            grids.append(g)
+        got = ds[i]
+        assert torch.equal(torch.tensor(got.pixel_values), torch.cat(rows))  # a copy
+        assert got.grid_thw.tolist() == [list(g) for g in grids]
+        image = got.input_ids == cfg.image_token_id
+        assert image.sum() == sum(t * h * w for t, h, w in grids) // 4
+        assert len(got.input_ids) == SEQ and not got.loss_mask[image].any()
+    rows = sorted(tuple(b.ids[k].tolist()) for b in batches for k in range(MICRO_BATCH))
+    assert rows == sorted(tuple(ds[i].input_ids.tolist()) for i in range(len(ds)))
+    for b in batches:
+        assert (b.ids == cfg.image_token_id).sum() == b.pixels.shape[0] // 4 == int(
+            b.grid.prod(1).sum()) // 4
 
 
 def test_comparison(report):
