@@ -149,8 +149,13 @@ def check_fp8(recipe: str, device: torch.device | str | None = None) -> None:
     when ``device`` cannot run FP8 GEMMs (not CUDA, or compute capability below 8.9)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; use one of {list(RECIPES)}")
-    if recipe == "none" or device is None:
-        return
+    if recipe != "none" and device is not None:
+        check_fp8_device(recipe, device)
+
+
+def check_fp8_device(recipe: str, device: torch.device | str) -> None:
+    """Raise ``ValueError`` naming ``recipe`` (any FP8 recipe, ours or TransformerEngine's) when
+    ``device`` cannot run FP8 GEMMs (not CUDA, or compute capability below 8.9)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"fp8={recipe!r} needs a CUDA GPU with FP8 tensor cores (compute "

@@ -107,7 +107,8 @@ class QKVProjection(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = sp_all_gather(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return linear(x, self._replica_sum(self.weight), self._replica_sum(self.bias), self.fp8)
+        return linear(x, self._replica_sum(self.weight), self._replica_sum(self.bias),
+                      self.fp8, self.gemm)
 
 
 class Attention(nn.Module):

@@ -1,15 +1,20 @@
-"""Optional backends, detected in this one module: apex's FusedAdam.
+"""Optional backends, detected in this one module: apex's FusedAdam, and (re-exported from
+``parallel.te``, which the layers below ``mpcore`` import) TransformerEngine's GEMMs.
 
-A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``apex`` or ``auto``.
+A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``apex`` or ``auto``;
+``model.linear_backend`` is ``native``, ``te`` or ``auto`` (``resolve_linear_backend``).
 A named backend that is not installed raises ``ValueError`` with the install command; only
-``auto`` falls back (apex when importable and on CUDA, else torch) and logs its choice once.
-No stand-ins for missing packages: a backend is either imported for real or not used.
+``auto`` falls back (apex / TE when importable and on CUDA, else torch / native) and logs its
+choice once. No stand-ins for missing packages: a backend is either imported for real or not
+used.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+
+from parallel.te import TE_INSTALL, resolve_linear_backend, te_available, use_te
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +56,7 @@ def adam_backend(name: str, device_type: str) -> str:
                                            else f" (device {device_type})")
         log.info("optimizer.backend=auto: using %s%s", chosen, why)
     return chosen
+
+
+__all__ = ["APEX_INSTALL", "TE_INSTALL", "adam_backend", "apex_fused_adam", "resolve_linear_backend",
+           "te_available", "use_te"]

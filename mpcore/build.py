@@ -11,6 +11,10 @@ weights and act as data-parallel ranks for them), only when that group has more 
           (averaged) once per step (``no_sync`` for the other micro-batches).
 Both average over W = dp * cp ranks, so the loop backpropagates ``W * loss_share`` (see
 ``parallel/loss.py``). TP is inside the model (its layers' collectives over the tp group).
+
+``model.linear_backend=te``: the model is built with our layers (``fp8`` none), then
+``use_te`` gives the decoder layers' linears TransformerEngine's GEMM and ``model.fp8``'s TE
+recipe (``parallel.te``); parameters, wrapping and checkpoints are the same as native.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import ModelConfig, build_model, config_from_hf, load_hf_model
+from mpcore.backends import resolve_linear_backend, use_te
 from mpcore.batches import DataSummary, build_loaders
 from mpcore.config import Config
 from mpcore.data import DataLoader
@@ -129,6 +134,14 @@ def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.dev
     return model
 
 
+def linear_kernels(cfg: Config, device: torch.device) -> tuple[str, str]:
+    """``model.linear_backend`` resolved for ``device`` (``native`` or ``te``; raises
+    ``ValueError`` when TE is named but missing), and the ``fp8`` that ``build_model`` gets:
+    ``model.fp8`` for native, ``none`` for te (``use_te`` applies TE's recipe after the build)."""
+    backend = resolve_linear_backend(cfg.model.linear_backend, device.type, cfg.model.fp8)
+    return backend, cfg.model.fp8 if backend == "native" else "none"
+
+
 def build(cfg: Config, state: ParallelState, device: torch.device,
           loader: DataLoader | None = None) -> Run:
     """Model, data parallelism, optimizer, loader (``loader`` overrides the config's data).
@@ -144,10 +157,11 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
                          f"checkpoint), or train a text model on data.paths")
     cfg, model_cfg = resolve_model_config(cfg)
     p = cfg.parallel
+    linear_backend, fp8 = linear_kernels(cfg, device)
     kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1,
                   cp_mode=p.cp_mode if state.cp > 1 else "none",
                   activation_checkpointing=p.activation_checkpointing,
-                  attention_backend=cfg.model.attention_backend, fp8=cfg.model.fp8,
+                  attention_backend=cfg.model.attention_backend, fp8=fp8,
                   device=device, dtype=torch.float32)
     valid_loader = summary = None
     if loader is None:  # first: data errors surface before a large model is built
@@ -160,6 +174,8 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:
         model = build_model(model_cfg, state, seed=cfg.training.seed, **kwargs)
+    if linear_backend == "te":
+        use_te(model.layers, cfg.model.fp8)
     return assemble(cfg, model_cfg, state, device, model, tracker, loader, valid_loader,
                     summary)
 

@@ -34,9 +34,11 @@ from typing import Any
 import yaml
 
 DTYPES = ("bfloat16", "float32")
-# parallel.attention.backends.BACKENDS and kernels.fp8_linear.RECIPES (tests check they agree).
+# parallel.attention.backends.BACKENDS, kernels.fp8_linear.RECIPES + parallel.te.TE_RECIPES and
+# parallel.te.LINEAR_BACKENDS (tests check they agree).
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "reference")
-FP8_RECIPES = ("none", "tensorwise")
+FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
+LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -92,10 +94,15 @@ class ModelSection:
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
     document of the local stream of one length, e.g. fixed-length samples) or reference."""
+    linear_backend: str = "native"
+    """GEMMs of the four projections of each decoder layer: native (torch, or our FP8 kernel),
+    te (TransformerEngine inside our TP/SP layers; not installed: an error with the install
+    command) or auto (te when importable on CUDA and fp8 is not tensorwise, else native)."""
     fp8: str = "none"
-    """none, or tensorwise: the four projections of each decoder layer run their GEMMs in FP8
-    (e4m3 activations and weights, e5m2 gradients, per-tensor current scaling); needs a GPU
-    of compute capability >= 8.9 (Ada, Hopper)."""
+    """none, or FP8 GEMMs in those projections (e4m3 activations and weights, e5m2 gradients)
+    on a GPU of compute capability >= 8.9 (Ada, Hopper): tensorwise (our kernel, per-tensor
+    current scaling; linear_backend native), te_delayed (TE's DelayedScaling: scales from an
+    amax history) or te_current (TE's Float8CurrentScaling); te_* need linear_backend te/auto."""
     mrope_section: list[int] | None = None
     """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
     position rows, summing to head_dim / 2; null for plain RoPE."""
@@ -117,6 +124,13 @@ class ModelSection:
             raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
         _choice("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("model", "fp8", self.fp8, FP8_RECIPES)
+        _choice("model", "linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        if self.fp8.startswith("te_") and self.linear_backend == "native":
+            raise ValueError(f"model.fp8={self.fp8} is a TransformerEngine recipe; set "
+                             f"model.linear_backend=te (or auto)")
+        if self.fp8 == "tensorwise" and self.linear_backend == "te":
+            raise ValueError("model.fp8=tensorwise is mpcore's own kernel (linear_backend "
+                             "native); with linear_backend=te use fp8=te_current or te_delayed")
         _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
         if self.vision is not None and not isinstance(self.vision, dict):
             raise ValueError(f"model.vision must be a mapping of VisionConfig fields or null, "
@@ -127,11 +141,11 @@ class ModelSection:
 
     def shape_fields(self) -> dict:
         """The keyword arguments of ``models.ModelConfig``: every field but ``init_from``, the
-        kernel choices (``attention_backend``, ``fp8``), which go to ``build_model``, and the
-        vision fields (``mpcore.vl_build``)."""
+        kernel choices (``attention_backend``, ``fp8``, ``linear_backend``; ``mpcore.build``),
+        and the vision fields (``mpcore.vl_build``)."""
         out = dataclasses.asdict(self)
-        for name in ("init_from", "attention_backend", "fp8", "vision", "freeze_vision",
-                     "vision_cp"):
+        for name in ("init_from", "attention_backend", "fp8", "linear_backend", "vision",
+                     "freeze_vision", "vision_cp"):
             del out[name]
         return out
 

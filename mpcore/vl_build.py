@@ -36,6 +36,7 @@ from models import (
     vl_config_from_hf,
 )
 from models.vl_inputs import local_vl_inputs
+from mpcore.backends import use_te
 from mpcore.config import Config
 from mpcore.data import (
     BlendedDataset,
@@ -179,7 +180,7 @@ def build_vl(cfg: Config, state: ParallelState, device: torch.device, loader=Non
     """``mpcore.build.build`` for a VL run: loaders first (data errors before the model), the
     ``VLModel`` (from ``model.init_from`` or from scratch), optionally a frozen tower, then the
     same wrapping, optimizer, grad norm and train state as the text path."""
-    from mpcore.build import assemble  # build imports this module
+    from mpcore.build import assemble, linear_kernels  # build imports this module
     from parallel.random import model_parallel_seed
 
     valid_loader = summary = tok = None
@@ -196,15 +197,18 @@ def build_vl(cfg: Config, state: ParallelState, device: torch.device, loader=Non
     except ValueError as e:
         raise ValueError(f"model and parallel sections do not fit (parallel.tp={p.tp}, "
                          f"parallel.cp={p.cp}, parallel.cp_mode={p.cp_mode}): {e}") from None
+    linear_backend, fp8 = linear_kernels(cfg, device)
     kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1, cp_mode=cp_mode,
                   activation_checkpointing=p.activation_checkpointing,
                   vision_cp=cfg.model.vision_cp, device=device, dtype=torch.float32,
-                  attention_backend=cfg.model.attention_backend, fp8=cfg.model.fp8)
+                  attention_backend=cfg.model.attention_backend, fp8=fp8)
     tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
     if cfg.model.init_from:
         model, _ = load_hf_vl_model(cfg.model.init_from, state, **kwargs)
     else:
         model = build_vl_model(vl_cfg, state, seed=cfg.training.seed, **kwargs)
+    if linear_backend == "te":  # the decoder's linears, as fp8 (the tower stays native)
+        use_te(model.text.layers, cfg.model.fp8)
     if cfg.model.freeze_vision:
         freeze_vision(model)
     return assemble(cfg, vl_cfg, state, device, model, tracker, loader, valid_loader, summary)

@@ -18,6 +18,10 @@ GEMMs in FP8 (``kernels.fp8_linear``); the collectives around it are unchanged a
 activations in their own dtype (bf16 under autocast), so TP, SP and CP work as they do without
 it. ``"none"``: ``F.linear``.
 
+TransformerEngine (``parallel.te.use_te``, after the build): the same two layers run their local
+GEMM through TE (bf16, or TE's FP8 recipes ``te_delayed`` / ``te_current``); the layer keeps its
+parameters, collectives and checkpoint keys, only ``gemm`` (the local ``x @ W.T``) changes.
+
 Init: ``reset_parameters(seed)`` draws the logical full weight from ``seed`` and keeps this
 rank's slice, so the layer is the same function at every TP degree. Replicated parameters used
 on token-sharded activations (a bias under SP) pass through ``copy_to_tp`` so their gradient is
@@ -26,7 +30,7 @@ summed over the tp group by autograd itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,13 +66,20 @@ def shard_parts(full: torch.Tensor, dim: int, parts: Sequence[int], tp: int, ran
     return torch.cat([p.chunk(tp, dim=dim)[rank] for p in pieces], dim=dim)
 
 
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [..., in], w [out, in]) -> y
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           fp8: str = "none") -> torch.Tensor:
-    """``x @ weight.T + bias``: ``F.linear``, or with FP8 GEMMs when ``fp8 == "tensorwise"``
-    (bias added after, in the output dtype)."""
-    if fp8 == "none":
+           fp8: str = "none", gemm: Gemm | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: ``gemm(x, weight)`` when given (TransformerEngine's), else
+    ``F.linear``, or FP8 GEMMs when ``fp8 == "tensorwise"``. Outside ``F.linear`` the bias is
+    added after, in the output dtype."""
+    if gemm is not None:
+        y = gemm(x, weight)
+    elif fp8 == "none":
         return F.linear(x, weight, bias)
-    y = fp8_linear(x, weight)
+    else:
+        y = fp8_linear(x, weight)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -96,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output to ``[T, out]`` (default: keep ``[T, out / tp]``).
         sequence_parallel: the input is ``[T / tp, in]`` and is all-gathered first.
         fp8: ``"none"`` or ``"tensorwise"`` (module docstring).
+    Attribute ``gemm``: ``None`` (ours) or the local GEMM that ``parallel.te.use_te`` sets.
     Shapes: x ``[T, in]`` (``[T / tp, in]`` under SP) -> ``[T, out / tp]`` or ``[T, out]``.
     """
 
@@ -120,6 +132,7 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
         _check_fp8_shape(fp8, self.weight, "ColumnParallelLinear")
         self.fp8 = fp8
+        self.gemm: Gemm | None = None
 
     def reset_parameters(self, seed: int) -> None:
         take = lambda full: shard_parts(full, 0, self.partition_sizes, self.tp, self.tp_rank)  # noqa: E731
@@ -133,12 +146,13 @@ class ColumnParallelLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input width {x.shape[-1]} != in_features {self.in_features}")
         x = sp_all_gather(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = linear(x, self.weight, self.bias, self.fp8)
+        y = linear(x, self.weight, self.bias, self.fp8, self.gemm)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
-                f"sp={self.sequence_parallel}, parts={self.partition_sizes}, fp8={self.fp8}")
+                f"sp={self.sequence_parallel}, parts={self.partition_sizes}, fp8={self.fp8}"
+                + (f", gemm={self.gemm}" if self.gemm is not None else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -163,6 +177,7 @@ class RowParallelLinear(nn.Module):
                      if bias else None)
         _check_fp8_shape(fp8, self.weight, "RowParallelLinear")
         self.fp8 = fp8
+        self.gemm: Gemm | None = None
 
     def reset_parameters(self, seed: int) -> None:
         init_shard_(self.weight, (self.out_features, self.in_features),
@@ -176,7 +191,7 @@ class RowParallelLinear(nn.Module):
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"input width {x.shape[-1]} != local in_features "
                              f"{self.weight.shape[1]} (= {self.in_features} / tp {self.tp})")
-        y = linear(x, self.weight, fp8=self.fp8)
+        y = linear(x, self.weight, fp8=self.fp8, gemm=self.gemm)
         if self.sequence_parallel:
             y = sp_reduce_scatter(y, self.group)
             bias = copy_to_tp(self.bias, self.group) if self.bias is not None else None
@@ -187,7 +202,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp}, "
-                f"sp={self.sequence_parallel}, fp8={self.fp8}")
+                f"sp={self.sequence_parallel}, fp8={self.fp8}"
+                + (f", gemm={self.gemm}" if self.gemm is not None else ""))
 
 
 class VocabParallelEmbedding(nn.Module):

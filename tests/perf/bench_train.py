@@ -3,7 +3,8 @@
 Usage (one GPU, both sides in one run):
     python tests/perf/bench_train.py [OUT.json] [--config PATH] [--steps 20] [--warmup 5]
         [--seq 4096] [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
-        [--fp8 none|tensorwise] [--attention-backend auto|flash|sdpa_cudnn]
+        [--fp8 none|tensorwise|te_delayed|te_current] [--attention-backend auto|flash|sdpa_cudnn]
+        [--linear-backend native|te|auto]
 Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
     torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
         neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
@@ -26,10 +27,12 @@ allocator peak to read) and ``tokens_per_s_per_gpu`` is per process.
 
 Reported per side: median step time over ``--steps`` timed steps (after ``--warmup``), tokens/s
 per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
-the first/last loss (a sanity check that each side trains). ``--fp8`` and
-``--attention-backend`` set mpcore's ``model.fp8`` and ``model.attention_backend`` (the
-baselines stay bf16 with SDPA); the JSON names both (``fp8``, ``backend``). JSON goes to OUT (default
-tests/perf/results/train_h200.json), written by rank 0.
+the first/last loss (a sanity check that each side trains). ``--fp8``, ``--attention-backend``
+and ``--linear-backend`` set mpcore's ``model.fp8``, ``model.attention_backend`` and
+``model.linear_backend`` (the baselines stay bf16 with SDPA); the JSON names them (``fp8``: the
+recipe, ``backend``: the attention backend as asked, ``linear_backend``: the GEMM backend as
+resolved, native or te). JSON goes to OUT (default tests/perf/results/train_h200.json), written
+by rank 0.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from launch.pretrain import init_distributed  # noqa: E402
 from models import hf_config_dict  # noqa: E402
+from mpcore.backends import resolve_linear_backend  # noqa: E402
 from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
@@ -122,7 +126,8 @@ def bench_mpcore(args) -> dict:
                  f"training.device={_device_kind()}", "training.dtype=bfloat16",
                  "checkpoint.resume=false", "checkpoint.every=0", "optimizer.backend=torch",
                  "schedule.warmup_steps=10", f"logging.run_dir={args.run_dir}",
-                 f"model.fp8={args.fp8}", f"model.attention_backend={args.attention_backend}"]
+                 f"model.fp8={args.fp8}", f"model.attention_backend={args.attention_backend}",
+                 f"model.linear_backend={args.linear_backend}"]
     cfg = load_config(args.config, overrides)
     state = setup(cfg, str(args.config))
     device = resolve_device(cfg)
@@ -221,8 +226,11 @@ def parse_args(argv):
     parser.add_argument("--forward-backward-only", action="store_true",
                         help="time forward + backward only (no clipping, no optimizer step)")
     parser.add_argument("--run-dir", default="/tmp/bench_train_run")
-    parser.add_argument("--fp8", default="none", choices=["none", "tensorwise"],
+    parser.add_argument("--fp8", default="none",
+                        choices=["none", "tensorwise", "te_delayed", "te_current"],
                         help="mpcore's model.fp8 (FP8 GEMMs in the decoder projections)")
+    parser.add_argument("--linear-backend", default="native", choices=["native", "te", "auto"],
+                        help="mpcore's model.linear_backend (TransformerEngine GEMMs: te)")
     parser.add_argument("--attention-backend", default="auto",
                         choices=["auto", "flash", "sdpa_cudnn", "reference"],
                         help="mpcore's model.attention_backend")
@@ -241,7 +249,9 @@ def main(argv=None) -> int:
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
               "activation_checkpointing": args.activation_checkpointing,
               "forward_backward_only": args.forward_backward_only, "fp8": args.fp8,
-              "backend": args.attention_backend}
+              "backend": args.attention_backend,
+              "linear_backend": resolve_linear_backend(args.linear_backend, _device_kind(),
+                                                       args.fp8)}
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))

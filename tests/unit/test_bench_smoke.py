@@ -99,7 +99,8 @@ def _layout(tp: int = 1, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
 def single(tmp_path_factory) -> dict:
     """bench_train.py in one process, training steps, both sides: the layouts' loss reference."""
     tmp_path = tmp_path_factory.mktemp("bench_single")
-    return _bench(tmp_path, "single", "bench_train.py", "--activation-checkpointing")
+    return _bench(tmp_path, "single", "bench_train.py", "--activation-checkpointing",
+                  "--linear-backend", "auto")
 
 
 def test_bench_model_with_hf_baseline(tmp_path):
@@ -113,6 +114,9 @@ def test_bench_model_with_hf_baseline(tmp_path):
 def test_bench_train_single_process_with_hf_baseline(single):
     _check_header(single, 1, forward_backward_only=False)
     assert single["activation_checkpointing"] is True
+    # The kernels: auto resolves to the native GEMMs on the CPU.
+    assert (single["fp8"], single["backend"], single["linear_backend"]) == ("none", "auto",
+                                                                            "native")
     _check_side(single["mpcore"], SEQ * MICRO_BATCH, 1)
     assert single["mpcore"]["layout"] == _layout()
     _check_hf(single)

@@ -68,7 +68,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_model_section_mirrors_model_config():
-    kernels = {"init_from", "attention_backend", "fp8", "vision", "freeze_vision", "vision_cp"}
+    kernels = {"init_from", "attention_backend", "fp8", "linear_backend", "vision", "freeze_vision",
+               "vision_cp"}
     ours = {f.name for f in dataclasses.fields(ModelSection)} - kernels
     assert ours == {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(ModelSection().shape_fields()) == ours
@@ -79,8 +80,10 @@ def test_kernel_choices_mirror_the_library():
     from kernels.fp8_linear import RECIPES
     from mpcore import config
     from parallel.attention.backends import BACKENDS
+    from parallel.te import LINEAR_BACKENDS, TE_RECIPES
 
-    assert config.ATTENTION_BACKENDS == BACKENDS and config.FP8_RECIPES == RECIPES
+    assert config.ATTENTION_BACKENDS == BACKENDS and config.FP8_RECIPES == RECIPES + TE_RECIPES
+    assert config.LINEAR_BACKENDS == LINEAR_BACKENDS
     cfg = load_config(None, ["model.attention_backend=sdpa_cudnn", "model.fp8=tensorwise"])
     assert (cfg.model.attention_backend, cfg.model.fp8) == ("sdpa_cudnn", "tensorwise")
     with pytest.raises(ValueError, match="attention_backend"):

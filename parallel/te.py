@@ -1,0 +1,185 @@
+"""TransformerEngine (optional) as the local GEMM of our tensor-parallel linear layers.
+
+Detected here, not in ``mpcore.backends`` (which re-exports it), because ``parallel`` may not
+import ``mpcore``. ``linear_backend`` is ``native`` (``F.linear`` or our FP8 kernel), ``te`` or
+``auto``; a named TE that is not installed raises ``ValueError`` with the install hint, only
+``auto`` falls back, and it logs its choice once. Nothing here imports TE until it is asked for.
+
+What TE does and what stays ours: ``use_te`` gives each ``ColumnParallelLinear`` /
+``RowParallelLinear`` a ``TEGemm``, a ``transformer_engine.pytorch.Linear`` (no bias, no tensor
+parallelism of its own) kept outside the module tree, so it adds no parameters and no
+checkpoint keys. Each call points it at the layer's current weight (the fp32 master, or the
+bf16 tensor FSDP2 all-gathers), so the all-gathers, reduce-scatters and all-reduces around the
+GEMM, the CP split, the loss heads and the checkpoints are ours and unchanged. Under
+``torch.autocast`` TE computes in the autocast dtype (``base.set_activation_dtype``); the
+weight's gradient comes back in that dtype and autograd casts it to the weight's.
+
+FP8 recipes (compute capability >= 8.9), both e4m3 forward and e5m2 gradients (``HYBRID``):
+    te_delayed   ``DelayedScaling``: scales from an amax history (TE's default length 1024)
+    te_current   ``Float8CurrentScaling``: per-tensor scales from each call's own amax (the
+                 recipe of our ``tensorwise`` kernel, in TE's kernels)
+The weight is quantized on every call (no ``is_first_microbatch``: TE caches no FP8 weight,
+which a weight that changes under FSDP2 needs). Rows are zero-padded to a multiple of 8 as
+TE's FP8 GEMM wants (``utils.assert_dim_for_fp8_exec``). Each call is its own ``te.autocast``
+region. For ``te_delayed`` that costs: TE updates every delayed-scaling module's amax history
+at the exit of each region (``quantization.FP8GlobalStateManager.reduce_and_update_fp8_tensors``),
+so a history of 1024 spans about 1024 / (linears in the model) steps; amaxes are not reduced
+over ranks (``reduce_amax=False``: our collectives move bf16, not FP8, so ranks need no common
+scale); the scaling state is not checkpointed, so a resumed run starts from scale 1 as a fresh
+TE run does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.fp8_linear import check_fp8_device
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+log = logging.getLogger(__name__)
+
+LINEAR_BACKENDS = ("native", "te", "auto")
+TE_RECIPES = ("te_delayed", "te_current")
+TE_INSTALL = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (a CUDA machine "
+              "without a registry: ../shared/notes/TE.md)")
+_logged: set[str] = set()
+
+
+def transformer_engine():
+    """``transformer_engine.pytorch``, or ``None`` when TE (with its torch extension) is
+    missing."""
+    try:
+        return importlib.import_module("transformer_engine.pytorch")
+    except (ImportError, OSError):  # OSError: the package is there but its libraries are not
+        return None
+
+
+def te_available() -> bool:
+    return transformer_engine() is not None
+
+
+def _require_te(what: str, device_type: str) -> None:
+    if not te_available():
+        raise ValueError(f"{what} but transformer_engine.pytorch cannot be imported; install "
+                         f"it ({TE_INSTALL}) or use model.linear_backend=native")
+    if device_type != "cuda":
+        raise ValueError(f"{what} needs CUDA (TransformerEngine's kernels are CUDA only), got "
+                         f"device {device_type}; use model.linear_backend=native")
+
+
+def resolve_linear_backend(name: str, device_type: str, fp8: str = "none") -> str:
+    """Resolve ``model.linear_backend`` to ``"native"`` or ``"te"`` for ``device_type`` and the
+    ``fp8`` recipe. ``auto``: te for TE's recipes, native for ``tensorwise`` (our kernel), else
+    te when importable and on CUDA. Raises ``ValueError`` when te is needed but not installed
+    or the device is not CUDA, and on a recipe of the other backend."""
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {name!r}; use one of {list(LINEAR_BACKENDS)}")
+    if fp8 in TE_RECIPES and name == "native":
+        raise ValueError(f"fp8={fp8} is a TransformerEngine recipe; set "
+                         f"model.linear_backend=te (or auto)")
+    if fp8 == "tensorwise" and name == "te":
+        raise ValueError("fp8=tensorwise is mpcore's own FP8 kernel (linear_backend=native); "
+                         "with TransformerEngine use fp8=te_current (the same recipe) or "
+                         "te_delayed")
+    if name == "te" or fp8 in TE_RECIPES:
+        _require_te(f"model.linear_backend={name}, fp8={fp8}", device_type)
+        chosen = "te"
+    elif name == "native" or fp8 == "tensorwise":
+        chosen = "native"
+    else:
+        chosen = "te" if device_type == "cuda" and te_available() else "native"
+    if name == "auto" and "linear" not in _logged:
+        _logged.add("linear")
+        why = "" if chosen == "te" or fp8 == "tensorwise" else (
+            " (TransformerEngine not installed)" if device_type == "cuda"
+            else f" (device {device_type})")
+        log.info("model.linear_backend=auto: using %s%s", chosen, why)
+    return chosen
+
+
+def _recipe(fp8: str):
+    """TE's recipe object for ``fp8`` (``None``: no FP8, the autocast dtype)."""
+    if fp8 == "none":
+        return None
+    recipe = importlib.import_module("transformer_engine.common.recipe")
+    if fp8 == "te_delayed":
+        return recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, reduce_amax=False)
+    return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
+
+
+def _autocast(te, recipe):
+    """``te.autocast`` (the 2.x spelling), else the older ``fp8_autocast``."""
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=recipe is not None, recipe=recipe)
+    return te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe)
+
+
+class TEGemm:
+    """``y = x @ weight.T`` through ``transformer_engine.pytorch.Linear`` (module docstring).
+
+    A plain object, not an ``nn.Module``: the TE module inside stays out of the model's
+    parameters, state dict and FSDP2 units. Shapes: x ``[..., in]``, weight ``[out, in]``
+    (given per call) -> ``[..., out]`` in the autocast dtype (else x's).
+    """
+
+    def __init__(self, out_features: int, in_features: int, fp8: str = "none"):
+        self.te, self.fp8, self.recipe = transformer_engine(), fp8, _recipe(fp8)
+        # On the meta device: its own weight is never used (replaced on every call).
+        self.module = self.te.Linear(in_features, out_features, bias=False,
+                                     params_dtype=torch.float32, device="meta")
+        self.module._parameters["weight"] = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        x2 = x.reshape(rows, x.shape[-1])
+        pad = -rows % 8 if self.recipe is not None else 0
+        if pad:
+            x2 = F.pad(x2, (0, 0, 0, pad))  # zero rows change no sum and no amax
+        # Linear.forward reads its weight by name (_get_weight_tensors: getattr per
+        # weight_names; one weight, so noop_cat returns it as is), and _Linear.apply takes it
+        # as an input: the gradient flows to our tensor.
+        self.module._parameters["weight"] = weight
+        try:
+            with _autocast(self.te, self.recipe):
+                y = self.module(x2)
+        finally:
+            self.module._parameters["weight"] = None  # no reference kept between calls
+        return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+    def __repr__(self) -> str:
+        return f"te(fp8={self.fp8})"
+
+
+def use_te(module: nn.Module, fp8: str = "none") -> int:
+    """Run the local GEMM of every ``ColumnParallelLinear`` / ``RowParallelLinear`` in
+    ``module`` (itself included) through TransformerEngine with ``fp8`` (``none``, i.e. the
+    autocast dtype, or one of ``TE_RECIPES``); returns how many layers. Call it after the build
+    (weights materialised), before FSDP2 wrapping or after: it changes no parameter. Raises
+    ``ValueError`` without TE or CUDA, on a GPU without FP8 for a recipe, on layers built with
+    our FP8 kernel, and on local shapes FP8 cannot take (dims multiples of 16)."""
+    if fp8 not in ("none", *TE_RECIPES):
+        raise ValueError(f"unknown TransformerEngine recipe {fp8!r}; use none or one of "
+                         f"{list(TE_RECIPES)}")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    _require_te(f"linear_backend=te (fp8={fp8})", device.type)
+    if fp8 != "none":
+        check_fp8_device(fp8, device)
+    layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear,
+                                                             RowParallelLinear))]
+    for layer in layers:
+        out_local, in_local = layer.weight.shape
+        if layer.fp8 != "none":
+            raise ValueError(f"{type(layer).__name__} was built with fp8={layer.fp8!r} (our "
+                             f"kernel); build it with fp8='none' and pass the TE recipe here")
+        if fp8 != "none" and (out_local % 16 or in_local % 16):
+            raise ValueError(f"fp8={fp8}: TE's FP8 GEMM needs the local weight's dims multiples "
+                             f"of 16, {type(layer).__name__} has {(out_local, in_local)}; set "
+                             f"fp8 to 'none' or change the shape")
+        layer.gemm = TEGemm(out_local, in_local, fp8)
+    return len(layers)

@@ -1,0 +1,108 @@
+"""TransformerEngine as the linear layers' GEMM backend, without TE (CI and the CPU machines):
+the config keys, the errors with the install hint, ``auto``'s fallback (logged once), and the
+layers' ``gemm`` hook. TE itself runs in tests/gpu/test_te_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpcore.build import build
+from mpcore.config import load_config
+from parallel import te
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.state import ParallelState
+
+no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")
+HINT = re.escape(te.TE_INSTALL)
+
+
+def test_config_linear_backend_and_recipes():
+    assert load_config(None, []).model.linear_backend == "native"
+    for backend, fp8 in (("te", "none"), ("te", "te_delayed"), ("auto", "te_current"),
+                         ("auto", "tensorwise"), ("native", "tensorwise")):
+        m = load_config(None, [f"model.linear_backend={backend}", f"model.fp8={fp8}"]).model
+        assert (m.linear_backend, m.fp8) == (backend, fp8)
+        assert "linear_backend" not in m.shape_fields()
+    with pytest.raises(ValueError, match="model.linear_backend must be one of"):
+        load_config(None, ["model.linear_backend=apex"])
+    with pytest.raises(ValueError, match="TransformerEngine recipe; set model.linear_backend=te"):
+        load_config(None, ["model.fp8=te_delayed"])  # linear_backend native by default
+    with pytest.raises(ValueError, match="mpcore's own kernel"):
+        load_config(None, ["model.linear_backend=te", "model.fp8=tensorwise"])
+
+
+@no_te
+@pytest.mark.parametrize("backend, fp8", [("te", "none"), ("te", "te_current"),
+                                          ("auto", "te_delayed")])
+def test_named_te_without_te_raises_with_the_install_hint(backend, fp8):
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=HINT):
+            te.resolve_linear_backend(backend, device, fp8)
+    with pytest.raises(ValueError, match=HINT):
+        te.use_te(torch.nn.Linear(4, 4), "none" if fp8 == "none" else fp8)
+
+
+@no_te
+def test_build_with_te_raises_before_any_data_or_model():
+    cfg = load_config(None, ["model.linear_backend=te", "training.device=cpu"])
+    with pytest.raises(ValueError, match=HINT):
+        build(cfg, ParallelState(), torch.device("cpu"))
+
+
+def test_resolve_rejects_unknown_names_and_crossed_recipes():
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        te.resolve_linear_backend("cublas", "cpu")
+    with pytest.raises(ValueError, match="set model.linear_backend=te"):
+        te.resolve_linear_backend("native", "cuda", "te_current")
+    with pytest.raises(ValueError, match="fp8=te_current"):
+        te.resolve_linear_backend("te", "cuda", "tensorwise")
+    with pytest.raises(ValueError, match="unknown TransformerEngine recipe"):
+        te.use_te(torch.nn.Linear(4, 4), "tensorwise")
+    assert te.resolve_linear_backend("native", "cuda", "tensorwise") == "native"
+
+
+def test_auto_falls_back_to_native_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(te, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="parallel.te"):
+        assert te.resolve_linear_backend("auto", "cpu") == "native"
+        assert te.resolve_linear_backend("auto", "cpu") == "native"
+        assert te.resolve_linear_backend("auto", "cpu", "tensorwise") == "native"
+    lines = [r.getMessage() for r in caplog.records if r.name == "parallel.te"]
+    assert lines == ["model.linear_backend=auto: using native (device cpu)"], lines
+    assert te.resolve_linear_backend("native", "cpu") == "native"
+
+
+def test_layers_run_natively_and_through_a_gemm_hook():
+    """Default: ``gemm`` is None and the layers are ``F.linear``. With a ``gemm`` (what
+    ``use_te`` sets) the local product is the hook's, the bias still ours, added after."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 32, generator=g, requires_grad=True)
+    col = ColumnParallelLinear(32, 48, bias=True)
+    row = RowParallelLinear(48, 16, bias=True)
+    for i, layer in enumerate((col, row)):
+        layer.reset_parameters(i)
+        with torch.no_grad():
+            layer.bias.normal_(generator=g)
+        assert layer.gemm is None and "gemm" not in layer.extra_repr()
+    ref = F.linear(F.linear(x, col.weight, col.bias), row.weight, row.bias)
+    torch.testing.assert_close(row(col(x)), ref, rtol=0, atol=0)
+    calls = []
+
+    def doubled(x, w):  # any (x, w) -> x @ w.T implementation may stand in
+        calls.append(w)
+        return 2 * (x @ w.t())
+
+    keys = [sorted(m.state_dict()) for m in (col, row)]
+    col.gemm = row.gemm = doubled
+    out = row(col(x))
+    assert calls[0] is col.weight and calls[1] is row.weight
+    mid = 2 * (x @ col.weight.t()) + col.bias
+    torch.testing.assert_close(out, 2 * (mid @ row.weight.t()) + row.bias)
+    out.sum().backward()
+    assert col.weight.grad is not None and x.grad is not None
+    assert [sorted(m.state_dict()) for m in (col, row)] == keys
