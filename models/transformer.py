@@ -207,8 +207,9 @@ class Transformer(nn.Module):
                 h, delta = checkpoint(layer, h, delta, cos, sin, plan, use_reentrant=False)
             else:
                 h, delta = layer(h, delta, cos, sin, plan)
-        dtype = _autocast_dtype(h)
-        h = self.norm(h, dtype) if delta is None else self.norm.add(h, delta, dtype)[1]
+        # The last add stays a plain one: the final norm is called as a module (its forward
+        # hooks see the hidden states the head reads), at the cost of one add per forward.
+        h = self.norm(h if delta is None else h + delta, _autocast_dtype(h))
         # The head's kernels return partial hidden grads: both mappings sum them over tp.
         h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(
             h, self.tp_group)  # (L, hidden)
