@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     for name, kernel, padded in cases:
         pad = (0, (padded or DIM) - DIM)
 
-        def step():
+        def step(pad=pad, kernel=kernel):
             q.grad = k.grad = v.grad = None
             qp, kp, vp = (f.pad(t, pad) for t in (q, k, v))
             out = va.segment_attention(qp, kp, vp, segments, DIM ** -0.5, kernel)

@@ -19,7 +19,6 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
 
-
 ELEMENTWISE = ("aten::copy_", "aten::_to_copy", "aten::add", "aten::add_", "aten::fill_",
                "aten::cat", "aten::sum", "aten::clone", "aten::repeat_interleave", "aten::mul")
 
