@@ -267,7 +267,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm through the Triton kernels, whatever the device (CPU needs TRITON_INTERPRET=1).
 
-    Same contract as rms_norm_reference (bit for bit); differentiable in x and weight.
+    Same contract as rms_norm_reference; differentiable in x and weight.
     """
     _check_inputs(x, weight)
     _check_triton(x)

@@ -85,6 +85,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _check_fp8_shape(fp8: str, weight: torch.Tensor, what: str) -> None:
     check_fp8(fp8)
+    check_fp8_dims(fp8, weight, what)
+
+
+def check_fp8_dims(fp8: str, weight: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` when recipe ``fp8`` (ours or TransformerEngine's) cannot take the
+    local ``weight``: FP8 GEMMs need both dims multiples of 16."""
     if fp8 != "none" and (weight.shape[0] % 16 or weight.shape[1] % 16):
         raise ValueError(f"fp8={fp8!r}: the FP8 GEMM needs the local weight's dims multiples of "
                          f"16, {what} has {tuple(weight.shape)} on each of the tp ranks; set "

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_linear import check_fp8_device
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.layers import ColumnParallelLinear, RowParallelLinear, check_fp8_dims
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +173,9 @@ def use_te(module: nn.Module, fp8: str = "none") -> int:
     layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear,
                                                              RowParallelLinear))]
     for layer in layers:
-        out_local, in_local = layer.weight.shape
         if layer.fp8 != "none":
             raise ValueError(f"{type(layer).__name__} was built with fp8={layer.fp8!r} (our "
                              f"kernel); build it with fp8='none' and pass the TE recipe here")
-        if fp8 != "none" and (out_local % 16 or in_local % 16):
-            raise ValueError(f"fp8={fp8}: TE's FP8 GEMM needs the local weight's dims multiples "
-                             f"of 16, {type(layer).__name__} has {(out_local, in_local)}; set "
-                             f"fp8 to 'none' or change the shape")
-        layer.gemm = TEGemm(out_local, in_local, fp8)
+        check_fp8_dims(fp8, layer.weight, type(layer).__name__)
+        layer.gemm = TEGemm(*layer.weight.shape, fp8)
     return len(layers)
