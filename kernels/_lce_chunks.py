@@ -19,12 +19,13 @@ The row math runs through a backend: ``TorchRows`` below (the PyTorch reference,
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kernels.master_linear import mm_has_out_dtype
 
 # Upper bound on one chunk of logits; the peak workspace of every path is about this much.
 CHUNK_BYTES = 512 * 1024 * 1024
@@ -78,16 +79,6 @@ class TorchRows:
         return stats
 
 
-@functools.cache
-def _mm_has_out_dtype(device_type: str) -> bool:
-    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs on 16-bit inputs here."""
-    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-    try:
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
 @dataclass(frozen=True)
 class Head:
     """The static part of one call: this rank's shard, temperature, group and backend."""
@@ -109,7 +100,7 @@ class Head:
         n_valid = max(0, min(v_local, vocab_size - v_start))
         logits_dtype = weight.dtype
         if fp32_logits and weight.dtype != torch.float32 and weight.is_cuda:
-            if _mm_has_out_dtype("cuda"):
+            if mm_has_out_dtype("cuda"):
                 logits_dtype = torch.float32
         return Head(group if tp > 1 else None, tp, v_start, n_valid, 1.0 / temperature, rows,
                     logits_dtype)
@@ -176,18 +167,25 @@ def forward_stats(hidden, weight, tgt, head: Head, with_entropy: bool) -> torch.
     return combine_stats(stats, head.group)
 
 
-def _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw):
+def _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw, dw_dtype=None):
     """``dh[r0:r1] = g @ W`` (when ``dh`` is given); returns ``dw + g^T @ h`` (``g^T @ h`` for
-    the first chunk) when ``need_dw``, else ``dw`` unchanged."""
+    the first chunk) when ``need_dw``, else ``dw`` unchanged. ``dw_dtype`` fp32 with 16-bit
+    ``g``: the GEMMs accumulate and write ``dw`` in fp32 (``out_dtype``, CUDA)."""
     if dh is not None:
         torch.mm(g, weight, out=dh[r0:r1])
     if not need_dw:
         return dw
-    return torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+    if dw_dtype is None or dw_dtype == g.dtype:
+        return torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
+    if dw is None:
+        return torch.mm(g.t(), h, out_dtype=dw_dtype)
+    return torch.addmm(dw, g.t(), h, out_dtype=dw_dtype)
 
 
-def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, need_dw: bool):
-    """Sum of the token losses, with d(sum)/d(hidden) and d(sum)/d(weight) computed on the way.
+def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, need_dw: bool,
+                         dw_dtype: torch.dtype | None = None):
+    """Sum of the token losses, with d(sum)/d(hidden) and d(sum)/d(weight) computed on the way
+    (``dw`` in ``dw_dtype``, default the weight's: fp32 for an fp32 master weight).
 
     Per chunk: logits GEMM, one row pass that turns the logits into their gradient in place,
     then ``dh_c = g @ W`` and ``dW += g^T @ h_c``. With ``group`` the chunk's stats are
@@ -213,10 +211,10 @@ def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, 
             stats[:, r0:r1] = st
             lse = st[0] + torch.log(st[1])
             head.rows.row_grad(logits, g, tgt[r0:r1], lse, None, coef[r0:r1], None, *args)
-        dw = _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw)
+        dw = _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw, dw_dtype)
         del logits, g  # free the chunk before the next one is allocated
     if need_dw and dw is None:  # no rows
-        dw = torch.zeros_like(weight)
+        dw = torch.zeros_like(weight, dtype=dw_dtype)
     lse = stats[0] + torch.log(stats[1])
     loss_sum = torch.where(valid, lse - stats[2], 0.0).sum()
     return loss_sum, dh, dw

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from kernels import _lce_chunks as chunks
+from kernels import host_checked
+from kernels.master_linear import addmm_has_out_dtype, master_linear_applies
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
@@ -53,6 +55,11 @@ def _group(name: str):
 
 
 def _check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    known = host_checked.known_range(labels, ignore_index)
+    if known is not None:  # measured on the host before the labels moved here: no sync
+        lo, hi = known
+        if lo > hi or (lo >= 0 and hi < vocab_size):
+            return
     # CPU-GPU sync point: one small reduction over the labels, once per call.
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
     if bool(bad.any()):
@@ -79,10 +86,13 @@ def _ce_sum_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                ignore_index: int, temperature: float, vocab_size: int, group_name: str,
                impl: str, need_dh: bool, need_dw: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    head, valid, tgt = _setup(hidden, weight, labels, ignore_index, temperature, vocab_size,
+    # An fp32 master weight under autocast (``_master``) is cast here, and its gradient is
+    # accumulated in fp32 by the GEMMs: no bf16 gradient to cast back outside the op.
+    w = weight.to(hidden.dtype)
+    head, valid, tgt = _setup(hidden, w, labels, ignore_index, temperature, vocab_size,
                               group_name, impl, chunks.FP32_LOGITS_CE)
-    loss_sum, dh, dw = chunks.forward_ce_with_grad(hidden, weight, tgt, valid, head, need_dh,
-                                                   need_dw)
+    loss_sum, dh, dw = chunks.forward_ce_with_grad(hidden, w, tgt, valid, head, need_dh,
+                                                   need_dw, dw_dtype=weight.dtype)
     empty = hidden.new_empty(0)
     return loss_sum, empty if dh is None else dh, empty if dw is None else dw
 
@@ -210,14 +220,15 @@ _logprobs_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup
 
 # --- public API ------------------------------------------------------------------------------
 
-def _validate(hidden, weight, labels, temperature, vocab_size, group) -> int:
-    """Static checks (no device sync); returns the resolved vocab_size."""
+def _validate(hidden, weight, labels, temperature, vocab_size, group, master=False) -> int:
+    """Static checks (no device sync); returns the resolved vocab_size. ``master``: the
+    weight is the fp32 master weight of 16-bit ``hidden`` (cast inside the op)."""
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
         raise ValueError(f"hidden must be a floating tensor (bf16, fp16 or fp32), got "
                          f"{getattr(hidden, 'dtype', type(hidden))}; cast the hidden states.")
     if hidden.dtype not in _DTYPES:
         raise ValueError(f"hidden dtype {hidden.dtype} is not supported; use one of {_DTYPES}.")
-    if weight.dtype != hidden.dtype:
+    if weight.dtype != hidden.dtype and not master:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the "
                          "same dtype; cast one of them (under autocast both run in the autocast dtype).")
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
@@ -263,12 +274,27 @@ def _autocast(hidden, weight):
     return hidden.to(dtype), weight.to(dtype)
 
 
+def _master(hidden, weight, reduction) -> torch.dtype | None:
+    """The autocast dtype when the gradient-in-forward op should take ``weight`` as the fp32
+    master weight (CUDA autocast, fp32 weight needing its gradient), else None."""
+    if reduction == "none" or not isinstance(hidden, torch.Tensor) \
+            or not isinstance(weight, torch.Tensor):
+        return None
+    dtype = master_linear_applies(hidden, weight)
+    return dtype if dtype is not None and addmm_has_out_dtype("cuda") else None
+
+
 def _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature, vocab_size,
                    group, impl):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
-    hidden, weight = _autocast(hidden, weight)
-    vocab_size = _validate(hidden, weight, labels, temperature, vocab_size, group)
+    master = _master(hidden, weight, reduction)
+    if master is None:
+        hidden, weight = _autocast(hidden, weight)
+    else:
+        hidden = hidden.to(master)
+    vocab_size = _validate(hidden, weight, labels, temperature, vocab_size, group,
+                           master is not None)
     hidden, weight = hidden.contiguous(), weight.contiguous()
     args = (ignore_index, float(temperature), vocab_size, _group_name(group), impl)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

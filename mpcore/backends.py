@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from parallel.te import TE_INSTALL, resolve_linear_backend, te_available, use_te
+from parallel.te import TE_INSTALL, forward_region, resolve_linear_backend, te_available, use_te
 
 log = logging.getLogger(__name__)
 
@@ -58,5 +58,5 @@ def adam_backend(name: str, device_type: str) -> str:
     return chosen
 
 
-__all__ = ["APEX_INSTALL", "TE_INSTALL", "adam_backend", "apex_fused_adam", "resolve_linear_backend",
-           "te_available", "use_te"]
+__all__ = ["APEX_INSTALL", "TE_INSTALL", "adam_backend", "apex_fused_adam", "forward_region",
+           "resolve_linear_backend", "te_available", "use_te"]

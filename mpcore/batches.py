@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import host_checked
 from mpcore.config import Config
 from mpcore.data import (
     BlendedDataset,
@@ -155,4 +156,11 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
            "positions_in_doc": rank_layout.positions_in_doc,
            "cu_seqlens": rank_layout.cu_seqlens}
     pin = device.type == "cuda"
-    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in out.items()}
+    moved = {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in out.items()
+             if k not in ("input_ids", "labels")}
+    # Ids and labels with their ranges taken here, on the host: the embedding and the loss
+    # head then check them against the vocab without a device sync (kernels.host_checked).
+    for key, ignore in (("input_ids", None), ("labels", shifter.ignore_index)):
+        moved[key] = host_checked.to_device(out[key].pin_memory() if pin else out[key], device,
+                                            ignore=ignore, non_blocking=pin)
+    return {k: moved[k] for k in out}

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from models.vl_config import VLConfig
+from mpcore.backends import forward_region
 from mpcore.batches import local_inputs
 from mpcore.build import Run, build, resolve_device, setup
 from mpcore.checkpoint import (
@@ -105,6 +106,8 @@ class Trainer:
         self.placeholders = (torch.tensor(run.model_cfg.placeholder_ids)
                              if isinstance(run.model_cfg, VLConfig) else None)
         self.image_tokens = self.window_steps = 0
+        # TransformerEngine layers: one te.autocast region per forward (parallel.te).
+        self.te_region = forward_region(run.model)
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
@@ -190,7 +193,7 @@ class Trainer:
             last = i == len(inputs) - 1
             sync = run.module.no_sync() if self.ddp and not last else contextlib.nullcontext()
             with sync:
-                with autocast:
+                with autocast, self.te_region():
                     local_sum = run.module(**inp, output="loss_sum")  # () fp32, valid tokens
                 # This rank's share of the global mean (parallel.loss): sum / global count.
                 share = local_sum / count.clamp(min=1).to(local_sum.dtype)

@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import host_checked
 from kernels.fp8_linear import check_fp8, fp8_linear
+from kernels.master_linear import master_linear, master_linear_applies
 from parallel.collectives import (
     copy_to_tp,
     gather_last_dim,
@@ -73,10 +75,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            fp8: str = "none", gemm: Gemm | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: ``gemm(x, weight)`` when given (TransformerEngine's), else
     ``F.linear``, or FP8 GEMMs when ``fp8 == "tensorwise"``. Outside ``F.linear`` the bias is
-    added after, in the output dtype."""
+    added after, in the output dtype. Under CUDA autocast an fp32 master weight goes through
+    ``kernels.master_linear`` instead of ``F.linear``: the same bf16 GEMMs, with the weight
+    gradient written in fp32 by the GEMM (no bf16 -> fp32 cast pass)."""
     if gemm is not None:
         y = gemm(x, weight)
     elif fp8 == "none":
+        dtype = master_linear_applies(x, weight)
+        if dtype is not None:
+            return master_linear(x, weight, bias, dtype)
         return F.linear(x, weight, bias)
     else:
         y = fp8_linear(x, weight)
@@ -241,9 +248,12 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
-        if ids.numel():
-            # One CPU-GPU sync per call: an id outside the vocab must raise, not embed zeros.
-            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()
+        known = host_checked.known_range(ids)
+        if ids.numel() and (known is None or known[0] <= known[1]):
+            # An id outside the vocab must raise, not embed zeros. Ids that came through
+            # kernels.host_checked.to_device were measured on the host; others cost one
+            # CPU-GPU sync per call here.
+            lo, hi = known or torch.stack([ids.min(), ids.max()]).tolist()
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"token id {hi if hi >= self.num_embeddings else lo} is outside "
                                  f"the vocab [0, {self.num_embeddings}); check the tokenizer and "

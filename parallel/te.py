@@ -20,19 +20,25 @@ FP8 recipes (compute capability >= 8.9), both e4m3 forward and e5m2 gradients (`
                  recipe of our ``tensorwise`` kernel, in TE's kernels)
 The weight is quantized on every call (no ``is_first_microbatch``: TE caches no FP8 weight,
 which a weight that changes under FSDP2 needs). Rows are zero-padded to a multiple of 8 as
-TE's FP8 GEMM wants (``utils.assert_dim_for_fp8_exec``). Each call is its own ``te.autocast``
-region. For ``te_delayed`` that costs: TE updates every delayed-scaling module's amax history
-at the exit of each region (``quantization.FP8GlobalStateManager.reduce_and_update_fp8_tensors``),
-so a history of 1024 spans about 1024 / (linears in the model) steps; amaxes are not reduced
-over ranks (``reduce_amax=False``: our collectives move bf16, not FP8, so ranks need no common
-scale); the scaling state is not checkpointed, so a resumed run starts from scale 1 as a fresh
-TE run does.
+TE's FP8 GEMM wants (``utils.assert_dim_for_fp8_exec``).
+
+One ``te.autocast`` region per forward: ``forward_region(model)`` (the trainer enters it around
+each micro-batch's forward) opens the region once, and every ``TEGemm`` of that recipe inside
+runs in it, as TE's own models do. TE updates the delayed-scaling amax histories at the exit of
+a region (``FP8GlobalStateManager.reduce_and_update_fp8_tensors``): once per forward, so the
+history (TE's default length 1024) spans 1024 steps. A call outside any region (a library user
+calling the model directly, activation recompute in the backward) opens its own region, which
+is correct but updates the histories once per call. Amaxes are not reduced over ranks
+(``reduce_amax=False``: our collectives move bf16, not FP8, so ranks need no common scale); the
+scaling state is not checkpointed, so a resumed run starts from scale 1 as a fresh TE run does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +54,7 @@ TE_RECIPES = ("te_delayed", "te_current")
 TE_INSTALL = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (a CUDA machine "
               "without a registry: ../shared/notes/TE.md)")
 _logged: set[str] = set()
+_region = threading.local()  # .fp8: the recipe of the forward_region open on this thread
 
 
 def transformer_engine():
@@ -144,8 +151,9 @@ class TEGemm:
         # weight_names; one weight, so noop_cat returns it as is), and _Linear.apply takes it
         # as an input: the gradient flows to our tensor.
         self.module._parameters["weight"] = weight
+        inside = getattr(_region, "fp8", None) == self.fp8
         try:
-            with _autocast(self.te, self.recipe):
+            with contextlib.nullcontext() if inside else _autocast(self.te, self.recipe):
                 y = self.module(x2)
         finally:
             self.module._parameters["weight"] = None  # no reference kept between calls
@@ -179,3 +187,31 @@ def use_te(module: nn.Module, fp8: str = "none") -> int:
         check_fp8_dims(fp8, layer.weight, type(layer).__name__)
         layer.gemm = TEGemm(*layer.weight.shape, fp8)
     return len(layers)
+
+
+def forward_region(module: nn.Module):
+    """A function returning the context to run one forward of ``module`` in: one
+    ``te.autocast`` region for all its ``TEGemm`` layers (module docstring), or a null context
+    when ``module`` has none. Raises ``ValueError`` when its layers mix recipes."""
+    recipes = {layer.gemm.fp8 for layer in module.modules()
+               if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+               and isinstance(layer.gemm, TEGemm)}
+    if not recipes:
+        return contextlib.nullcontext
+    if len(recipes) > 1:
+        raise ValueError(f"the model's TransformerEngine layers mix fp8 recipes {sorted(recipes)};"
+                         f" use_te gives one recipe to all of them")
+    fp8 = recipes.pop()
+    te, recipe = transformer_engine(), _recipe(fp8)
+
+    @contextlib.contextmanager
+    def region():
+        outer = getattr(_region, "fp8", None)
+        _region.fp8 = fp8
+        try:
+            with _autocast(te, recipe):
+                yield
+        finally:
+            _region.fp8 = outer
+
+    return region

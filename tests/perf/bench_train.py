@@ -4,7 +4,7 @@ Usage (one GPU, both sides in one run):
     python tests/perf/bench_train.py [OUT.json] [--config PATH] [--steps 20] [--warmup 5]
         [--seq 4096] [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
         [--fp8 none|tensorwise|te_delayed|te_current] [--attention-backend auto|flash|sdpa_cudnn]
-        [--linear-backend native|te|auto]
+        [--linear-backend native|te|auto] [--variants native:none,te:none,te:te_delayed,...]
 Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
     torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
         neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
@@ -31,8 +31,10 @@ the first/last loss (a sanity check that each side trains). ``--fp8``, ``--atten
 and ``--linear-backend`` set mpcore's ``model.fp8``, ``model.attention_backend`` and
 ``model.linear_backend`` (the baselines stay bf16 with SDPA); the JSON names them (``fp8``: the
 recipe, ``backend``: the attention backend as asked, ``linear_backend``: the GEMM backend as
-resolved, native or te). JSON goes to OUT (default tests/perf/results/train_h200.json), written
-by rank 0.
+resolved, native or te). ``--variants`` times several ``linear_backend:fp8`` pairs of mpcore in
+the same process, beside one run of each baseline: the first fills the top-level fields, and
+``variants`` lists each with its own speedup and memory ratio against the best baseline.
+JSON goes to OUT (default tests/perf/results/train_h200.json), written by rank 0.
 """
 
 from __future__ import annotations
@@ -234,7 +236,21 @@ def parse_args(argv):
     parser.add_argument("--attention-backend", default="auto",
                         choices=["auto", "flash", "sdpa_cudnn", "reference"],
                         help="mpcore's model.attention_backend")
-    return parser.parse_args(argv)
+    parser.add_argument("--variants", default="",
+                        help="comma-separated linear_backend:fp8 pairs of mpcore to time beside "
+                             "one run of the baselines (e.g. native:none,te:te_delayed); "
+                             "overrides --linear-backend and --fp8")
+    args = parser.parse_args(argv)
+    args.variant_list = []
+    for item in filter(None, args.variants.split(",")):
+        backend, _, fp8 = item.partition(":")
+        if backend not in ("native", "te", "auto") or fp8 not in (
+                "none", "tensorwise", "te_delayed", "te_current"):
+            parser.error(f"--variants: {item!r} is not linear_backend:fp8 (e.g. te:te_delayed)")
+        args.variant_list.append((backend, fp8))
+    if args.variant_list:
+        args.linear_backend, args.fp8 = args.variant_list[0]
+    return args
 
 
 def main(argv=None) -> int:
@@ -255,8 +271,13 @@ def main(argv=None) -> int:
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))
-    report["mpcore"] = bench_mpcore(args)
-    _free()
+    variants = []
+    for backend, fp8 in args.variant_list or [(args.linear_backend, args.fp8)]:
+        one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8})
+        variants.append({"fp8": fp8, "linear_backend": resolve_linear_backend(
+            backend, _device_kind(), fp8), "mpcore": bench_mpcore(one)})
+        _free()
+    report["mpcore"] = variants[0]["mpcore"]
     if hf:
         import transformers
 
@@ -276,9 +297,15 @@ def main(argv=None) -> int:
         base = report["hf_liger"] if "step_ms" in report["hf_liger"] else report["hf"]
         report["speedup_vs_best_baseline"] = (report["mpcore"]["tokens_per_s_per_gpu"]
                                               / base["tokens_per_s_per_gpu"])
-        peak, base_peak = report["mpcore"]["peak_gib"], base["peak_gib"]
-        report["memory_ratio_vs_best_baseline"] = (None if peak is None or base_peak is None
-                                                   else peak / base_peak)
+        for v in variants:
+            v["speedup_vs_best_baseline"] = (v["mpcore"]["tokens_per_s_per_gpu"]
+                                             / base["tokens_per_s_per_gpu"])
+            peak, base_peak = v["mpcore"]["peak_gib"], base["peak_gib"]
+            v["memory_ratio_vs_best_baseline"] = (None if peak is None or base_peak is None
+                                                  else peak / base_peak)
+        report["memory_ratio_vs_best_baseline"] = variants[0]["memory_ratio_vs_best_baseline"]
+    if args.variant_list:
+        report["variants"] = variants
     if rank == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@
 Builds the run exactly as ``bench_train.py`` does (pretrain's code path, random tokens), warms
 up, profiles 3 steps and prints the top operators by device time and by host time, then the
 elementwise and copy operators grouped by their input shapes (to find the casts, copies and
-passes that can go), and the device's idle gaps (host syncs, launch-bound stretches).
+passes that can go), the device's idle gaps (host syncs, launch-bound stretches), and the lines
+that synchronise with the device in one more step.
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ def idle_gaps(prof, steps: int = 3, rows: int = 15) -> str:
     return "\n".join(lines) + "\n"
 
 
+def host_syncs(step) -> str:
+    """The lines of Python that synchronise with the device during one ``step()``, counted
+    (``torch.cuda.set_sync_debug_mode``): each is a point where the GPU drains and waits for
+    the host."""
+    import collections
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    lines = [f"host syncs in one step: {sum(where.values())}"]
+    lines += [f"{n:5d}  {place}" for place, n in where.most_common()]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = argv.pop(0) if argv and not argv[0].startswith("--") else "/tmp/profile_train.txt"
@@ -80,6 +103,7 @@ def main(argv=None) -> int:
                 step(i)
             torch.cuda.synchronize()
         captured["prof"] = prof
+        captured["syncs"] = host_syncs(lambda: step(6))
         return {"step_ms": 1.0, "peak_gib": 0.0, "first_loss": 0.0, "last_loss": 0.0}
 
     bench_train._timed = timed
@@ -87,7 +111,8 @@ def main(argv=None) -> int:
     events = captured["prof"].key_averages()
     text = (events.table(sort_by="cuda_time_total", row_limit=30) + "\n"
             + events.table(sort_by="self_cpu_time_total", row_limit=20) + "\n"
-            + by_input_shape(captured["prof"]) + "\n" + idle_gaps(captured["prof"]))
+            + by_input_shape(captured["prof"]) + "\n" + idle_gaps(captured["prof"]) + "\n"
+            + captured["syncs"])
     Path(out).write_text(text)
     print(text)
     return 0

@@ -3,6 +3,7 @@
 #   bash tests/perf/run_device.sh tests    # tests/gpu (on either kind; run it first)
 #   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
+#   bash tests/perf/run_device.sh te; ... te2   # with TransformerEngine installed (TE.md)
 # Carry .whl (../shared/scripts/fetch-peer-wheels) for the liger-kernel baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -25,6 +26,25 @@ if [ "${1:-}" = tests ]; then
   # path) have only run in Triton's CPU interpreter and on the CPU reference.
   run gpu_tests 540 python3 -m pytest -q tests/gpu
   tail -5 "$out/gpu_tests.log"
+elif [ "${1:-}" = te ]; then
+  # After ../shared/notes/TE.md's install on this machine (TE on PYTHONPATH); carry .whl.
+  # New GPU tests first, then the profile and the 4096 x 4 rows side by side in one run:
+  # native and TE, bf16 and FP8, beside one run of transformers and of liger-kernel.
+  run gpu_tests 300 python3 -m pytest -q tests/gpu/test_master_linear_gpu.py \
+    tests/gpu/test_te_gpu.py tests/gpu/test_linear_cross_entropy_gpu.py tests/gpu/test_models_gpu.py
+  tail -4 "$out/gpu_tests.log"
+  run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200.txt"
+  tail -12 "$out/profile_train_h200.txt"
+  run train 520 python3 tests/perf/bench_train.py "$out/train_h200.json" \
+    --variants native:none,te:none,te:te_delayed,te:te_current,native:tensorwise
+  grep -E '"(fp8|linear_backend|step_ms|speedup_vs_best_baseline)"' "$out/train.log" | head -40
+elif [ "${1:-}" = te2 ]; then
+  # Same machine, after `te`: seq 16k rows, the FP8 vs bf16 300-step curve, the loss heads.
+  run train16k 300 python3 tests/perf/bench_train.py "$out/train_h200_seq16k.json" --seq 16384 \
+    --micro-batch 1 --variants native:none,te:te_delayed
+  grep -E '"(fp8|step_ms|speedup_vs_best_baseline)"' "$out/train16k.log" | head -20
+  run curve 400 python3 tests/perf/fp8_curve.py "$out/fp8_curve_h200.json"
+  tail -8 "$out/curve.log"
 elif [ "${1:-}" = x2 ]; then
   two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
   run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3

@@ -100,7 +100,7 @@ def single(tmp_path_factory) -> dict:
     """bench_train.py in one process, training steps, both sides: the layouts' loss reference."""
     tmp_path = tmp_path_factory.mktemp("bench_single")
     return _bench(tmp_path, "single", "bench_train.py", "--activation-checkpointing",
-                  "--linear-backend", "auto")
+                  "--variants", "auto:none,native:none")
 
 
 def test_bench_model_with_hf_baseline(tmp_path):
@@ -120,6 +120,17 @@ def test_bench_train_single_process_with_hf_baseline(single):
     _check_side(single["mpcore"], SEQ * MICRO_BATCH, 1)
     assert single["mpcore"]["layout"] == _layout()
     _check_hf(single)
+    # --variants: each timed beside the one baseline run, the first is the top-level row.
+    first, second = single["variants"]
+    assert (first["fp8"], first["linear_backend"]) == (second["fp8"], second["linear_backend"]) \
+        == ("none", "native")
+    assert first["mpcore"] == single["mpcore"]
+    _check_side(second["mpcore"], SEQ * MICRO_BATCH, 1)
+    assert second["mpcore"]["first_loss"] == first["mpcore"]["first_loss"]  # same seed, batches
+    for v in (first, second):
+        assert v["speedup_vs_best_baseline"] == pytest.approx(
+            v["mpcore"]["tokens_per_s_per_gpu"] / single["hf"]["tokens_per_s_per_gpu"])
+        assert v["memory_ratio_vs_best_baseline"] is None
 
 
 @pytest.mark.parametrize("name, args, layout", [

@@ -4,6 +4,7 @@ layers' ``gemm`` hook. TE itself runs in tests/gpu/test_te_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -16,6 +17,7 @@ from mpcore.config import load_config
 from parallel import te
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.state import ParallelState
+from parallel.te import TEGemm, forward_region
 
 no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")
 HINT = re.escape(te.TE_INSTALL)
@@ -106,3 +108,20 @@ def test_layers_run_natively_and_through_a_gemm_hook():
     out.sum().backward()
     assert col.weight.grad is not None and x.grad is not None
     assert [sorted(m.state_dict()) for m in (col, row)] == keys
+
+
+def test_forward_region_is_a_null_context_without_te_layers():
+    model = torch.nn.Sequential(ColumnParallelLinear(16, 32), RowParallelLinear(32, 16))
+    region = forward_region(model)
+    with region():
+        pass
+    assert region is contextlib.nullcontext
+
+
+def test_forward_region_refuses_mixed_recipes():
+    col, row = ColumnParallelLinear(16, 32), RowParallelLinear(32, 16)
+    for layer, fp8 in ((col, "te_delayed"), (row, "te_current")):
+        layer.gemm = TEGemm.__new__(TEGemm)  # no TE here: only the recipe name is read
+        layer.gemm.fp8 = fp8
+    with pytest.raises(ValueError, match="mix fp8 recipes"):
+        forward_region(torch.nn.Sequential(col, row))
