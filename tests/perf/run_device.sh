@@ -3,7 +3,7 @@
 #   bash tests/perf/run_device.sh tests    # tests/gpu (on either kind; run it first)
 #   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
-#   bash tests/perf/run_device.sh te; ... te2   # with TransformerEngine installed (TE.md)
+#   bash tests/perf/run_device.sh te | te_train | te2   # with TransformerEngine (TE.md)
 # Carry .whl (../shared/scripts/fetch-peer-wheels) for the liger-kernel baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -28,14 +28,15 @@ if [ "${1:-}" = tests ]; then
   tail -5 "$out/gpu_tests.log"
 elif [ "${1:-}" = te ]; then
   # After ../shared/notes/TE.md's install on this machine (TE on PYTHONPATH); carry .whl.
-  # New GPU tests first, then the profile and the 4096 x 4 rows side by side in one run:
-  # native and TE, bf16 and FP8, beside one run of transformers and of liger-kernel.
+  # New GPU tests first, then the profile; te_train: the 4096 x 4 rows side by side in one
+  # run (native and TE, bf16 and FP8, beside one run of transformers and of liger-kernel).
   run gpu_tests 300 python3 -m pytest -q tests/gpu/test_master_linear_gpu.py \
     tests/gpu/test_te_gpu.py tests/gpu/test_linear_cross_entropy_gpu.py tests/gpu/test_models_gpu.py
   tail -4 "$out/gpu_tests.log"
   run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200.txt"
   tail -12 "$out/profile_train_h200.txt"
-  run train 520 python3 tests/perf/bench_train.py "$out/train_h200.json" \
+elif [ "${1:-}" = te_train ]; then
+  run train 560 python3 tests/perf/bench_train.py "$out/train_h200.json" \
     --variants native:none,te:none,te:te_delayed,te:te_current,native:tensorwise
   grep -E '"(fp8|linear_backend|step_ms|speedup_vs_best_baseline)"' "$out/train.log" | head -40
 elif [ "${1:-}" = te2 ]; then
