@@ -5,8 +5,9 @@ fault, a vocab-parallel one would read zeros), and asking the device for ``min``
 a CPU-GPU sync per call: the GPU drains and waits while the host catches up. A batch is on the
 host before it moves to the device, where the same check is free. ``to_device`` takes the
 range there and records it against the device tensor; ``known_range`` gives it back to the
-layers, which then check it without a sync. The record is weak (it goes with the tensor) and
-holds the tensor's version counter, so a tensor changed in place is checked on the device again.
+layers, which then check it without a sync; ``host_copy`` gives back the host tensor itself
+for small ones whose values the host reads (``cu_seqlens``). The record is weak (it goes with
+the tensor) and holds the version counters, so a tensor changed in place is asked again.
 """
 
 from __future__ import annotations
@@ -14,20 +15,25 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-_known = WeakIdKeyDictionary()  # tensor -> (lo, hi, ignore, version)
+# device tensor -> (lo, hi, ignore, its version, host tensor (None: itself), kept?, host version)
+_known = WeakIdKeyDictionary()
 
 
 def to_device(t: torch.Tensor, device: torch.device, *, ignore: int | None = None,
-              non_blocking: bool = False) -> torch.Tensor:
+              non_blocking: bool = False, keep_host: bool = False) -> torch.Tensor:
     """``t`` (an integer tensor on the host) on ``device``, with its range over the entries
-    other than ``ignore`` recorded. ``lo > hi`` records that every entry is ``ignore``."""
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_cuda:
+    other than ``ignore`` recorded. ``lo > hi`` records that every entry is ``ignore``.
+    ``keep_host``: also keep ``t`` itself (for small tensors whose values the host reads, such
+    as ``cu_seqlens``; see :func:`host_copy`)."""
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.device.type != "cpu":
         raise ValueError(f"to_device takes an integer tensor on the host, got {t.dtype} on "
                          f"{t.device}")
     kept = t if ignore is None else t[t != ignore]
     lo, hi = (int(kept.min()), int(kept.max())) if kept.numel() else (0, -1)
     out = t.to(device, non_blocking=non_blocking)
-    _known[out] = (lo, hi, ignore, out._version)
+    # A record never holds its own key (out is t on the host): the entry would never go.
+    host = None if not keep_host or out is t else t
+    _known[out] = (lo, hi, ignore, out._version, host, keep_host, t._version)
     return out
 
 
@@ -38,3 +44,13 @@ def known_range(t: torch.Tensor, ignore: int | None = None) -> tuple[int, int] |
     if entry is None or entry[2] != ignore or entry[3] != t._version:
         return None
     return entry[0], entry[1]
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor | None:
+    """The host tensor ``t`` was copied from by ``to_device(keep_host=True)``, when neither
+    was changed in place since (the same values, readable without a sync), else None."""
+    entry = _known.get(t)
+    if entry is None or not entry[5] or entry[3] != t._version:
+        return None
+    host = t if entry[4] is None else entry[4]
+    return host if host._version == entry[6] else None

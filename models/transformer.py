@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels import host_checked
 from kernels.fp8_linear import check_fp8
 from models.attention import Attention
 from models.config import ModelConfig
@@ -155,8 +156,10 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence parallelism needs the local length ({num}) divisible by "
                              f"tp = {self.tp}; build the ContextPlan with pad_multiple=tp")
         if num:
-            # One CPU-GPU sync per forward: RoPE would extrapolate silently past the limit.
-            most = int(position_ids.max())
+            # RoPE would extrapolate silently past the limit. One CPU-GPU sync per forward,
+            # unless the positions were measured on the host (kernels.host_checked).
+            known = host_checked.known_range(position_ids)
+            most = known[1] if known is not None else int(position_ids.max())
             if most >= self.cfg.max_position_embeddings:
                 raise ValueError(f"position id {most} is beyond max_position_embeddings = "
                                  f"{self.cfg.max_position_embeddings} (positions must be below "

@@ -156,11 +156,10 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
            "positions_in_doc": rank_layout.positions_in_doc,
            "cu_seqlens": rank_layout.cu_seqlens}
     pin = device.type == "cuda"
-    moved = {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in out.items()
-             if k not in ("input_ids", "labels")}
-    # Ids and labels with their ranges taken here, on the host: the embedding and the loss
-    # head then check them against the vocab without a device sync (kernels.host_checked).
-    for key, ignore in (("input_ids", None), ("labels", shifter.ignore_index)):
-        moved[key] = host_checked.to_device(out[key].pin_memory() if pin else out[key], device,
-                                            ignore=ignore, non_blocking=pin)
-    return {k: moved[k] for k in out}
+    # Ranges taken here, on the host (and cu_seqlens kept there): the embedding, the loss head,
+    # RoPE's position limit and the attention plan then check them without a device sync
+    # (kernels.host_checked).
+    ignore = {"labels": shifter.ignore_index}
+    return {k: host_checked.to_device(v.pin_memory() if pin else v, device, ignore=ignore.get(k),
+                                      non_blocking=pin, keep_host=k == "cu_seqlens")
+            for k, v in out.items()}

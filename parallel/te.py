@@ -54,6 +54,7 @@ TE_RECIPES = ("te_delayed", "te_current")
 TE_INSTALL = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (a CUDA machine "
               "without a registry: ../shared/notes/TE.md)")
 _logged: set[str] = set()
+_import_error = [""]  # why the last import of TE failed
 _region = threading.local()  # .fp8: the recipe of the forward_region open on this thread
 
 
@@ -62,7 +63,8 @@ def transformer_engine():
     missing."""
     try:
         return importlib.import_module("transformer_engine.pytorch")
-    except (ImportError, OSError):  # OSError: the package is there but its libraries are not
+    except (ImportError, OSError) as e:  # OSError: the package is there, its libraries not
+        _import_error[0] = f"{type(e).__name__}: {e}"
         return None
 
 
@@ -72,8 +74,9 @@ def te_available() -> bool:
 
 def _require_te(what: str, device_type: str) -> None:
     if not te_available():
-        raise ValueError(f"{what} but transformer_engine.pytorch cannot be imported; install "
-                         f"it ({TE_INSTALL}) or use model.linear_backend=native")
+        raise ValueError(f"{what} but transformer_engine.pytorch cannot be imported "
+                         f"({_import_error[0]}); install it ({TE_INSTALL}) or use "
+                         f"model.linear_backend=native")
     if device_type != "cuda":
         raise ValueError(f"{what} needs CUDA (TransformerEngine's kernels are CUDA only), got "
                          f"device {device_type}; use model.linear_backend=native")
@@ -157,7 +160,9 @@ class TEGemm:
                 y = self.module(x2)
         finally:
             self.module._parameters["weight"] = None  # no reference kept between calls
-        return y[:rows].view(*x.shape[:-1], y.shape[-1])
+        if pad:  # a slice only when rows were added: its backward is a zero-fill and a copy
+            y = y[:rows]
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def __repr__(self) -> str:
         return f"te(fp8={self.fp8})"

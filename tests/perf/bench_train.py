@@ -271,11 +271,13 @@ def main(argv=None) -> int:
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))
+    pairs = args.variant_list or [(args.linear_backend, args.fp8)]
+    # Every variant resolved (TE imported) before the first runs: a missing backend fails here.
+    resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8 in pairs]
     variants = []
-    for backend, fp8 in args.variant_list or [(args.linear_backend, args.fp8)]:
+    for (backend, fp8), chosen in zip(pairs, resolved, strict=True):
         one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8})
-        variants.append({"fp8": fp8, "linear_backend": resolve_linear_backend(
-            backend, _device_kind(), fp8), "mpcore": bench_mpcore(one)})
+        variants.append({"fp8": fp8, "linear_backend": chosen, "mpcore": bench_mpcore(one)})
         _free()
     report["mpcore"] = variants[0]["mpcore"]
     if hf:

@@ -57,3 +57,31 @@ def test_head_raises_on_known_out_of_range_labels(label):
     ref = torch.nn.functional.cross_entropy(h.double() @ w.double().t(),
                                             torch.tensor([1, -100, 11, 5]))
     assert torch.allclose(linear_cross_entropy(h, w, good).double(), ref, atol=1e-5)
+
+
+def test_host_copy_is_kept_on_request_and_dropped_on_change():
+    host = torch.tensor([0, 3, 7], dtype=torch.int32)
+    moved = host_checked.to_device(host.clone(), torch.device("cpu"), keep_host=True)
+    assert torch.equal(host_checked.host_copy(moved), host)
+    plain = host_checked.to_device(host.clone(), torch.device("cpu"))
+    assert host_checked.host_copy(plain) is None
+    moved.add_(0)  # an in-place change (even of nothing) bumps the version: ask the device
+    assert host_checked.host_copy(moved) is None
+
+
+def test_local_inputs_record_every_tensor():
+    from mpcore.batches import local_inputs
+    from mpcore.config import load_config
+    from parallel import LabelShifter
+    from parallel.state import ParallelState
+
+    cfg = load_config(None, [])
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    batch = {"input_ids": torch.arange(12) % 7, "cu_seqlens": cu,
+             "position_ids": torch.cat([torch.arange(5), torch.arange(7)])}
+    inputs = local_inputs(batch, ParallelState(), cfg, torch.device("cpu"), LabelShifter())
+    assert host_checked.known_range(inputs["input_ids"]) == (0, 6)
+    assert host_checked.known_range(inputs["position_ids"]) == (0, 6)
+    lo, hi = host_checked.known_range(inputs["labels"], -100)
+    assert 0 <= lo <= hi <= 6
+    assert torch.equal(host_checked.host_copy(inputs["cu_seqlens"]).long(), cu.long())
