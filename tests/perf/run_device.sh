@@ -31,7 +31,8 @@ elif [ "${1:-}" = te ]; then
   # New GPU tests first, then the profile; te_train: the 4096 x 4 rows side by side in one
   # run (native and TE, bf16 and FP8, beside one run of transformers and of liger-kernel).
   run gpu_tests 300 python3 -m pytest -q tests/gpu/test_master_linear_gpu.py \
-    tests/gpu/test_te_gpu.py tests/gpu/test_linear_cross_entropy_gpu.py tests/gpu/test_models_gpu.py
+    tests/gpu/test_te_gpu.py tests/gpu/test_linear_cross_entropy_gpu.py tests/gpu/test_models_gpu.py \
+    tests/gpu/test_attention_backends_gpu.py
   tail -4 "$out/gpu_tests.log"
   run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200.txt"
   tail -12 "$out/profile_train_h200.txt"
