@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernels import host_checked
 from models import (
     ModelConfig,
     VisionConfig,
@@ -171,8 +172,13 @@ def vl_local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: C
     for key, value in local.items():
         if key == "grid_thw" or value is None:  # host metadata: the tower plans on the CPU
             out[key] = value
-        else:
+        elif value.is_floating_point() or value.dtype == torch.bool:
             out[key] = (value.pin_memory() if pin else value).to(device, non_blocking=pin)
+        else:  # ranges taken here, on the host, as for text (mpcore.batches.local_inputs)
+            out[key] = host_checked.to_device(
+                value.pin_memory() if pin else value, device,
+                ignore=-100 if key == "labels" else None, non_blocking=pin,
+                keep_host=key == "cu_seqlens")
     return out
 
 
