@@ -16,8 +16,8 @@ launch/configs/llama3_1b.yaml), with random token data instead of the corpus (on
 sample, ``micro_batch`` samples of ``seq`` tokens per step on each dp rank). The baselines:
 ``LlamaForCausalLM`` of the same shape (``models.hf_config_dict`` of the config: tied, rope
 theta 500000 with llama3 scaling for the default), fp32 parameters, bf16 autocast, SDPA
-attention, fused AdamW with the same hyper-parameters, gradient clipping at 1.0, the same token
-batches ``[micro_batch, seq]``; then again with liger-kernel's Llama patches (fused linear cross
+attention, fused AdamW with the same hyper-parameters and the same lr schedule (``lr_at``, 10
+warmup steps), gradient clipping at 1.0, the same token batches ``[micro_batch, seq]``; then again with liger-kernel's Llama patches (fused linear cross
 entropy, RMSNorm, SwiGLU, RoPE) when liger_kernel imports, else reported as missing.
 
 Without CUDA (a smoke check, e.g. tests/unit/test_bench_smoke.py with launch/configs/tiny.yaml)
@@ -58,6 +58,7 @@ from models import hf_config_dict  # noqa: E402
 from mpcore.backends import resolve_linear_backend  # noqa: E402
 from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
+from mpcore.optim import lr_at, set_lr  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "train_h200.json"
@@ -176,7 +177,8 @@ def bench_hf(args, liger: bool) -> dict:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()
-    cfg = load_config(args.config)
+    # mpcore's schedule overrides: both sides step through the same lr_at schedule.
+    cfg = load_config(args.config, ["schedule.warmup_steps=10"])
     device = torch.device(_device_kind())
     cuda = device.type == "cuda"  # as pretrain: bf16 autocast and fused AdamW on CUDA only
     torch.manual_seed(0)
@@ -188,7 +190,8 @@ def bench_hf(args, liger: bool) -> dict:
                                   eps=opt.eps, weight_decay=opt.weight_decay, fused=cuda or None)
     loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0)
 
-    def step(_: int) -> float:
+    def step(i: int) -> float:
+        set_lr(optimizer, lr_at(i + 1, cfg))  # optimizer step i + 1, as Trainer.train_step
         ids = loader.tokens().to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(input_ids=ids, labels=ids).loss
