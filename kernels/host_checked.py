@@ -12,11 +12,23 @@ the tensor) and holds the version counters, so a tensor changed in place is aske
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# device tensor -> (lo, hi, ignore, its version, host tensor (None: itself), kept?, host version)
-_known = WeakIdKeyDictionary()
+
+class _Record(NamedTuple):
+    lo: int  # range of the entries other than ignore (lo > hi: none)
+    hi: int
+    ignore: int | None
+    version: int  # the device tensor's version counter when recorded
+    host: torch.Tensor | None  # the host tensor kept (None: the tensor itself, or not kept)
+    kept: bool
+    host_version: int
+
+
+_known = WeakIdKeyDictionary()  # device tensor -> _Record
 
 
 def to_device(t: torch.Tensor, device: torch.device, *, ignore: int | None = None,
@@ -33,24 +45,24 @@ def to_device(t: torch.Tensor, device: torch.device, *, ignore: int | None = Non
     out = t.to(device, non_blocking=non_blocking)
     # A record never holds its own key (out is t on the host): the entry would never go.
     host = None if not keep_host or out is t else t
-    _known[out] = (lo, hi, ignore, out._version, host, keep_host, t._version)
+    _known[out] = _Record(lo, hi, ignore, out._version, host, keep_host, t._version)
     return out
 
 
 def known_range(t: torch.Tensor, ignore: int | None = None) -> tuple[int, int] | None:
     """``(lo, hi)`` of ``t``'s entries other than ``ignore`` when the host recorded it (with
     the same ``ignore``) and ``t`` was not changed in place since, else None."""
-    entry = _known.get(t)
-    if entry is None or entry[2] != ignore or entry[3] != t._version:
+    r = _known.get(t)
+    if r is None or r.ignore != ignore or r.version != t._version:
         return None
-    return entry[0], entry[1]
+    return r.lo, r.hi
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor | None:
     """The host tensor ``t`` was copied from by ``to_device(keep_host=True)``, when neither
     was changed in place since (the same values, readable without a sync), else None."""
-    entry = _known.get(t)
-    if entry is None or not entry[5] or entry[3] != t._version:
+    r = _known.get(t)
+    if r is None or not r.kept or r.version != t._version:
         return None
-    host = t if entry[4] is None else entry[4]
-    return host if host._version == entry[6] else None
+    host = t if r.host is None else r.host
+    return host if host._version == r.host_version else None

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from kernels import _lce_chunks as chunks
 from kernels import host_checked
-from kernels.master_linear import addmm_has_out_dtype, master_linear_applies
+from kernels.master_linear import master_linear_applies
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
@@ -280,8 +280,7 @@ def _master(hidden, weight, reduction) -> torch.dtype | None:
     if reduction == "none" or not isinstance(hidden, torch.Tensor) \
             or not isinstance(weight, torch.Tensor):
         return None
-    dtype = master_linear_applies(hidden, weight)
-    return dtype if dtype is not None and addmm_has_out_dtype("cuda") else None
+    return master_linear_applies(hidden, weight)
 
 
 def _cross_entropy(hidden, weight, labels, ignore_index, reduction, temperature, vocab_size,

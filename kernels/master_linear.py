@@ -31,25 +31,18 @@ COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def mm_has_out_dtype(device_type: str) -> bool:
-    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs on 16-bit inputs here."""
-    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-    try:
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-@functools.cache
-def addmm_has_out_dtype(device_type: str) -> bool:
-    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32)`` runs here with ``c`` fp32
-    and ``a``, ``b`` 16-bit (fp32 accumulation into an fp32 sum)."""
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` and ``torch.addmm(c, a, b,
+    out_dtype=torch.float32)`` run here on 16-bit ``a``, ``b`` (fp32 ``c``): the GEMMs that
+    write, or accumulate into, fp32 (probed once; one sync)."""
     a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
     c = torch.ones(2, 2, dtype=torch.float32, device=device_type)
     try:
-        out = torch.addmm(c, a, a, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):
+        mm = torch.mm(a, a, out_dtype=torch.float32)
+        addmm = torch.addmm(c, a, a, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):  # this torch or device has neither
         return False
-    return out.dtype == torch.float32 and bool((out == 3).all())
+    return (mm.dtype == addmm.dtype == torch.float32 and bool((mm == 2).all())
+            and bool((addmm == 3).all()))
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -155,11 +155,28 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
            "labels": local["labels"], "doc_id": rank_layout.doc_id,
            "positions_in_doc": rank_layout.positions_in_doc,
            "cu_seqlens": rank_layout.cu_seqlens}
+    return to_device(out, device, shifter.ignore_index)
+
+
+def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,
+              ignore_index: int) -> dict[str, torch.Tensor | None]:
+    """Model inputs (host tensors) on ``device``, pinned and copied asynchronously on CUDA.
+
+    Integer tensors go through ``kernels.host_checked``: their ranges are taken here, on the
+    host (``labels`` without ``ignore_index``), and ``cu_seqlens`` is kept here too, so the
+    embedding, the loss head, RoPE's position limit and the attention plan check them without
+    a device sync. Floating and bool tensors are moved as they are; None stays None."""
     pin = device.type == "cuda"
-    # Ranges taken here, on the host (and cu_seqlens kept there): the embedding, the loss head,
-    # RoPE's position limit and the attention plan then check them without a device sync
-    # (kernels.host_checked).
-    ignore = {"labels": shifter.ignore_index}
-    return {k: host_checked.to_device(v.pin_memory() if pin else v, device, ignore=ignore.get(k),
-                                      non_blocking=pin, keep_host=k == "cu_seqlens")
-            for k, v in out.items()}
+    out = {}
+    for key, value in inputs.items():
+        if value is None:
+            out[key] = None
+            continue
+        value = value.pin_memory() if pin else value
+        if value.is_floating_point() or value.dtype == torch.bool:
+            out[key] = value.to(device, non_blocking=pin)
+        else:
+            out[key] = host_checked.to_device(
+                value, device, ignore=ignore_index if key == "labels" else None,
+                non_blocking=pin, keep_host=key == "cu_seqlens")
+    return out

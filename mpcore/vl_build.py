@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import host_checked
 from models import (
     ModelConfig,
     VisionConfig,
@@ -159,6 +158,8 @@ def vl_model_config(cfg: Config, tok: VLTokenizer | None) -> VLConfig:
 def vl_local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Config,
                     device: torch.device, vl_cfg: VLConfig) -> dict[str, torch.Tensor]:
     """``VLModel.forward`` keyword arguments of this cp rank for one VL micro-batch."""
+    from mpcore.batches import to_device  # batches imports this module
+
     sp = cfg.parallel.sequence_parallel and state.tp > 1
     _, local = local_vl_inputs(state, batch["input_ids"], batch["cu_seqlens"], vl_cfg,
                                pixel_values=batch["pixel_values"],
@@ -167,19 +168,9 @@ def vl_local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: C
     if local["grid_thw"] is None or not local["grid_thw"].numel():
         local["pixel_values"] = None
         local["grid_thw"] = None
-    pin = device.type == "cuda"
-    out = {}
-    for key, value in local.items():
-        if key == "grid_thw" or value is None:  # host metadata: the tower plans on the CPU
-            out[key] = value
-        elif value.is_floating_point() or value.dtype == torch.bool:
-            out[key] = (value.pin_memory() if pin else value).to(device, non_blocking=pin)
-        else:  # ranges taken here, on the host, as for text (mpcore.batches.local_inputs)
-            out[key] = host_checked.to_device(
-                value.pin_memory() if pin else value, device,
-                ignore=-100 if key == "labels" else None, non_blocking=pin,
-                keep_host=key == "cu_seqlens")
-    return out
+    grid_thw = local.pop("grid_thw")  # host metadata: the tower plans on the CPU
+    # -100: the ignore index vl_inputs gives the labels
+    return {**to_device(local, device, ignore_index=-100), "grid_thw": grid_thw}
 
 
 def build_vl(cfg: Config, state: ParallelState, device: torch.device, loader=None):
