@@ -167,25 +167,19 @@ def forward_stats(hidden, weight, tgt, head: Head, with_entropy: bool) -> torch.
     return combine_stats(stats, head.group)
 
 
-def _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw, dw_dtype=None):
+def _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw):
     """``dh[r0:r1] = g @ W`` (when ``dh`` is given); returns ``dw + g^T @ h`` (``g^T @ h`` for
-    the first chunk) when ``need_dw``, else ``dw`` unchanged. ``dw_dtype`` fp32 with 16-bit
-    ``g``: the GEMMs accumulate and write ``dw`` in fp32 (``out_dtype``, CUDA)."""
+    the first chunk, then accumulated in place) when ``need_dw``, else ``dw`` unchanged."""
     if dh is not None:
         torch.mm(g, weight, out=dh[r0:r1])
     if not need_dw:
         return dw
-    if dw_dtype is None or dw_dtype == g.dtype:
-        return torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
-    if dw is None:
-        return torch.mm(g.t(), h, out_dtype=dw_dtype)
-    return torch.addmm(dw, g.t(), h, out_dtype=dw_dtype)
+    return torch.mm(g.t(), h) if dw is None else dw.addmm_(g.t(), h)
 
 
-def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, need_dw: bool,
-                         dw_dtype: torch.dtype | None = None):
+def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, need_dw: bool):
     """Sum of the token losses, with d(sum)/d(hidden) and d(sum)/d(weight) computed on the way
-    (``dw`` in ``dw_dtype``, default the weight's: fp32 for an fp32 master weight).
+    (``dw`` in the weight's dtype).
 
     Per chunk: logits GEMM, one row pass that turns the logits into their gradient in place,
     then ``dh_c = g @ W`` and ``dW += g^T @ h_c``. With ``group`` the chunk's stats are
@@ -211,10 +205,10 @@ def forward_ce_with_grad(hidden, weight, tgt, valid, head: Head, need_dh: bool, 
             stats[:, r0:r1] = st
             lse = st[0] + torch.log(st[1])
             head.rows.row_grad(logits, g, tgt[r0:r1], lse, None, coef[r0:r1], None, *args)
-        dw = _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw, dw_dtype)
+        dw = _add_chunk_grads(g, h, weight, dh, r0, r1, dw, need_dw)
         del logits, g  # free the chunk before the next one is allocated
     if need_dw and dw is None:  # no rows
-        dw = torch.zeros_like(weight, dtype=dw_dtype)
+        dw = torch.zeros_like(weight)
     lse = stats[0] + torch.log(stats[1])
     loss_sum = torch.where(valid, lse - stats[2], 0.0).sum()
     return loss_sum, dh, dw

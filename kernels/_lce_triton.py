@@ -90,22 +90,37 @@ def _lce_rows_kernel(
 
 
 @triton.jit
-def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, y_ptr, scale_ptr, n, BLOCK: tl.constexpr, IN_PLACE: tl.constexpr):
     s = tl.load(scale_ptr)
-    if s != 1.0:  # the common upstream gradient 1.0 costs one launch of empty programs
+    # In place, the common upstream gradient 1.0 costs one launch of empty programs.
+    if (s != 1.0) or (not IN_PLACE):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-        tl.store(x_ptr + offs, (x * s).to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs, (x * s).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_launch(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> None:
+    assert x.is_contiguous() and y.is_contiguous() and scale.numel() == 1
+    n = x.numel()
+    if n:
+        block = 8192
+        _scale_kernel[(triton.cdiv(n, block),)](x, y, scale, n, BLOCK=block,
+                                                IN_PLACE=x.data_ptr() == y.data_ptr(),
+                                                num_warps=8)
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
     """``x *= scale`` in place (x contiguous, scale a 0-d fp32 tensor), without a host sync."""
-    assert x.is_contiguous() and scale.numel() == 1
-    n = x.numel()
-    if n:
-        block = 8192
-        _scale_kernel[(triton.cdiv(n, block),)](x, scale, n, BLOCK=block, num_warps=8)
+    _scale_launch(x, x, scale)
+
+
+def scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(x * scale)`` written as a new ``dtype`` tensor in one pass (the product in fp32, then
+    rounded once to ``dtype``); x contiguous, scale a 0-d fp32 tensor; no host sync."""
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    _scale_launch(x, y, scale)
+    return y
 
 
 def _block(n_cols: int, block: int | None) -> int:

@@ -86,13 +86,16 @@ def _ce_sum_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                ignore_index: int, temperature: float, vocab_size: int, group_name: str,
                impl: str, need_dh: bool, need_dw: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # An fp32 master weight under autocast (``_master``) is cast here, and its gradient is
-    # accumulated in fp32 by the GEMMs: no bf16 gradient to cast back outside the op.
+    # An fp32 master weight under autocast (``_master``) is cast here. Its gradient is
+    # accumulated over the chunks in the compute dtype (an in-place addmm per chunk) and saved
+    # so; the backward scales it and writes the fp32 gradient in one pass. (Accumulating in
+    # fp32 instead, ``addmm(..., out_dtype)``, measured ~+0.5 ms per chunk on the H200 and held
+    # an fp32 [V, H] from forward to backward: results/profile_train_h200.txt, fifth session.)
     w = weight.to(hidden.dtype)
     head, valid, tgt = _setup(hidden, w, labels, ignore_index, temperature, vocab_size,
                               group_name, impl, chunks.FP32_LOGITS_CE)
     loss_sum, dh, dw = chunks.forward_ce_with_grad(hidden, w, tgt, valid, head, need_dh,
-                                                   need_dw, dw_dtype=weight.dtype)
+                                                   need_dw)
     empty = hidden.new_empty(0)
     return loss_sum, empty if dh is None else dh, empty if dw is None else dw
 
@@ -103,7 +106,7 @@ def _(hidden, weight, labels, ignore_index, temperature, vocab_size, group_name,
     empty = hidden.new_empty(0)
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_dh else empty,
-            torch.empty_like(weight) if need_dw else empty)
+            torch.empty_like(weight, dtype=hidden.dtype) if need_dw else empty)
 
 
 def _ce_sum_setup(ctx, inputs, output):
@@ -111,6 +114,7 @@ def _ce_sum_setup(ctx, inputs, output):
     # None instead of zero tensors of the gradients' size.
     ctx.set_materialize_grads(False)
     ctx.need = inputs[-2:]
+    ctx.weight_dtype = inputs[1].dtype  # dw is saved in the compute dtype (hidden's)
     ctx.save_for_backward(output[1], output[2])
 
 
@@ -130,15 +134,35 @@ def _(grad, scale):
     return None
 
 
+@torch.library.custom_op("mpcore::scale_grad_to", mutates_args=())
+def _scale_grad_to_op(grad: torch.Tensor, scale: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``grad * scale`` as a new ``dtype`` tensor, one pass (the product in fp32)."""
+    if grad.is_cuda:
+        from kernels import _lce_triton
+
+        return _lce_triton.scale_to(grad, scale.float(), dtype)
+    return (grad.float() * scale.float()).to(dtype)
+
+
+@_scale_grad_to_op.register_fake
+def _(grad, scale, dtype):
+    return torch.empty_like(grad, dtype=dtype)
+
+
 def _ce_sum_backward(ctx, g_loss, _g_dh, _g_dw):
     # The stored gradients are scaled in place: this graph can be backpropagated once.
     dh, dw = ctx.saved_tensors
     need_dh, need_dw = ctx.need
     if g_loss is None:
         return (None,) * 10
-    for grad, needed in ((dh, need_dh), (dw, need_dw)):
-        if needed:
-            _scale_grad_op(grad, g_loss)
+    if need_dh:
+        _scale_grad_op(dh, g_loss)
+    if need_dw:
+        if dw.dtype == ctx.weight_dtype:
+            _scale_grad_op(dw, g_loss)
+        else:  # the fp32 master's gradient from the compute-dtype sum: scaled and cast at once
+            dw = _scale_grad_to_op(dw, g_loss, ctx.weight_dtype)
     return (dh if need_dh else None, dw if need_dw else None) + (None,) * 8
 
 

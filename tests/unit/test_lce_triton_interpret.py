@@ -76,6 +76,9 @@ def _check_scale():
     assert torch.equal(y, x)
     tri.scale_(y, torch.tensor(-0.37))
     assert torch.equal(y, (x.float() * -0.37).half())
+    for s in (1.0, -0.37):  # out of place: always written, the product rounded once
+        z = tri.scale_to(x, torch.tensor(s), torch.float32)
+        assert z.dtype == torch.float32 and torch.equal(z, x.float() * s)
 
 
 def _check_engine():
