@@ -22,6 +22,19 @@ The weight is quantized on every call (no ``is_first_microbatch``: TE caches no 
 which a weight that changes under FSDP2 needs). Rows are zero-padded to a multiple of 8 as
 TE's FP8 GEMM wants (``utils.assert_dim_for_fp8_exec``).
 
+fp32 weight gradients straight from TE's GEMM (as ``kernels.master_linear`` does for the native
+path): for an fp32 weight that needs a gradient, TE's wgrad GEMM writes fp32 into a buffer
+(TE's ``fuse_wgrad_accumulation`` with ``overwrite_main_grad``: ``main_grad`` of the tensor TE
+was given) instead of returning bf16 that autograd would cast to fp32 (one pass reading 2 and
+writing 4 bytes per weight element, per micro-batch; the gradient is also not rounded to bf16).
+TE is handed an alias of the weight made by ``_WgradOut``; a hook on TE's output allocates the
+buffer just before TE's backward runs (no fp32 gradient lives through the forward), and
+``_WgradOut``'s backward returns that buffer as the weight's gradient, so autograd accumulates
+it as usual: ``.grad`` accumulation over micro-batches, DDP's and FSDP2's hooks, and
+``register_post_accumulate_grad_hook`` all see an ordinary gradient. A TE whose wgrad GEMM
+does not honour ``overwrite_main_grad`` (probed once on the device: ``_overwrites_main_grad``)
+gets a zero-filled buffer to accumulate into instead.
+
 One ``te.autocast`` region per forward: ``forward_region(model)`` (the trainer enters it around
 each micro-batch's forward) opens the region once, and every ``TEGemm`` of that recipe inside
 runs in it, as TE's own models do. TE updates the delayed-scaling amax histories at the exit of
@@ -129,6 +142,76 @@ def _autocast(te, recipe):
     return te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe)
 
 
+_OVERWRITES: dict[str, bool] = {}  # does this TE's wgrad GEMM overwrite main_grad (probed)?
+
+
+class _Slot:
+    """One TE call's fp32 weight-gradient buffer: the alias TE was given (whose ``main_grad``
+    TE writes) and the buffer, from the pre-backward hook to ``_WgradOut``'s backward."""
+
+    __slots__ = ("alias", "grad")
+
+    def __init__(self):
+        self.alias = self.grad = None
+
+
+class _WgradOut(torch.autograd.Function):
+    """Identity on the weight (a view TE is given). TE writes the weight's gradient into the
+    view's ``main_grad`` and returns none for it; this backward returns that buffer."""
+
+    @staticmethod
+    def forward(ctx, weight, slot):
+        ctx.set_materialize_grads(False)
+        ctx.slot = slot
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot = ctx.slot
+        buf, alias = slot.grad, slot.alias
+        slot.grad = slot.alias = None
+        if buf is None:
+            raise RuntimeError("TransformerEngine's backward ran without the fp32 weight-gradient "
+                               "buffer (the hook on its output did not fire)")
+        # Drop every other reference, so that autograd can take the buffer as .grad itself
+        # instead of copying it (AccumulateGrad steals a gradient nobody else holds).
+        if alias is not None and hasattr(alias, "main_grad"):
+            del alias.main_grad
+        if grad is not None:  # TE returned a gradient as well (a TE that ignores main_grad)
+            buf = buf + grad
+        return buf, None
+
+
+def _overwrites_main_grad(te) -> bool:
+    """Whether TE's Linear with ``fuse_wgrad_accumulation`` writes (not adds) the weight
+    gradient into a ``main_grad`` whose tensor has ``overwrite_main_grad`` set: one tiny fp32
+    forward and backward on the current CUDA device into a NaN-filled buffer, compared with
+    the exact gradient (cached; False without CUDA)."""
+    if "overwrite" not in _OVERWRITES:
+        ok = False
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+            lin = te.Linear(64, 32, bias=False, params_dtype=torch.float32, device=device,
+                            fuse_wgrad_accumulation=True)
+            x = torch.randn(16, 64, device=device)
+            w = lin.weight
+            w.main_grad = torch.full_like(w, float("nan"))
+            w.overwrite_main_grad = True
+            with _autocast(te, None):
+                lin(x).sum().backward()
+            exact = torch.ones(16, 32, device=device).t() @ x
+            ok = bool(torch.allclose(w.main_grad, exact, rtol=1e-2, atol=1e-2))
+        except (RuntimeError, TypeError, AttributeError, AssertionError):
+            ok = False
+        _OVERWRITES["overwrite"] = ok
+    return _OVERWRITES["overwrite"]
+
+
+def _fp32_wgrad(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.float32 and weight.requires_grad
+            and torch.is_grad_enabled())
+
+
 class TEGemm:
     """``y = x @ weight.T`` through ``transformer_engine.pytorch.Linear`` (module docstring).
 
@@ -143,6 +226,20 @@ class TEGemm:
         self.module = self.te.Linear(in_features, out_features, bias=False,
                                      params_dtype=torch.float32, device="meta")
         self.module._parameters["weight"] = None
+        self.overwrite = _overwrites_main_grad(self.te)
+        self.fp32_wgrad = True  # False: TE's gradient in the compute dtype, cast by autograd
+
+    def _wgrad_alias(self, weight: torch.Tensor):
+        """``(tensor to give TE, slot)``: an alias whose ``main_grad`` TE writes (fp32 weight
+        needing a gradient), else ``(weight, None)``."""
+        fused = self.fp32_wgrad and _fp32_wgrad(weight)
+        self.module.fuse_wgrad_accumulation = fused
+        if not fused:
+            return weight, None
+        slot = _Slot()
+        slot.alias = _WgradOut.apply(weight, slot)
+        slot.alias.overwrite_main_grad = self.overwrite
+        return slot.alias, slot
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
@@ -153,19 +250,34 @@ class TEGemm:
         # Linear.forward reads its weight by name (_get_weight_tensors: getattr per
         # weight_names; one weight, so noop_cat returns it as is), and _Linear.apply takes it
         # as an input: the gradient flows to our tensor.
-        self.module._parameters["weight"] = weight
+        given, slot = self._wgrad_alias(weight)
+        self.module._parameters["weight"] = given
         inside = getattr(_region, "fp8", None) == self.fp8
         try:
             with contextlib.nullcontext() if inside else _autocast(self.te, self.recipe):
                 y = self.module(x2)
         finally:
             self.module._parameters["weight"] = None  # no reference kept between calls
+        if slot is not None:
+            y.register_hook(_alloc_hook(slot, self.overwrite))
         if pad:  # a slice only when rows were added: its backward is a zero-fill and a copy
             y = y[:rows]
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def __repr__(self) -> str:
         return f"te(fp8={self.fp8})"
+
+
+def _alloc_hook(slot: _Slot, overwrite: bool):
+    """The hook on TE's output that gives the alias its fp32 gradient buffer right before TE's
+    backward (empty when TE overwrites it, else zeros to accumulate into)."""
+
+    def hook(grad):
+        new = torch.empty_like if overwrite else torch.zeros_like
+        slot.grad = slot.alias.main_grad = new(slot.alias, dtype=torch.float32,
+                                               memory_format=torch.contiguous_format)
+
+    return hook
 
 
 def use_te(module: nn.Module, fp8: str = "none") -> int:

@@ -93,6 +93,40 @@ def test_te_bf16_matches_native(rows):
     assert all(e < 1e-2 for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("recipe", ["none", "te_current"])
+def test_te_fp32_weight_gradient_through_main_grad(recipe):
+    """TE writes the fp32 master's gradient itself (``fuse_wgrad_accumulation`` into the
+    alias's ``main_grad``): over two accumulated micro-batches it is at least as close to
+    float64 as TE's bf16 gradient cast by autograd (bf16), and within FP8 noise of it."""
+    if recipe != "none" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability >= 8.9")
+    assert parallel.te._overwrites_main_grad(parallel.te.transformer_engine())
+    g = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(1000, 1024, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    dys = [torch.randn(1000, 768, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    layers = {}
+    for fused in (True, False):
+        layer = ColumnParallelLinear(1024, 768, device="cuda")
+        layer.reset_parameters(7)
+        use_te(layer, recipe)
+        layer.gemm.fp32_wgrad = fused
+        for x, dy in zip(xs, dys):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(x)
+            y.backward(dy)
+        assert layer.weight.grad.dtype == torch.float32 and not hasattr(layer.weight,
+                                                                         "main_grad")
+        layers[fused] = layer
+    exact = sum(dy.double().t() @ x.double() for x, dy in zip(xs, dys))
+    err, err_b = _rel(layers[True].weight.grad, exact), _rel(layers[False].weight.grad, exact)
+    print(f"te {recipe} dw rel err vs float64: fp32 main_grad {err:.2e}, bf16 {err_b:.2e}")
+    if recipe == "none":
+        assert err < 1e-5 and err <= err_b
+    else:  # FP8 operands: the same quantized GEMM, only the output rounding differs
+        assert _rel(layers[True].weight.grad, layers[False].weight.grad) < 1e-2
+        assert err <= err_b * 1.01
+
+
 @fp8_gpu
 @pytest.mark.parametrize("recipe", ["te_delayed", "te_current"])
 @pytest.mark.parametrize("rows", [4096, 1001])  # 1001: rows padded to a multiple of 8

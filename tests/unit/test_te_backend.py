@@ -125,3 +125,90 @@ def test_forward_region_refuses_mixed_recipes():
         layer.gemm.fp8 = fp8
     with pytest.raises(ValueError, match="mix fp8 recipes"):
         forward_region(torch.nn.Sequential(col, row))
+
+
+class _StandInLinearFn(torch.autograd.Function):
+    """TE's ``_Linear`` contract for ``fuse_wgrad_accumulation`` (transformer_engine/pytorch/
+    module/linear.py): the weight's gradient goes into ``weight.main_grad`` (read in the
+    backward; overwritten when ``weight.overwrite_main_grad``, else added to) and none is
+    returned for the weight; without the flag the gradient is returned."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fuse, seen):
+        ctx.save_for_backward(x, weight)
+        ctx.fuse, ctx.seen, ctx.weight_object = fuse, seen, weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dw = dy.t() @ x
+        if not ctx.fuse:
+            return dy @ weight, dw, None, None
+        main_grad = ctx.weight_object.main_grad
+        ctx.seen.append(main_grad.data_ptr())
+        if getattr(ctx.weight_object, "overwrite_main_grad", False):
+            main_grad.copy_(dw)
+        else:
+            main_grad.add_(dw)
+        return dy @ weight, None, None, None
+
+
+class _StandInTE:
+    """Just enough of ``transformer_engine.pytorch`` for ``TEGemm``: ``Linear`` and
+    ``autocast``."""
+
+    def __init__(self):
+        self.seen = []
+
+    def autocast(self, enabled, recipe):
+        return contextlib.nullcontext()
+
+    def Linear(self, in_features, out_features, bias, params_dtype, device):  # noqa: N802
+        seen = self.seen
+
+        class Linear:
+            fuse_wgrad_accumulation = False
+
+            def __init__(self):
+                self._parameters = {"weight": None}
+
+            def __call__(self, x):
+                return _StandInLinearFn.apply(x, self._parameters["weight"],
+                                              self.fuse_wgrad_accumulation, seen)
+
+        return Linear()
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_te_gemm_fp32_weight_gradient_goes_through_main_grad(monkeypatch, overwrite):
+    """The fp32 weight's gradient is written into ``main_grad`` by the (stand-in) TE backward
+    and comes back to autograd as an ordinary gradient: equal to F.linear's over two
+    micro-batches (accumulated in .grad), the buffer taken as .grad without a copy on the
+    first, post-accumulate hooks fired, and no buffer allocated before the backward."""
+    fake = _StandInTE()
+    monkeypatch.setattr(te, "transformer_engine", lambda: fake)
+    monkeypatch.setitem(te._OVERWRITES, "overwrite", overwrite)
+    g = torch.Generator().manual_seed(3)
+    layer = ColumnParallelLinear(24, 40, bias=False)
+    layer.reset_parameters(0)
+    ref = ColumnParallelLinear(24, 40, bias=False)
+    ref.load_state_dict(layer.state_dict())
+    layer.gemm = TEGemm(40, 24)
+    assert layer.gemm.overwrite is overwrite
+    hooked = []
+    layer.weight.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.clone()))
+    for micro in range(2):
+        x = torch.randn(2, 5, 24, generator=g, requires_grad=True)
+        out = layer(x)
+        assert not hasattr(layer.weight, "main_grad")
+        out.square().sum().backward()
+        ref(x.detach()).square().sum().backward()
+        if micro == 0:
+            assert layer.weight.grad.data_ptr() == fake.seen[0]  # taken, not copied
+        torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    assert len(fake.seen) == 2 and len(hooked) == 2
+    torch.testing.assert_close(hooked[-1], ref.weight.grad)
+    with torch.no_grad():  # no gradient wanted: the plain TE call, no buffer
+        layer(torch.randn(3, 24))
+    assert len(fake.seen) == 2
