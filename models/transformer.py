@@ -17,7 +17,7 @@ The values are those of the lines above to fp32 rounding (``kernels.rmsnorm``); 
 the separate add, cast and gradient-accumulation passes over the fp32 residual stream.
 
 Kernels: ``attention_backend`` (``parallel.attention.backends``: auto, flash, sdpa_cudnn,
-reference) runs every layer's attention; ``fp8`` (``none`` or ``tensorwise``) runs the four
+te_fused, reference) runs every layer's attention; ``fp8`` (``none`` or ``tensorwise``) runs the four
 projections of every decoder layer (wqkv, wo, w13, w2) with FP8 GEMMs (``kernels.fp8_linear``);
 the embedding, the norms and the loss head stay in the autocast dtype.
 

@@ -36,7 +36,7 @@ import yaml
 DTYPES = ("bfloat16", "float32")
 # parallel.attention.backends.BACKENDS, kernels.fp8_linear.RECIPES + parallel.te.TE_RECIPES and
 # parallel.te.LINEAR_BACKENDS (tests check they agree).
-ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "reference")
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
@@ -93,7 +93,9 @@ class ModelSection:
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
-    document of the local stream of one length, e.g. fixed-length samples) or reference."""
+    document of the local stream of one length, e.g. fixed-length samples), te_fused
+    (TransformerEngine's fused attention on the packed stream; not installed: an error with the
+    install command) or reference."""
     linear_backend: str = "native"
     """GEMMs of the four projections of each decoder layer: native (torch, or our FP8 kernel),
     te (TransformerEngine inside our TP/SP layers; not installed: an error with the install

@@ -1,9 +1,10 @@
 """Which kernel runs each call of the attention primitive: backend names and the choice.
 
 Names (``model.attention_backend``; ``AttentionPlan(backend=...)``):
-    auto        per kernel call, the fastest backend that takes it (``AUTO_SDPA_MIN_LEN``
-                below, from ``tests/perf/results/attention_h200.json``); the exact reference
-                where no kernel takes q (CPU, fp32/fp64, odd head dims). Logs its choice once.
+    auto        per kernel call, the fastest backend that takes it (``AUTO_SDPA_MIN_LEN`` and
+                ``AUTO_TE_RAGGED`` below, from ``tests/perf/results/attention_h200.json``); the
+                exact reference where no kernel takes q (CPU, fp32/fp64, odd head dims). Logs
+                its choice once.
     flash       PyTorch's flash varlen kernels (``flash.py``): packed segments of any lengths.
                 CUDA, fp16/bf16, head dim a multiple of 8 up to 256.
     sdpa_cudnn  dense cuDNN SDPA ``[B, H, L, D]`` (``sdpa_cudnn.py``) for calls whose segments
@@ -13,11 +14,16 @@ Names (``model.attention_backend``; ``AttentionPlan(backend=...)``):
                 call needs equal query and key lengths (SDPA's causal mask is top-left
                 aligned, flash's bottom-right). CUDA, fp16/bf16, head dim a multiple of 8 up to
                 128, compute capability >= 8.0.
+    te_fused    TransformerEngine's fused attention (``te_fused.py``): cuDNN on the packed THD
+                stream, segments of any lengths (causal bottom-right, as flash), GQA in the
+                kernel, the lse the ring needs. Needs TransformerEngine (``parallel.te``),
+                CUDA, fp16/bf16, head dim a multiple of 8 up to 128, compute capability >= 9.0
+                and cuDNN >= 9.6 (what TE's THD path takes). ``auto`` picks it for calls of
+                different segment lengths only when ``AUTO_TE_RAGGED`` says it measured faster.
     reference   the exact masked attention in PyTorch (``reference.py``), any device and dtype.
 A named backend that cannot run a call raises ``ValueError`` saying why; only ``auto`` falls
-back. Not offered: the ragged cuDNN path (``aten._cudnn_attention_forward`` with cu_seqlens),
-60 ms per forward in torch 2.11 against 1 ms for flash; TransformerEngine's fused attention
-(not tested on the GPU machine yet).
+back. Not offered: the ragged cuDNN path of PyTorch (``aten._cudnn_attention_forward`` with
+cu_seqlens), 60 ms per forward in torch 2.11 against 1 ms for flash.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from dataclasses import replace
 
 import torch
 
+from parallel.attention import te_fused
 from parallel.attention.flash import FLASH_DTYPES, FlashCall
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash", "sdpa_cudnn", "reference")
-KERNEL_BACKENDS = ("flash", "sdpa_cudnn")  # the ones planned as kernel calls (FlashCall)
+BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
+KERNEL_BACKENDS = ("flash", "sdpa_cudnn", "te_fused")  # planned as kernel calls (FlashCall)
 
 # auto: dense cuDNN for uniform calls whose longer side has at least this many tokens, flash
 # below it. Measured on one H200 (tests/perf/bench_attention.py -> results/attention_h200.json;
@@ -41,7 +48,13 @@ KERNEL_BACKENDS = ("flash", "sdpa_cudnn")  # the ones planned as kernel calls (F
 # (64 x 256 causal) to 9.30 vs 13.90 ms (1 x 16384), 1.43 vs 2.18 ms on a ring's full block.
 # 256 is the shortest length measured; shorter segments stay on flash until measured.
 AUTO_SDPA_MIN_LEN = 256
+# auto: te_fused for calls whose segments have different lengths (packed documents, a ring
+# block of them), where TE is usable, instead of flash. Not measured yet: False until
+# tests/perf/bench_attention.py writes te_fused rows to results/attention_h200.json (the
+# test that checks AUTO_SDPA_MIN_LEN checks this one against them).
+AUTO_TE_RAGGED = False
 _logged: set[str] = set()
+_TE_USABLE: dict[tuple, bool] = {}  # te_usable's answers
 
 
 def check_name(name: str) -> str:
@@ -52,8 +65,14 @@ def check_name(name: str) -> str:
 
 
 def kernel_refusal(backend: str, q: torch.Tensor) -> str | None:
-    """Why ``backend``'s kernels cannot take ``q [T, H, D]`` (device, dtype, head dim), or
-    None when they can."""
+    """Why ``backend``'s kernels cannot take ``q [T, H, D]`` (installed packages, device,
+    dtype, head dim, GPU), or None when they can."""
+    if backend == "te_fused":
+        from parallel import te  # here: parallel.te imports the TP layers, attention need not
+
+        if not te.te_available():
+            return (f"it needs TransformerEngine and transformer_engine.pytorch cannot be "
+                    f"imported; install it ({te.TE_INSTALL})")
     if not q.is_cuda:
         return f"it needs CUDA tensors, got q on {q.device}"
     if q.dtype not in FLASH_DTYPES:
@@ -63,6 +82,8 @@ def kernel_refusal(backend: str, q: torch.Tensor) -> str | None:
         return f"it needs head_dim a multiple of 8 up to {max_dim}, got {q.shape[-1]}"
     if backend == "sdpa_cudnn" and torch.cuda.get_device_capability(q.device) < (8, 0):
         return "cuDNN SDPA needs compute capability >= 8.0"
+    if backend == "te_fused":
+        return te_fused.runtime_refusal(q.device)
     return None
 
 
@@ -93,29 +114,44 @@ def sdpa_refusal(call: FlashCall) -> str | None:
     return None
 
 
-def auto_choice(call: FlashCall, sdpa_available: bool) -> str:
+def te_usable(q: torch.Tensor) -> bool:
+    """Whether te_fused takes ``q`` (``kernel_refusal``), for ``auto``: asked only when
+    ``AUTO_TE_RAGGED`` is set, and cached per (device, dtype, head dim), so a missing TE is
+    looked for once, not at every call."""
+    key = (q.device, q.dtype, q.shape[-1])
+    if key not in _TE_USABLE:
+        _TE_USABLE[key] = kernel_refusal("te_fused", q) is None
+    return _TE_USABLE[key]
+
+
+def auto_choice(call: FlashCall, sdpa_available: bool, te_available: bool = False) -> str:
     """``auto``'s backend for ``call``: dense cuDNN where it runs the call (uniform segments,
     cuDNN usable for q) and the longer side has at least ``AUTO_SDPA_MIN_LEN`` tokens, where
-    it measured faster than flash; flash otherwise."""
+    it measured faster than flash; te_fused for calls of different segment lengths when
+    ``AUTO_TE_RAGGED`` is set and TE is usable (``te_available``); flash otherwise."""
     if (sdpa_available and sdpa_refusal(call) is None
             and max(call.max_q, call.max_k) >= AUTO_SDPA_MIN_LEN):
         return "sdpa_cudnn"
+    if AUTO_TE_RAGGED and te_available and not call.uniform:
+        return "te_fused"
     return "flash"
 
 
 def assign(name: str, call: FlashCall, q: torch.Tensor) -> FlashCall:
     """``call`` with its ``backend`` set for backend ``name`` (a kernel backend or auto; q
     already accepted by :func:`uses_kernels`). Raises ``ValueError`` when the named backend
-    cannot run this call."""
-    if name == "flash":
-        return replace(call, backend="flash")
+    cannot run this call. te_fused runs every planned call (any segment lengths; the planner
+    gives no causal segment more queries than keys, ``te_fused.py``)."""
+    if name in ("flash", "te_fused"):
+        return replace(call, backend=name)
     if name == "sdpa_cudnn":
         why = sdpa_refusal(call)
         if why is not None:
             raise ValueError(f"attention backend 'sdpa_cudnn' cannot run this attention call: "
                              f"{why}; use attention_backend=auto or flash")
         return replace(call, backend="sdpa_cudnn")
-    chosen = auto_choice(call, kernel_refusal("sdpa_cudnn", q) is None)
+    te_ok = AUTO_TE_RAGGED and not call.uniform and te_usable(q)
+    chosen = auto_choice(call, kernel_refusal("sdpa_cudnn", q) is None, te_ok)
     if chosen not in _logged:
         _logged.add(chosen)
         log.info("attention_backend=auto: %s for %s calls (segments %d x %d)", chosen,

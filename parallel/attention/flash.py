@@ -49,6 +49,7 @@ import torch
 from kernels import host_checked
 from parallel.attention.reference import compute_dtype, merge_partials
 from parallel.attention.sdpa_cudnn import sdpa_cudnn_backward, sdpa_cudnn_forward
+from parallel.attention.te_fused import te_fused_backward, te_fused_forward
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -225,7 +226,8 @@ def _whole(calls: list[FlashCall]) -> FlashCall | None:
 
 
 KERNELS = {"flash": (flash_forward, flash_backward),
-           "sdpa_cudnn": (sdpa_cudnn_forward, sdpa_cudnn_backward)}
+           "sdpa_cudnn": (sdpa_cudnn_forward, sdpa_cudnn_backward),
+           "te_fused": (te_fused_forward, te_fused_backward)}  # imports TE on its first call
 
 
 def run_forward(q, k, v, calls: list[FlashCall], scale: float, kernel=None):

@@ -1,10 +1,12 @@
 """Each attention backend on CUDA (bf16) against the exact reference in fp32 on the same bf16
 inputs: output, lse and the gradients of q, k and v.
 
-Cases: fixed-length documents (dense cuDNN and flash), packed documents of lengths 1, odd and
-long (flash; sdpa_cudnn must refuse), GQA, head dims 64 and 128, and the zigzag ring's blocks
-at cp=2 run on one GPU (each rank's blocks merged with the lse and differentiated with the
-merged out/lse, as ``ring.py`` does), so the lse of each backend is what the merge needs.
+Cases: fixed-length documents (dense cuDNN, flash, TE's fused attention), packed documents of
+lengths 1, odd and long (flash and te_fused; sdpa_cudnn must refuse), te_fused's own calls
+(causal with fewer queries than keys per segment, full with other key lengths), GQA, head dims
+64 and 128, and the zigzag ring's blocks at cp=2 run on one GPU (each rank's blocks merged with
+the lse and differentiated with the merged out/lse, as ``ring.py`` does), so the lse of each
+backend is what the merge needs. te_fused cases skip without TransformerEngine.
 Tolerances (DESIGN's bf16 rule): norm-wise relative error <= 1e-2 on out and gradients; lse
 absolute <= 2e-2 (fp32 lse from bf16 scores of magnitude ~10).
 """
@@ -12,7 +14,7 @@ absolute <= 2e-2 (fp32 lse from bf16 scores of magnitude ~10).
 import pytest
 import torch
 
-from parallel.attention import context_attention
+from parallel.attention import context_attention, flash
 from parallel.attention.primitive import (
     attention_with_lse,
     block_backward,
@@ -20,9 +22,12 @@ from parallel.attention.primitive import (
     plan_block,
 )
 from parallel.attention.reference import merge_partials, reference_backward, reference_forward
+from parallel.te import te_available
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
+needs_te = pytest.mark.skipif(not te_available(), reason="TransformerEngine not installed")
+TE = pytest.param("te_fused", marks=needs_te)
 
 
 def _rel(a, b):
@@ -60,7 +65,7 @@ def _reference(q, k, v, dq_out, doc_q, pos_q, doc_k, pos_k, scale):
     return out, lse, grads
 
 
-@pytest.mark.parametrize("backend", ["flash", "sdpa_cudnn", "auto"])
+@pytest.mark.parametrize("backend", ["flash", "sdpa_cudnn", "auto", TE])
 @pytest.mark.parametrize("lengths, heads, kv_heads, dim", [
     ([1024] * 4, 32, 8, 64), ([777] * 3, 8, 2, 128), ([2048] * 2, 16, 16, 64)])
 def test_fixed_length_documents(backend, lengths, heads, kv_heads, dim):
@@ -79,23 +84,79 @@ def test_fixed_length_documents(backend, lengths, heads, kv_heads, dim):
         _check(f"{backend} d{n}", leaf.grad, g)
 
 
-def test_packed_documents_flash_and_sdpa_refuses():
-    lengths = [1, 300, 5, 4634, 1, 77, 2048]  # length 1, odd, long
-    doc, pos = _meta(lengths)
-    q, k, v = _qkv(sum(lengths), 32, 8, 64, seed=3)
-    for backend in ("flash", "auto"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = context_attention(*leaves, doc_id=doc, pos=pos, cu_seqlens=_cu(lengths),
-                                backend=backend)
-        dout = torch.randn_like(out)
-        out.backward(dout)
-        want, _, grads = _reference(q, k, v, dout, doc, pos, doc, pos, 64 ** -0.5)
-        _check(f"{backend} out", out, want)
-        for n, leaf, g in zip("qkv", leaves, grads, strict=True):
-            _check(f"{backend} d{n}", leaf.grad, g)
+PACKED = [1, 300, 5, 4634, 1, 77, 2048]  # length 1, odd, long
+
+
+@pytest.mark.parametrize("backend, dim", [("flash", 64), ("auto", 64), ("flash", 128),
+                                          pytest.param("te_fused", 64, marks=needs_te),
+                                          pytest.param("te_fused", 128, marks=needs_te)])
+def test_packed_documents_flash_and_sdpa_refuses(backend, dim):
+    doc, pos = _meta(PACKED)
+    heads, kv_heads = (32, 8) if dim == 64 else (16, 4)
+    q, k, v = _qkv(sum(PACKED), heads, kv_heads, dim, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_attention(*leaves, doc_id=doc, pos=pos, cu_seqlens=_cu(PACKED),
+                            backend=backend)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want, _, grads = _reference(q, k, v, dout, doc, pos, doc, pos, dim ** -0.5)
+    _check(f"{backend} out", out, want)
+    for n, leaf, g in zip("qkv", leaves, grads, strict=True):
+        _check(f"{backend} d{n}", leaf.grad, g)
     with pytest.raises(ValueError, match="segments have different lengths"):
-        context_attention(q, k, v, doc_id=doc, pos=pos, cu_seqlens=_cu(lengths),
+        context_attention(q, k, v, doc_id=doc, pos=pos, cu_seqlens=_cu(PACKED),
                           backend="sdpa_cudnn")
+
+
+def _side(lengths, offsets):
+    """(doc, pos) of segments of ``lengths`` starting at positions ``offsets``."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    return doc, torch.arange(sum(lengths)) - starts[doc] + torch.tensor(offsets)[doc]
+
+
+@needs_te
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(32, 8, 64), (16, 4, 128)])
+def test_te_fused_calls(causal, heads, kv_heads, dim):
+    """One planned call run by te_fused (``flash.run_forward`` / ``run_backward``), the kinds
+    a ring block makes: causal with fewer queries than keys in some segments (bottom-right
+    aligned: queries are the LAST positions of their keys), and full with other key lengths
+    (every key of the segment visible; more queries than keys in one segment)."""
+    len_k = [1, 300, 5, 4634, 1, 77, 2048]
+    len_q = [1, 151, 5, 4000, 1, 30, 2048] if causal else [3, 300, 1, 1024, 7, 77, 4096]
+    if causal:  # query j of a segment of m over n keys sits at position n - m + j
+        doc_q, pos_q = _side(len_q, [n - m for m, n in zip(len_q, len_k, strict=True)])
+        doc_k, pos_k = _side(len_k, [0] * len(len_k))
+    else:  # pos 0 everywhere: same document is the whole mask
+        doc_q, doc_k = _side(len_q, [0] * len(len_q))[0], _side(len_k, [0] * len(len_k))[0]
+        pos_q, pos_k = torch.zeros_like(doc_q), torch.zeros_like(doc_k)
+    scale = dim ** -0.5
+    q = _qkv(sum(len_q), heads, kv_heads, dim, seed=21)[0]
+    k, v = _qkv(sum(len_k), heads, kv_heads, dim, seed=22)[1:]
+    call = flash.FlashCall(causal, None, None, _cu(len_q).cuda(), _cu(len_k).cuda(),
+                           max(len_q), max(len_k), False, "te_fused")
+    out, lse = flash.run_forward(q, k, v, [call], scale)
+    dout = torch.randn_like(q)
+    dq, dk, dv = flash.run_backward(dout, q, k, v, out, lse, [call], scale)
+    want, want_lse, grads = _reference(q, k, v, dout, doc_q, pos_q, doc_k, pos_k, scale)
+    assert out.dtype == BF16 and lse.dtype == torch.float32 and lse.shape == want_lse.shape
+    _check("te_fused out", out, want)
+    assert (lse - want_lse).abs().max().item() <= 2e-2, "te_fused lse"
+    assert dk.shape == k.shape and dv.shape == v.shape  # per kv head (GQA in the kernel)
+    for n, got, g in zip("qkv", (dq, dk, dv), grads, strict=True):
+        _check(f"te_fused d{n}", got, g)
+
+
+@needs_te
+def test_te_fused_refuses_what_it_cannot_take():
+    doc, pos = torch.zeros(64, dtype=torch.long), torch.arange(64)
+    q = torch.randn(64, 4, 64, device="cuda")
+    with pytest.raises(ValueError, match="'te_fused' cannot run here: it takes float16"):
+        context_attention(q, q, q, doc_id=doc, pos=pos, backend="te_fused")
+    q = q[..., :48].repeat(1, 1, 4).to(BF16)  # head dim 192
+    with pytest.raises(ValueError, match="head_dim a multiple of 8 up to 128"):
+        context_attention(q, q, q, doc_id=doc, pos=pos, backend="te_fused")
 
 
 def _zigzag(lengths, cp, rank):
@@ -108,12 +169,17 @@ def _zigzag(lengths, cp, rank):
     return torch.cat(docs), torch.cat(poss)
 
 
-@pytest.mark.parametrize("backend", ["flash", "sdpa_cudnn"])
-def test_zigzag_ring_blocks_merge_with_the_lse(backend):
+EQUAL, RAGGED = [2048, 2048, 2048], [2048, 1024, 516, 4]  # ragged: chunks of 129 and 1
+
+
+@pytest.mark.parametrize("backend, lengths", [
+    ("flash", EQUAL), ("sdpa_cudnn", EQUAL), pytest.param("te_fused", EQUAL, marks=needs_te),
+    ("flash", RAGGED), pytest.param("te_fused", RAGGED, marks=needs_te)])
+def test_zigzag_ring_blocks_merge_with_the_lse(backend, lengths):
     """Ring steps at cp=2 on one GPU: per rank, every block's partial result merged with its
     lse, then each block's backward given the MERGED out/lse; against the reference of the
     rank's queries over all keys."""
-    lengths, cp, heads, kv_heads, dim = [2048, 2048, 2048], 2, 16, 4, 64
+    cp, heads, kv_heads, dim = 2, 16, 4, 64
     scale = dim ** -0.5
     metas = [_zigzag(lengths, cp, r) for r in range(cp)]
     num = metas[0][0].numel()

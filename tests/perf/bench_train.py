@@ -33,7 +33,9 @@ and ``--linear-backend`` set mpcore's ``model.fp8``, ``model.attention_backend``
 recipe, ``backend``: the attention backend as asked, ``linear_backend``: the GEMM backend as
 resolved, native or te). ``--variants`` times several ``linear_backend:fp8`` pairs of mpcore in
 the same process, beside one run of each baseline: the first fills the top-level fields, and
-``variants`` lists each with its own speedup and memory ratio against the best baseline.
+``variants`` lists each with its own speedup and memory ratio against the best baseline. A
+third field ``bf16_wgrad`` (``te:te_delayed:bf16_wgrad``) has TE return its weight gradients
+in bf16 for autograd to cast (``TEGemm.fp32_wgrad = False``), for an A/B of the fp32 ones.
 JSON goes to OUT (default tests/perf/results/train_h200.json), written by rank 0.
 """
 
@@ -56,6 +58,7 @@ sys.path.insert(0, str(REPO))
 from launch.pretrain import init_distributed  # noqa: E402
 from models import hf_config_dict  # noqa: E402
 from mpcore.backends import resolve_linear_backend  # noqa: E402
+from parallel.te import TEGemm  # noqa: E402
 from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.optim import lr_at, set_lr  # noqa: E402
@@ -137,6 +140,10 @@ def bench_mpcore(args) -> dict:
     loader = RandomTokens(cfg.model.vocab_size, args.seq, args.micro_batch, 1, seed=0,
                           dp_rank=state.dp_rank)
     run = build(cfg, state, device, loader=loader)
+    if args.bf16_wgrad:  # TE's weight gradients in bf16, cast to fp32 by autograd (as before)
+        for module in run.model.modules():
+            if isinstance(getattr(module, "gemm", None), TEGemm):
+                module.gemm.fp32_wgrad = False
     trainer = Trainer(run)
 
     def forward_backward() -> float:  # the model alone: no grad norm, no optimizer step
@@ -244,15 +251,18 @@ def parse_args(argv):
                              "one run of the baselines (e.g. native:none,te:te_delayed); "
                              "overrides --linear-backend and --fp8")
     args = parser.parse_args(argv)
-    args.variant_list = []
+    args.variant_list, args.bf16_wgrad = [], False
     for item in filter(None, args.variants.split(",")):
-        backend, _, fp8 = item.partition(":")
+        backend, _, rest = item.partition(":")
+        fp8, _, option = rest.partition(":")
         if backend not in ("native", "te", "auto") or fp8 not in (
-                "none", "tensorwise", "te_delayed", "te_current"):
-            parser.error(f"--variants: {item!r} is not linear_backend:fp8 (e.g. te:te_delayed)")
-        args.variant_list.append((backend, fp8))
+                "none", "tensorwise", "te_delayed", "te_current") or option not in (
+                "", "bf16_wgrad"):
+            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad] (e.g. "
+                         "te:te_delayed)")
+        args.variant_list.append((backend, fp8, option == "bf16_wgrad"))
     if args.variant_list:
-        args.linear_backend, args.fp8 = args.variant_list[0]
+        args.linear_backend, args.fp8, args.bf16_wgrad = args.variant_list[0]
     return args
 
 
@@ -274,13 +284,16 @@ def main(argv=None) -> int:
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))
-    pairs = args.variant_list or [(args.linear_backend, args.fp8)]
+    pairs = args.variant_list or [(args.linear_backend, args.fp8, args.bf16_wgrad)]
     # Every variant resolved (TE imported) before the first runs: a missing backend fails here.
-    resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8 in pairs]
+    resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8, _ in pairs]
     variants = []
-    for (backend, fp8), chosen in zip(pairs, resolved, strict=True):
-        one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8})
+    for (backend, fp8, bf16_wgrad), chosen in zip(pairs, resolved, strict=True):
+        one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8,
+                                    "bf16_wgrad": bf16_wgrad})
         variants.append({"fp8": fp8, "linear_backend": chosen, "mpcore": bench_mpcore(one)})
+        if chosen == "te":
+            variants[-1]["te_weight_grad"] = "bf16, cast by autograd" if bf16_wgrad else "fp32"
         _free()
     report["mpcore"] = variants[0]["mpcore"]
     if hf:

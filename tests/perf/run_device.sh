@@ -28,25 +28,33 @@ if [ "${1:-}" = tests ]; then
   tail -5 "$out/gpu_tests.log"
 elif [ "${1:-}" = te ]; then
   # After ../shared/notes/TE.md's install on this machine (TE on PYTHONPATH); carry .whl.
-  # New GPU tests first, then the profile; te_train: the 4096 x 4 rows side by side in one
-  # run (native and TE, bf16 and FP8, beside one run of transformers and of liger-kernel).
+  # New GPU tests first, then the TE FP8 step's profile, the attention backends (TE's fused
+  # attention beside flash and cuDNN) and the loss heads. te_train: the 4096 x 4 rows side by
+  # side in one run (native and TE, bf16 and FP8, beside one run of transformers and liger).
   run gpu_tests 300 python3 -m pytest -q tests/gpu/test_master_linear_gpu.py \
     tests/gpu/test_te_gpu.py tests/gpu/test_linear_cross_entropy_gpu.py tests/gpu/test_models_gpu.py \
     tests/gpu/test_attention_backends_gpu.py
   tail -4 "$out/gpu_tests.log"
-  run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200.txt"
-  tail -12 "$out/profile_train_h200.txt"
+  grep -E "rel err|PASS|FAIL" "$out/gpu_tests.log" | head -20
+  run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200_te_delayed.txt" \
+    --linear-backend te --fp8 te_delayed
+  tail -12 "$out/profile_train_h200_te_delayed.txt"
+  run attention 200 python3 tests/perf/bench_attention.py "$out/attention_h200.json"
+  tail -6 "$out/attention.log"
+  run loss 200 python3 tests/perf/bench_loss.py "$out/loss_h200.json"
+  tail -6 "$out/loss.log"
 elif [ "${1:-}" = te_train ]; then
-  run train 560 python3 tests/perf/bench_train.py "$out/train_h200.json" \
-    --variants native:none,te:none,te:te_delayed,te:te_current,native:tensorwise
-  grep -E '"(fp8|linear_backend|step_ms|speedup_vs_best_baseline)"' "$out/train.log" | head -40
+  run train 580 python3 tests/perf/bench_train.py "$out/train_h200.json" \
+    --variants native:none,te:none,te:te_delayed,te:te_delayed:bf16_wgrad,te:te_current,native:tensorwise
+  grep -E '"(fp8|linear_backend|step_ms|speedup_vs_best_baseline|te_weight_grad)"' "$out/train.log" | head -40
 elif [ "${1:-}" = te2 ]; then
-  # Same machine, after `te`: seq 16k rows, the FP8 vs bf16 300-step curve, the loss heads.
+  # Same machine, after `te`: seq 16k rows, the FP8 vs bf16 300-step curve (with the TE bf16
+  # control run), the bf16 step's profile.
   run train16k 300 python3 tests/perf/bench_train.py "$out/train_h200_seq16k.json" --seq 16384 \
     --micro-batch 1 --variants native:none,te:te_delayed
   grep -E '"(fp8|step_ms|speedup_vs_best_baseline)"' "$out/train16k.log" | head -20
-  run curve 400 python3 tests/perf/fp8_curve.py "$out/fp8_curve_h200.json"
-  tail -8 "$out/curve.log"
+  run curve 480 python3 tests/perf/fp8_curve.py "$out/fp8_curve_h200.json"
+  tail -30 "$out/curve.log"
 elif [ "${1:-}" = x2 ]; then
   two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
   run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3

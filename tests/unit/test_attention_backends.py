@@ -1,19 +1,26 @@
 """Attention backend names and the choice per kernel call, on CPU: which calls are uniform
-(dense SDPA can run them), what auto picks, and the errors of named backends that cannot run
-a case. The kernels themselves run in tests/gpu/test_attention_backends_gpu.py."""
+(dense SDPA can run them), what auto picks, the errors of named backends that cannot run
+a case (te_fused without TransformerEngine: the install hint), and the planner property
+te_fused relies on (no causal segment with more queries than keys). The kernels themselves run
+in tests/gpu/test_attention_backends_gpu.py."""
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from models import ModelConfig, build_model
+from mpcore.config import load_config
+from parallel import te
 from parallel.attention import AttentionPlan, backends, context_attention, flash
 from parallel.attention.primitive import plan_block, use_flash
 from parallel.state import ParallelState
 
 RESULTS = Path(__file__).resolve().parents[1] / "perf" / "results" / "attention_h200.json"
+no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")
 
 
 def _meta(lengths):
@@ -39,7 +46,9 @@ def test_names_and_reference_on_cpu():
         backends.check_name("cudnn_ragged")
     assert not use_flash(q) and not use_flash(q, "reference")
     for name in backends.KERNEL_BACKENDS:
-        with pytest.raises(ValueError, match=f"'{name}' cannot run here: it needs CUDA"):
+        why = "it needs CUDA" if name != "te_fused" or te.te_available() else \
+            "it needs TransformerEngine"
+        with pytest.raises(ValueError, match=f"'{name}' cannot run here: {why}"):
             use_flash(q, name)
     with pytest.raises(ValueError, match="unknown attention backend"):
         AttentionPlan(*_meta([4, 6]), backend="fast")
@@ -131,3 +140,112 @@ def test_model_passes_its_backend_to_the_plan():
         named(ids, pos, **run)
     with pytest.raises(ValueError, match="unknown attention backend"):
         build_model(cfg, ParallelState(), attention_backend="te")
+
+
+def test_te_fused_is_a_backend_name():
+    assert load_config(None, ["model.attention_backend=te_fused"]).model.attention_backend \
+        == "te_fused"
+    assert backends.check_name("te_fused") == "te_fused"
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48)
+    assert build_model(cfg, ParallelState(), attention_backend="te_fused").attention_backend \
+        == "te_fused"
+
+
+@no_te
+def test_te_fused_without_te_names_the_install_hint():
+    q = torch.randn(12, 4, 8)
+    hint = re.escape(te.TE_INSTALL)
+    assert "install it" in backends.kernel_refusal("te_fused", q)
+    with pytest.raises(ValueError, match=f"'te_fused' cannot run here: it needs "
+                                         f"TransformerEngine.*{hint}"):
+        use_flash(q, "te_fused")
+    doc, pos = _meta([5, 7])
+    k = v = torch.randn(12, 2, 8)
+    with pytest.raises(ValueError, match=hint):
+        context_attention(q, k, v, doc_id=doc, pos=pos, backend="te_fused")
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48)
+    model = build_model(cfg, ParallelState(), attention_backend="te_fused", seed=1)
+    with pytest.raises(ValueError, match=hint):
+        model(torch.randint(0, 64, (12,)), pos, cu_seqlens=torch.tensor([0, 5, 12]),
+              output="logits")
+    # The kernel itself, called without TE, says the same.
+    from parallel.attention.te_fused import te_fused_forward
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=hint):
+        te_fused_forward(q, k, v, cu, cu, 7, 7, True, 0.35)
+    assert not backends.te_usable(q)  # what auto asks, with AUTO_TE_RAGGED set
+
+
+def test_te_fused_takes_every_call_and_auto_keeps_its_choices(monkeypatch):
+    (long,) = flash.plan_cu_seqlens(torch.tensor([0, 4096, 8192]), "cpu")
+    (short,) = flash.plan_cu_seqlens(torch.tensor([0, 16, 32]), "cpu")
+    (ragged,) = flash.plan_cu_seqlens(torch.tensor([0, 1, 4000, 8192]), "cpu")
+    causal_unequal = flash.FlashCall(True, None, None, long.cu_q, long.cu_q, 64, 128, True)
+    q = torch.randn(8192, 4, 8)
+    for call in (long, short, ragged, causal_unequal):
+        assert backends.assign("te_fused", call, q).backend == "te_fused"
+    choose = backends.auto_choice
+    assert choose(ragged, sdpa_available=True, te_available=True) == "flash"  # not measured
+    monkeypatch.setattr(backends, "AUTO_TE_RAGGED", True)
+    assert choose(ragged, sdpa_available=True, te_available=True) == "te_fused"
+    assert choose(ragged, sdpa_available=True, te_available=False) == "flash"
+    assert choose(long, sdpa_available=True, te_available=True) == "sdpa_cudnn"
+    assert choose(short, sdpa_available=True, te_available=True) == "flash"
+    assert backends.assign("auto", ragged, q).backend == "flash"  # q on the CPU: TE unusable
+
+
+def _segment_lengths(call):
+    return call.cu_q.diff().numpy(), call.cu_k.diff().numpy()
+
+
+def test_planned_calls_give_every_query_a_key():
+    """What te_fused relies on (te_fused.py): in every planned call each segment has queries
+    and keys, and a causal segment has no more queries than keys, so with the bottom-right
+    mask every query row sees at least its diagonal key (flash would give a row with no key
+    lse -inf; TE is never asked to). Random documents, zigzag and contiguous ring blocks at
+    cp 2..4, the Ulysses stream, and random subsets of query/key tokens."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for cp in (2, 3, 4):
+        lengths = [int(n) * 2 * cp for n in rng.integers(1, 40, size=6)]
+        metas = [_zigzag(lengths, cp, r) for r in range(cp)]
+        cases += [(metas[r], metas[s]) for r in range(cp) for s in range(cp)]
+        doc, pos = _meta(lengths)
+        bounds = np.linspace(0, len(doc), cp + 1).astype(int)
+        parts = [(doc[a:b], pos[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        cases += [(parts[r], parts[s]) for r in range(cp) for s in range(r + 1)]
+        gathered = [torch.cat(t) for t in zip(*metas, strict=True)]
+        cases.append((gathered, gathered))
+    doc, pos = _meta([int(n) for n in rng.integers(1, 60, size=8)])
+    for _ in range(20):
+        pick_q = torch.from_numpy(rng.random(len(doc)) < 0.5)
+        pick_k = torch.from_numpy(rng.random(len(doc)) < 0.5)
+        cases.append(((doc[pick_q], pos[pick_q]), (doc[pick_k], pos[pick_k])))
+    num_calls = 0
+    for (doc_q, pos_q), (doc_k, pos_k) in cases:
+        for call in flash.plan_flash(doc_q, pos_q, doc_k, pos_k, "cpu"):
+            len_q, len_k = _segment_lengths(call)
+            assert (len_q >= 1).all() and (len_k >= 1).all()
+            if call.causal:
+                assert (len_q <= len_k).all() and call.max_q <= call.max_k
+            num_calls += 1
+    assert num_calls > 50
+
+
+def test_auto_te_ragged_matches_the_measured_table():
+    """AUTO_TE_RAGGED must agree with the committed measurement: at every measured call of
+    different segment lengths, auto's choice (te_fused when set, else flash) is the faster of
+    the two or within 3% of it."""
+    table = json.loads(RESULTS.read_text())
+    rows = [r for r in table["cases"] if not r["uniform"] and "te_fused" in r["ms"]
+            and "flash" in r["ms"]]
+    if not rows:
+        pytest.skip("attention_h200.json has no te_fused rows yet (run "
+                    "tests/perf/bench_attention.py with TransformerEngine on the H200)")
+    chosen = "te_fused" if backends.AUTO_TE_RAGGED else "flash"
+    for r in rows:
+        best = min(r["ms"]["flash"], r["ms"]["te_fused"])
+        assert r["ms"][chosen] <= 1.03 * best, (r["name"], chosen, r["ms"])
