@@ -110,14 +110,14 @@ def test_te_fp32_weight_gradient_through_main_grad(recipe):
         layer.reset_parameters(7)
         use_te(layer, recipe)
         layer.gemm.fp32_wgrad = fused
-        for x, dy in zip(xs, dys):
+        for x, dy in zip(xs, dys, strict=True):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = layer(x)
             y.backward(dy)
         assert layer.weight.grad.dtype == torch.float32 and not hasattr(layer.weight,
                                                                          "main_grad")
         layers[fused] = layer
-    exact = sum(dy.double().t() @ x.double() for x, dy in zip(xs, dys))
+    exact = sum(dy.double().t() @ x.double() for x, dy in zip(xs, dys, strict=True))
     err, err_b = _rel(layers[True].weight.grad, exact), _rel(layers[False].weight.grad, exact)
     print(f"te {recipe} dw rel err vs float64: fp32 main_grad {err:.2e}, bf16 {err_b:.2e}")
     if recipe == "none":

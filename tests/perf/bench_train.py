@@ -58,11 +58,11 @@ sys.path.insert(0, str(REPO))
 from launch.pretrain import init_distributed  # noqa: E402
 from models import hf_config_dict  # noqa: E402
 from mpcore.backends import resolve_linear_backend  # noqa: E402
-from parallel.te import TEGemm  # noqa: E402
 from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.optim import lr_at, set_lr  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
+from parallel.te import TEGemm  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "train_h200.json"
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"
