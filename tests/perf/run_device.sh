@@ -3,7 +3,7 @@
 #   bash tests/perf/run_device.sh tests    # tests/gpu (on either kind; run it first)
 #   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
-#   bash tests/perf/run_device.sh te | te_train | te2   # with TransformerEngine (TE.md)
+#   bash tests/perf/run_device.sh te | te_bench | te_train | te2   # with TransformerEngine (TE.md)
 # Carry .whl (../shared/scripts/fetch-peer-wheels) for the liger-kernel baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -39,10 +39,17 @@ elif [ "${1:-}" = te ]; then
   run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200_te_delayed.txt" \
     --linear-backend te --fp8 te_delayed
   tail -12 "$out/profile_train_h200_te_delayed.txt"
+elif [ "${1:-}" = te_bench ]; then
+  # TE's fused attention beside flash and cuDNN; the loss heads; the host time per step of
+  # each linear backend (seq 512 x 1: the device work is small, the step is host-bound).
   run attention 200 python3 tests/perf/bench_attention.py "$out/attention_h200.json"
   tail -6 "$out/attention.log"
-  run loss 200 python3 tests/perf/bench_loss.py "$out/loss_h200.json"
+  run loss 240 python3 tests/perf/bench_loss.py "$out/loss_h200.json"
   tail -6 "$out/loss.log"
+  run host 150 python3 tests/perf/bench_train.py "$out/train_h200_host_bound.json" --seq 512 \
+    --micro-batch 1 --skip-hf --steps 20 --warmup 5 \
+    --variants native:none,te:none,te:te_delayed,te:te_delayed:bf16_wgrad
+  grep -E '"(fp8|step_ms|te_weight_grad)"' "$out/host.log" | head -20
 elif [ "${1:-}" = te_train ]; then
   run train 580 python3 tests/perf/bench_train.py "$out/train_h200.json" \
     --variants native:none,te:none,te:te_delayed,te:te_delayed:bf16_wgrad,te:te_current,native:tensorwise
