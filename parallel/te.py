@@ -19,8 +19,10 @@ FP8 recipes (compute capability >= 8.9), both e4m3 forward and e5m2 gradients (`
     te_current   ``Float8CurrentScaling``: per-tensor scales from each call's own amax (the
                  recipe of our ``tensorwise`` kernel, in TE's kernels)
 The weight is quantized on every call (no ``is_first_microbatch``: TE caches no FP8 weight,
-which a weight that changes under FSDP2 needs). Rows are zero-padded to a multiple of 8 as
-TE's FP8 GEMM wants (``utils.assert_dim_for_fp8_exec``).
+which a weight that changes under FSDP2 needs). Rows are zero-padded to a multiple of 16: the
+row count is the inner dimension of the FP8 weight-gradient GEMM, whose leading dimensions
+cuBLASLt wants in multiples of 16 bytes (TE's ``CanonicalizeGemmInput`` asserts it; 1000 rows
+failed on the H200, ``utils.assert_dim_for_fp8_exec``'s multiple of 8 is not enough there).
 
 fp32 weight gradients straight from TE's GEMM (as ``kernels.master_linear`` does for the native
 path): for an fp32 weight that needs a gradient, TE's wgrad GEMM writes fp32 into a buffer
@@ -244,7 +246,7 @@ class TEGemm:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         x2 = x.reshape(rows, x.shape[-1])
-        pad = -rows % 8 if self.recipe is not None else 0
+        pad = -rows % 16 if self.recipe is not None else 0
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))  # zero rows change no sum and no amax
         # Linear.forward reads its weight by name (_get_weight_tensors: getattr per
