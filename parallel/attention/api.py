@@ -12,8 +12,8 @@ Modes:
     "ulysses"  all-to-all tokens <-> heads over ``group`` (``ulysses.py``; needs H % cp == 0)
 A cp group of size 1 runs the local path whatever the mode.
 
-Kernels: ``backend`` (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``reference``)
-picks what computes each block, under every mode.
+Kernels: ``backend`` (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``te_fused``,
+``reference``) picks what computes each block, under every mode.
 """
 
 from __future__ import annotations

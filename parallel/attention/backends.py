@@ -2,7 +2,7 @@
 
 Names (``model.attention_backend``; ``AttentionPlan(backend=...)``):
     auto        per kernel call, the fastest backend that takes it (``AUTO_SDPA_MIN_LEN`` and
-                ``AUTO_TE_RAGGED`` below, from ``tests/perf/results/attention_h200.json``); the
+                ``AUTO_TE_RAGGED_*`` below, from ``tests/perf/results/attention_h200.json``); the
                 exact reference where no kernel takes q (CPU, fp32/fp64, odd head dims). Logs
                 its choice once.
     flash       PyTorch's flash varlen kernels (``flash.py``): packed segments of any lengths.
@@ -19,7 +19,7 @@ Names (``model.attention_backend``; ``AttentionPlan(backend=...)``):
                 kernel, the lse the ring needs. Needs TransformerEngine (``parallel.te``),
                 CUDA, fp16/bf16, head dim a multiple of 8 up to 128, compute capability >= 9.0
                 and cuDNN >= 9.6 (what TE's THD path takes). ``auto`` picks it for calls of
-                different segment lengths only when ``AUTO_TE_RAGGED`` says it measured faster.
+                different segment lengths where it measured faster (``AUTO_TE_RAGGED_*``).
     reference   the exact masked attention in PyTorch (``reference.py``), any device and dtype.
 A named backend that cannot run a call raises ``ValueError`` saying why; only ``auto`` falls
 back. Not offered: the ragged cuDNN path of PyTorch (``aten._cudnn_attention_forward`` with
@@ -48,11 +48,16 @@ KERNEL_BACKENDS = ("flash", "sdpa_cudnn", "te_fused")  # planned as kernel calls
 # (64 x 256 causal) to 9.30 vs 13.90 ms (1 x 16384), 1.43 vs 2.18 ms on a ring's full block.
 # 256 is the shortest length measured; shorter segments stay on flash until measured.
 AUTO_SDPA_MIN_LEN = 256
-# auto: te_fused for calls whose segments have different lengths (packed documents, a ring
-# block of them), where TE is usable, instead of flash. Not measured yet: False until
-# tests/perf/bench_attention.py writes te_fused rows to results/attention_h200.json (the
-# test that checks AUTO_SDPA_MIN_LEN checks this one against them).
-AUTO_TE_RAGGED = False
+# auto: te_fused instead of flash for calls whose segments have different lengths (packed
+# documents, a ring block of them), where TE is usable: every full (non-causal) one, and causal
+# ones whose longest segment has at most AUTO_TE_RAGGED_CAUSAL_MAX_LEN tokens. Measured on one
+# H200 (TE 2.20.2, cuDNN 9.14; results/attention_h200.json, checked against it by
+# tests/unit/test_attention_backends.py), fwd+bwd ms flash vs te_fused: packed 64 documents of
+# 196-315 tokens 1.39 vs 1.14; 8 documents of 300-4634 tokens 3.50 vs 3.58; their full ring
+# block 3.08 vs 2.30. By length (the uniform causal rows): 1.85 vs 1.61 at 1024, 2.61 vs 2.64
+# at 2048, 4.19 vs 4.71 at 4096: te_fused wins up to 1024 tokens, flash from 2048.
+AUTO_TE_RAGGED_FULL = True
+AUTO_TE_RAGGED_CAUSAL_MAX_LEN = 1024
 _logged: set[str] = set()
 _TE_USABLE: dict[tuple, bool] = {}  # te_usable's answers
 
@@ -115,24 +120,34 @@ def sdpa_refusal(call: FlashCall) -> str | None:
 
 
 def te_usable(q: torch.Tensor) -> bool:
-    """Whether te_fused takes ``q`` (``kernel_refusal``), for ``auto``: asked only when
-    ``AUTO_TE_RAGGED`` is set, and cached per (device, dtype, head dim), so a missing TE is
-    looked for once, not at every call."""
+    """Whether te_fused takes ``q`` (``kernel_refusal``), for ``auto``: asked only for a call
+    ``te_pays`` gives it, and cached per (device, dtype, head dim), so a missing TE is looked
+    for once, not at every call."""
     key = (q.device, q.dtype, q.shape[-1])
     if key not in _TE_USABLE:
         _TE_USABLE[key] = kernel_refusal("te_fused", q) is None
     return _TE_USABLE[key]
 
 
+def te_pays(call: FlashCall) -> bool:
+    """Whether te_fused measured faster than flash for ``call``: segments of different lengths,
+    full, or causal with the longest at most ``AUTO_TE_RAGGED_CAUSAL_MAX_LEN`` tokens."""
+    if call.uniform:
+        return False
+    if not call.causal:
+        return AUTO_TE_RAGGED_FULL
+    return max(call.max_q, call.max_k) <= AUTO_TE_RAGGED_CAUSAL_MAX_LEN
+
+
 def auto_choice(call: FlashCall, sdpa_available: bool, te_available: bool = False) -> str:
     """``auto``'s backend for ``call``: dense cuDNN where it runs the call (uniform segments,
     cuDNN usable for q) and the longer side has at least ``AUTO_SDPA_MIN_LEN`` tokens, where
-    it measured faster than flash; te_fused for calls of different segment lengths when
-    ``AUTO_TE_RAGGED`` is set and TE is usable (``te_available``); flash otherwise."""
+    it measured faster than flash; te_fused for calls of different segment lengths where it
+    measured faster (``te_pays``) and TE is usable (``te_available``); flash otherwise."""
     if (sdpa_available and sdpa_refusal(call) is None
             and max(call.max_q, call.max_k) >= AUTO_SDPA_MIN_LEN):
         return "sdpa_cudnn"
-    if AUTO_TE_RAGGED and te_available and not call.uniform:
+    if te_available and te_pays(call):
         return "te_fused"
     return "flash"
 
@@ -150,7 +165,7 @@ def assign(name: str, call: FlashCall, q: torch.Tensor) -> FlashCall:
             raise ValueError(f"attention backend 'sdpa_cudnn' cannot run this attention call: "
                              f"{why}; use attention_backend=auto or flash")
         return replace(call, backend="sdpa_cudnn")
-    te_ok = AUTO_TE_RAGGED and not call.uniform and te_usable(q)
+    te_ok = te_pays(call) and te_usable(q)
     chosen = auto_choice(call, kernel_refusal("sdpa_cudnn", q) is None, te_ok)
     if chosen not in _logged:
         _logged.add(chosen)

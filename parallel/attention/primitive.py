@@ -6,10 +6,11 @@ Layout: packed streams. ``q [T, H, D]``, ``k``/``v`` ``[S, H_kv, D]`` with ``H %
 ``pos_k[s] <= pos_q[t]``. Outputs: ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32
 (float64 for float64 inputs), ``lse = log sum_s exp(scale * q.k_s)`` over the visible keys.
 
-The backend (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``reference``) selects the
-path: the kernel backends plan the metadata on the host into at most one causal and one
-non-causal segment call (``flash.py``), each run by PyTorch's flash varlen kernels or, when
-its segments all have one length, dense cuDNN SDPA (``sdpa_cudnn.py``); the reference path is
+The backend (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``te_fused``, ``reference``)
+selects the path: the kernel backends plan the metadata on the host into at most one causal and
+one non-causal segment call (``flash.py``), each run by PyTorch's flash varlen kernels, by
+TransformerEngine's THD fused attention (``te_fused.py``) or, when its segments all have one
+length, dense cuDNN SDPA (``sdpa_cudnn.py``); the reference path is
 the exact masked attention (``reference.py``), which ``auto`` takes where no kernel takes q
 (CPU, fp32). All expose the same block interface used by the ring: ``plan_block`` once per
 (query side, key side), then ``block_forward``/``block_backward``.

@@ -176,7 +176,7 @@ def test_te_fused_without_te_names_the_install_hint():
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=hint):
         te_fused_forward(q, k, v, cu, cu, 7, 7, True, 0.35)
-    assert not backends.te_usable(q)  # what auto asks, with AUTO_TE_RAGGED set
+    assert not backends.te_usable(q)  # what auto asks for a call te_fused would win
 
 
 def test_te_fused_takes_every_call_and_auto_keeps_its_choices(monkeypatch):
@@ -188,13 +188,18 @@ def test_te_fused_takes_every_call_and_auto_keeps_its_choices(monkeypatch):
     for call in (long, short, ragged, causal_unequal):
         assert backends.assign("te_fused", call, q).backend == "te_fused"
     choose = backends.auto_choice
-    assert choose(ragged, sdpa_available=True, te_available=True) == "flash"  # not measured
-    monkeypatch.setattr(backends, "AUTO_TE_RAGGED", True)
-    assert choose(ragged, sdpa_available=True, te_available=True) == "te_fused"
-    assert choose(ragged, sdpa_available=True, te_available=False) == "flash"
+    # ragged causal, longest 4095: flash measured faster; shorter or full ragged: te_fused
+    assert choose(ragged, sdpa_available=True, te_available=True) == "flash"
+    (short_ragged,) = flash.plan_cu_seqlens(torch.tensor([0, 1, 700, 1024]), "cpu")
+    full_ragged = flash.FlashCall(False, None, None, ragged.cu_q, ragged.cu_q, 4095, 4095, False)
+    for call in (short_ragged, full_ragged):
+        assert choose(call, sdpa_available=True, te_available=True) == "te_fused"
+        assert choose(call, sdpa_available=True, te_available=False) == "flash"
+    monkeypatch.setattr(backends, "AUTO_TE_RAGGED_FULL", False)
+    assert choose(full_ragged, sdpa_available=True, te_available=True) == "flash"
     assert choose(long, sdpa_available=True, te_available=True) == "sdpa_cudnn"
     assert choose(short, sdpa_available=True, te_available=True) == "flash"
-    assert backends.assign("auto", ragged, q).backend == "flash"  # q on the CPU: TE unusable
+    assert backends.assign("auto", short_ragged, q).backend == "flash"  # q on the CPU: no TE
 
 
 def _segment_lengths(call):
@@ -236,16 +241,27 @@ def test_planned_calls_give_every_query_a_key():
 
 
 def test_auto_te_ragged_matches_the_measured_table():
-    """AUTO_TE_RAGGED must agree with the committed measurement: at every measured call of
-    different segment lengths, auto's choice (te_fused when set, else flash) is the faster of
-    the two or within 3% of it."""
+    """AUTO_TE_RAGGED_* must agree with the committed measurement: at every measured call of
+    different segment lengths, auto's choice between flash and te_fused (``te_pays``) is the
+    faster of the two or within 3% of it; and along the uniform causal rows (the same kernels
+    by segment length) te_fused is within 3% of flash up to AUTO_TE_RAGGED_CAUSAL_MAX_LEN and
+    flash within 3% of te_fused beyond it."""
     table = json.loads(RESULTS.read_text())
-    rows = [r for r in table["cases"] if not r["uniform"] and "te_fused" in r["ms"]
-            and "flash" in r["ms"]]
+    rows = [r for r in table["cases"] if "te_fused" in r["ms"] and "flash" in r["ms"]]
     if not rows:
         pytest.skip("attention_h200.json has no te_fused rows yet (run "
                     "tests/perf/bench_attention.py with TransformerEngine on the H200)")
-    chosen = "te_fused" if backends.AUTO_TE_RAGGED else "flash"
-    for r in rows:
+    ragged = [r for r in rows if not r["uniform"]]
+    assert ragged and any(not r["causal"] for r in ragged)
+    for r in ragged:
+        call = flash.FlashCall(r["causal"], None, None, None, None, r["len_q"], r["len_k"], False)
+        chosen = "te_fused" if backends.te_pays(call) else "flash"
         best = min(r["ms"]["flash"], r["ms"]["te_fused"])
         assert r["ms"][chosen] <= 1.03 * best, (r["name"], chosen, r["ms"])
+    limit = backends.AUTO_TE_RAGGED_CAUSAL_MAX_LEN
+    by_length = [r for r in rows if r["uniform"] and r["causal"]]
+    assert any(r["len_q"] <= limit for r in by_length) and any(r["len_q"] > limit
+                                                              for r in by_length)
+    for r in by_length:
+        faster, other = ("te_fused", "flash") if r["len_q"] <= limit else ("flash", "te_fused")
+        assert r["ms"][faster] <= 1.03 * r["ms"][other], (r["name"], r["ms"])
