@@ -19,7 +19,8 @@ Every case also times ``te_fused`` (TransformerEngine's THD fused attention) whe
 importable; a te_fused failure is recorded in ``te_fused_errors`` and leaves the other columns.
 Median of ``triton.testing.do_bench``. ``parallel/attention/backends.py``'s
 ``AUTO_SDPA_MIN_LEN`` is read off the uniform rows and ``AUTO_TE_RAGGED_*`` off the others and
-the uniform causal rows by length (flash vs te_fused); tests/unit/test_attention_backends.py checks both against this file.
+the uniform causal rows by length (flash vs te_fused); tests/unit/test_attention_backends.py
+checks both against this file.
 """
 
 from __future__ import annotations
