@@ -193,14 +193,17 @@ def _overwrites_main_grad(te) -> bool:
         ok = False
         try:
             device = torch.device("cuda", torch.cuda.current_device())
-            lin = te.Linear(64, 32, bias=False, params_dtype=torch.float32, device=device,
-                            fuse_wgrad_accumulation=True)
-            x = torch.randn(16, 64, device=device)
-            w = lin.weight
-            w.main_grad = torch.full_like(w, float("nan"))
-            w.overwrite_main_grad = True
-            with _autocast(te, None):
-                lin(x).sum().backward()
+            # The probe's init and input draw from a forked RNG: the run's random streams are
+            # the same with and without TE.
+            with torch.random.fork_rng(devices=[device]):
+                lin = te.Linear(64, 32, bias=False, params_dtype=torch.float32, device=device,
+                                fuse_wgrad_accumulation=True)
+                x = torch.randn(16, 64, device=device)
+                w = lin.weight
+                w.main_grad = torch.full_like(w, float("nan"))
+                w.overwrite_main_grad = True
+                with _autocast(te, None):
+                    lin(x).sum().backward()
             exact = torch.ones(16, 32, device=device).t() @ x
             ok = bool(torch.allclose(w.main_grad, exact, rtol=1e-2, atol=1e-2))
         except (RuntimeError, TypeError, AttributeError, AssertionError):
