@@ -105,8 +105,7 @@ def _scale_launch(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> None
     n = x.numel()
     if n:
         block = 8192
-        _scale_kernel[(triton.cdiv(n, block),)](x, y, scale, n, BLOCK=block,
-                                                IN_PLACE=x.data_ptr() == y.data_ptr(),
+        _scale_kernel[(triton.cdiv(n, block),)](x, y, scale, n, BLOCK=block, IN_PLACE=x is y,
                                                 num_warps=8)
 
 

@@ -58,6 +58,23 @@ def known_range(t: torch.Tensor, ignore: int | None = None) -> tuple[int, int] |
     return r.lo, r.hi
 
 
+def value_range(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of non-empty ``t``: the range recorded on the host by :func:`to_device`
+    (no ignore value), else measured on the device (a CPU-GPU sync when ``t`` is on a GPU)."""
+    known = known_range(t)
+    if known is not None:
+        return known
+    lo, hi = torch.stack([t.min(), t.max()]).tolist()
+    return int(lo), int(hi)
+
+
+def host_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values on the host: the copy :func:`to_device` kept (``keep_host``), else ``t``
+    copied from its device (a CPU-GPU sync when ``t`` is on a GPU)."""
+    host = host_copy(t)
+    return host if host is not None else t.cpu()
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor | None:
     """The host tensor ``t`` was copied from by ``to_device(keep_host=True)``, when neither
     was changed in place since (the same values, readable without a sync), else None."""

@@ -158,8 +158,7 @@ class Transformer(nn.Module):
         if num:
             # RoPE would extrapolate silently past the limit. One CPU-GPU sync per forward,
             # unless the positions were measured on the host (kernels.host_checked).
-            known = host_checked.known_range(position_ids)
-            most = known[1] if known is not None else int(position_ids.max())
+            most = host_checked.value_range(position_ids)[1]
             if most >= self.cfg.max_position_embeddings:
                 raise ValueError(f"position id {most} is beyond max_position_embeddings = "
                                  f"{self.cfg.max_position_embeddings} (positions must be below "

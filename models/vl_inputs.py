@@ -34,6 +34,8 @@ from parallel.context import ContextPlan, split_batch
 from parallel.labels import LabelShifter, check_cu_seqlens
 from parallel.state import ParallelState
 
+IGNORE_INDEX = -100  # the label of positions without a target (LabelShifter's default)
+
 __all__ = ["check_grid", "local_vl_inputs", "vl_inputs", "vl_position_ids"]
 
 
@@ -142,7 +144,7 @@ def vl_position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, image_gr
 
 def vl_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, *, image_grid_thw=None,
               video_grid_thw=None, second_per_grid=None, loss_mask=None,
-              ignore_index: int = -100) -> dict[str, torch.Tensor]:
+              ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
     """The global per-token tensors of a VL packed stream: ``{"input_ids", "labels",
     "position_ids" [3, T], "vision_rows"}`` (module docstring), ready for ``split_batch``
     (split ``vision_rows`` with ``pad_values={"vision_rows": -1}``)."""

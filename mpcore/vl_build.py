@@ -35,7 +35,7 @@ from models import (
     load_hf_vl_model,
     vl_config_from_hf,
 )
-from models.vl_inputs import local_vl_inputs
+from models.vl_inputs import IGNORE_INDEX, local_vl_inputs
 from mpcore.backends import use_te
 from mpcore.config import Config
 from mpcore.data import (
@@ -169,8 +169,7 @@ def vl_local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: C
         local["pixel_values"] = None
         local["grid_thw"] = None
     grid_thw = local.pop("grid_thw")  # host metadata: the tower plans on the CPU
-    # -100: the ignore index vl_inputs gives the labels
-    return {**to_device(local, device, ignore_index=-100), "grid_thw": grid_thw}
+    return {**to_device(local, device, ignore_index=IGNORE_INDEX), "grid_thw": grid_thw}
 
 
 def build_vl(cfg: Config, state: ParallelState, device: torch.device, loader=None):

@@ -100,9 +100,8 @@ def check_cu_seqlens(cu_seqlens, total: int) -> torch.Tensor:
         raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] = [0, len0, len0 + len1, ..., T] "
                          f"with at least 2 entries, got shape {tuple(cu_seqlens.shape)}; pass "
                          f"None for a single document")
-    host = host_checked.host_copy(cu_seqlens)  # moved by mpcore.batches: no sync
-    # CPU-GPU sync point when on GPU and not moved through kernels.host_checked.
-    values = (host if host is not None else cu_seqlens).to("cpu", torch.int64)
+    # No sync when moved by mpcore.batches; a CPU-GPU sync point when on GPU otherwise.
+    values = host_checked.host_values(cu_seqlens).to(torch.int64)
     first, last = int(values[0]), int(values[-1])
     if first != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {first}; prepend 0 "

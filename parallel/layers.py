@@ -248,12 +248,11 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
-        known = host_checked.known_range(ids)
-        if ids.numel() and (known is None or known[0] <= known[1]):
+        if ids.numel():
             # An id outside the vocab must raise, not embed zeros. Ids that came through
             # kernels.host_checked.to_device were measured on the host; others cost one
             # CPU-GPU sync per call here.
-            lo, hi = known or torch.stack([ids.min(), ids.max()]).tolist()
+            lo, hi = host_checked.value_range(ids)
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"token id {hi if hi >= self.num_embeddings else lo} is outside "
                                  f"the vocab [0, {self.num_embeddings}); check the tokenizer and "

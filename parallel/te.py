@@ -212,11 +212,6 @@ def _overwrites_main_grad(te) -> bool:
     return _OVERWRITES["overwrite"]
 
 
-def _fp32_wgrad(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.requires_grad
-            and torch.is_grad_enabled())
-
-
 class TEGemm:
     """``y = x @ weight.T`` through ``transformer_engine.pytorch.Linear`` (module docstring).
 
@@ -237,7 +232,8 @@ class TEGemm:
     def _wgrad_alias(self, weight: torch.Tensor):
         """``(tensor to give TE, slot)``: an alias whose ``main_grad`` TE writes (fp32 weight
         needing a gradient), else ``(weight, None)``."""
-        fused = self.fp32_wgrad and _fp32_wgrad(weight)
+        fused = (self.fp32_wgrad and weight.dtype == torch.float32 and weight.requires_grad
+                 and torch.is_grad_enabled())
         self.module.fuse_wgrad_accumulation = fused
         if not fused:
             return weight, None

@@ -148,9 +148,8 @@ def plan_flash(doc_q, pos_q, doc_k, pos_k, device) -> list[FlashCall]:
 def plan_cu_seqlens(cu_seqlens: torch.Tensor, device) -> list[FlashCall]:
     """One causal call for tokens in order, documents cut by ``cu_seqlens [docs+1]``."""
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    host = host_checked.host_copy(cu_seqlens)
     # CPU-GPU sync point when cu_seqlens is on the GPU without a host copy (kernels.host_checked).
-    lengths = (cu_seqlens if host is None else host).diff()
+    lengths = host_checked.host_values(cu_seqlens).diff()
     min_len, max_len = (int(n) for n in torch.aminmax(lengths))
     return [FlashCall(True, None, None, cu, cu, max_len, max_len, min_len == max_len)]
 

@@ -69,6 +69,21 @@ def test_host_copy_is_kept_on_request_and_dropped_on_change():
     assert host_checked.host_copy(moved) is None
 
 
+def test_value_range_and_host_values_fall_back_to_the_tensor():
+    """The recorded range / host copy when there is one (a stale record is not used), else the
+    tensor's own values."""
+    t = host_checked.to_device(torch.tensor([5, 1, 8]), torch.device("cpu"), keep_host=True)
+    host_checked._known[t] = host_checked._known[t]._replace(lo=-7)  # what the host recorded
+    assert host_checked.value_range(t) == (-7, 8)
+    assert torch.equal(host_checked.host_values(t), torch.tensor([5, 1, 8]))
+    t.add_(1)  # changed in place: measured again
+    assert host_checked.value_range(t) == (2, 9)
+    assert torch.equal(host_checked.host_values(t), torch.tensor([6, 2, 9]))
+    plain = torch.tensor([3, -2])
+    assert host_checked.value_range(plain) == (-2, 3)
+    assert torch.equal(host_checked.host_values(plain), plain)
+
+
 def test_local_inputs_record_every_tensor():
     from mpcore.batches import local_inputs
     from mpcore.config import load_config
