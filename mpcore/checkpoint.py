@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import shutil
 import warnings
@@ -47,7 +46,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mpcore.manifest import MANIFEST, check_files, file_entry, fsync_dir, read_manifest
+from mpcore import atomic
+from mpcore.atomic import fsync_dir
+from mpcore.manifest import MANIFEST, check_files, file_entry, read_manifest
 from mpcore.manifest import write_manifest as _write_manifest
 
 log = logging.getLogger(__name__)
@@ -195,15 +196,6 @@ def verify_checkpoint(folder: str | Path, rank: int = 0, world: int = 1) -> list
     return problems
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
                     *, keep_last: int, rank: int,
                     hook: Callable[[str, Path], None] | None = None) -> Path:
@@ -230,7 +222,7 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
     mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
     entries = _all_gather(mine)
     if rank == 0:
-        _write_atomic(tmp / META, json.dumps(meta, indent=1))
+        atomic.write_text(tmp / META, json.dumps(meta, indent=1))
         if hook:
             hook("meta", tmp)
         files = {name: entry for part in entries for name, entry in part.items()}
@@ -244,7 +236,7 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
         _rename_into_place(root, tmp, final)
         if hook:
             hook("renamed", final)
-        _write_atomic(root / LATEST, final.name + "\n")
+        atomic.write_text(root / LATEST, final.name + "\n")
         fsync_dir(root)
         if hook:
             hook("latest", final)

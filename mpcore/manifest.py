@@ -39,15 +39,6 @@ def file_entry(path: Path, sync: bool = True) -> dict:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new file inside ``folder`` durable (POSIX: sync the directory)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(folder: Path, files: dict[str, dict]) -> None:
     """Write ``folder/manifest.json`` listing ``files`` (name -> entry), synced."""
     body = json.dumps({"format": FORMAT, "algorithm": "sha256", "files": files}, indent=1,

@@ -27,6 +27,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from mpcore import atomic
 from mpcore.checkpoint import LATEST, from_rank0, step_folders
 from mpcore.config import Config
 
@@ -150,10 +151,5 @@ def rewrite_metrics(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic.write_text(path, "".join(line + "\n" for line in kept))
     return dropped
