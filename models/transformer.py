@@ -28,6 +28,7 @@ rank's shard, so ``build_model`` gives the same function at any tp degree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -194,21 +195,27 @@ class Transformer(nn.Module):
         return self.decode(h, position_ids, packing, labels, output, temperature)
 
     def decode(self, h: torch.Tensor, position_ids: torch.Tensor, packing: Packing,
-               labels: torch.Tensor | None, output: str, temperature: float):
+               labels: torch.Tensor | None, output: str, temperature: float,
+               after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         """The layers, final norm and head on embedded tokens ``h [L(/tp), hidden]`` (inputs
         checked by the caller, e.g. ``forward``; a vision-language model scatters image
-        embeddings into ``h`` first)."""
+        embeddings into ``h`` first). ``after_layer(i, out)`` sees layer i's output ``out
+        [L(/tp), hidden]`` (what the residual stream gains there) and returns it, e.g. with
+        rows added at visual positions (DeepStack); it must be the same function on every tp
+        rank of a cp rank and join the same collectives."""
         # Checked and planned once for all layers (no per-layer sync or cp metadata gather).
         plan = AttentionPlan(packing.doc_id, packing.positions_in_doc, packing.cu_seqlens,
                              mode=self.cp_mode, group=self.cp_group,
                              backend=self.attention_backend)
         cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
         delta = None  # each layer's output, added to h inside the next norm
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h, delta = checkpoint(layer, h, delta, cos, sin, plan, use_reentrant=False)
             else:
                 h, delta = layer(h, delta, cos, sin, plan)
+            if after_layer is not None:
+                delta = after_layer(i, delta)
         # The last add stays a plain one: the final norm is called as a module (its forward
         # hooks see the hidden states the head reads), at the cost of one add per forward.
         h = self.norm(h if delta is None else h + delta, _autocast_dtype(h))
