@@ -4,7 +4,7 @@
 
 Runs in one process on the CPU, whatever layout the checkpoint was saved at (its tensors are in
 logical form): the model is rebuilt from the checkpoint's ``meta.json`` at tp=1, loaded, and
-written by ``models.export_hf``. Memory: the full model in fp32 plus one load batch.
+written by its family's export (``models.registry``). Memory: the full model in fp32 plus one load batch.
 ``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
 
 The run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
@@ -23,14 +23,7 @@ from pathlib import Path
 
 import torch
 
-from models import (
-    ModelConfig,
-    build_model,
-    build_vl_model,
-    export_hf,
-    export_hf_vl,
-    vl_config_from_dict,
-)
+from models import Family, family_named
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.logical import LogicalLayout
 from mpcore.progress import ProgressBar
@@ -49,20 +42,18 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
                              f"folder holding one; pass RUN/checkpoints/step-N")
         folder = found
     meta = read_meta(folder)
-    vl = "vision" in meta["model_config"]
-    cfg = (vl_config_from_dict if vl else lambda d: ModelConfig(**d))(meta["model_config"])
+    family = meta_family(meta)
+    cfg = family.config_from_dict(meta["model_config"])
     state = ParallelState()
-    model = (build_vl_model if vl else build_model)(cfg, state, device="cpu")
+    model = family.build(cfg, state, device="cpu")
     cpu = torch.device("cpu")
     TrainState(model, None, LogicalLayout(cfg, 1, 0), state, RNGTracker(cpu), cpu).restore(
         folder, same_layout=False)
-    if vl:
-        export_hf_vl(model, state, output)
-    else:
-        bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
-        export_hf(model, cfg, state, output, progress=lambda done, total: bar.update(done))
-        bar.close()
-    tokenizer = run_tokenizer(meta.get("config", {}))
+    bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
+    family.export_hf(model, state, output, progress=lambda done, total: bar.update(done))
+    bar.close()
+    vl = family.modality == "image-text"
+    tokenizer = run_tokenizer(meta.get("config", {}), vl)
     if vl and tokenizer is not None and tokenizer.is_file():
         # the SentencePiece model and tokenizer.json naming the four vision ids after its vocab
         shutil.copyfile(tokenizer, Path(output) / "tokenizer.json")
@@ -76,10 +67,19 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
     return folder
 
 
-def run_tokenizer(config: dict) -> Path | None:
-    """The SentencePiece model a run trained with (from its saved config), or None."""
+def meta_family(meta: dict) -> Family:
+    """The model family a checkpoint was saved from (``meta.json``'s ``model_family``; saved
+    before families were named: a ``vision`` field means qwen2_vl, else llama)."""
+    name = meta.get("model_family") or ("qwen2_vl" if "vision" in meta["model_config"]
+                                         else "llama")
+    return family_named(name)
+
+
+def run_tokenizer(config: dict, vl: bool) -> Path | None:
+    """The SentencePiece model a run trained with (from its saved config; ``vl``: the model
+    takes images, so the VL tokenizer), or None."""
     data = config.get("data") or {}
-    if (config.get("model") or {}).get("vision") is not None or data.get("vl_paths"):
+    if vl or data.get("vl_paths"):
         return _vl_tokenizer(data)
     if data.get("paths"):
         return Path(data["tokenizer"]) if data.get("tokenizer") else None

@@ -35,48 +35,10 @@ import torch
 import torch.distributed as dist
 
 from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
-from models import (
-    Transformer,
-    config_from_hf,
-    is_vl_config,
-    load_hf_model,
-    load_hf_vl_model,
-    local_vl_inputs,
-    vl_config_from_hf,
-)
-from models.hf_config import read_hf_config
-from parallel.context import ContextPlan, split_batch
-from parallel.labels import LabelShifter, position_ids
+from models import family_of, family_of_hf, read_hf_config
 from parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                 loss_mask: torch.Tensor | None = None, sequence_parallel: bool = False
-                 ) -> tuple[ContextPlan, dict]:
-    """The cp plan of one packed stream and this rank's model inputs (keyword arguments of
-    ``Transformer.forward`` except ``output``): labels shifted on the GLOBAL stream, then every
-    per-token tensor split together (zigzag when cp > 1; local length a multiple of tp under SP).
-
-    ``input_ids [T]`` int, ``cu_seqlens [D+1]`` int (non-empty documents), ``loss_mask [T]``
-    bool or None. Label t is ``input_ids[t+1]`` (ignored at each document's last token).
-    """
-    total = input_ids.numel()
-    labels = LabelShifter()(input_ids, cu_seqlens, loss_mask)
-    layout = "zigzag" if state.cp > 1 else "contiguous"
-    plan = ContextPlan(cu_seqlens, total, state.cp, layout,
-                       pad_multiple=state.tp if sequence_parallel else 1)
-    batch = {"input_ids": input_ids, "labels": labels,
-             "position_ids": position_ids(cu_seqlens, total).to(input_ids.device),
-             "cu_seqlens": cu_seqlens}
-    local = split_batch(batch, plan, state.cp_rank)
-    rank_layout = plan.rank_layout(state.cp_rank)
-    device = input_ids.device
-    return plan, {"input_ids": local["input_ids"], "position_ids": local["position_ids"],
-                  "doc_id": rank_layout.doc_id.to(device),
-                  "positions_in_doc": rank_layout.positions_in_doc.to(device),
-                  "cu_seqlens": local["cu_seqlens"], "labels": local["labels"]}
 
 
 def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
@@ -85,17 +47,15 @@ def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                  image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs [T], entropy [T])`` fp32 of one packed stream, in stream order, on every rank
     of this replica's tp x cp group (collective over ``state.tp_group`` and ``state.cp_group``).
-    Position t scores ``input_ids[t+1]`` (0 at each document's last token). A ``VLModel``
-    (``model.cfg`` a ``VLConfig``) also takes the stream's ``pixel_values [N, patch_dim]`` and
-    ``image_grid_thw [I, 3]`` (every image of the stream, in placeholder order; may be None)."""
-    if isinstance(model, Transformer):
-        plan, inputs = local_inputs(state, input_ids, cu_seqlens, loss_mask,
-                                    model.sequence_parallel)
-    else:
-        plan, inputs = local_vl_inputs(state, input_ids, cu_seqlens, model.cfg,
-                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+    Position t scores ``input_ids[t+1]`` (0 at each document's last token). A vision-language
+    model also takes the stream's ``pixel_values [N, patch_dim]`` and ``image_grid_thw [I, 3]``
+    (every image of the stream, in placeholder order; may be None). The model's family
+    (``models.family_of(model.cfg)``) makes this rank's inputs."""
+    family = family_of(model.cfg)
+    plan, inputs = family.local_inputs(state, input_ids, cu_seqlens, model.cfg,
                                        loss_mask=loss_mask,
-                                       sequence_parallel=model.sequence_parallel)
+                                       sequence_parallel=model.sequence_parallel,
+                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     with torch.no_grad():
         logprobs, entropy = model(**inputs, output="logprobs", temperature=temperature)
     return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group)
@@ -146,12 +106,14 @@ def score_sequences(model, state: ParallelState, sequences: list[list[int]],
 
 def checkpoint_spec(folder: Path) -> InputSpec:
     """What the checkpoint at ``folder`` accepts, from its config.json alone (no weights):
-    a Qwen2-VL / Qwen2.5-VL checkpoint takes images, a decoder text only. ``ValueError`` for
-    architectures that neither loader supports."""
-    if is_vl_config(folder):
-        return vl_spec(vl_config_from_hf(folder), folder)
-    cfg = config_from_hf(folder)
-    archs = read_hf_config(folder).get("architectures") or ["?"]
+    a vision-language family's checkpoint takes images, a decoder's text only. ``ValueError``
+    for architectures no family supports."""
+    hf = read_hf_config(folder)
+    family = family_of_hf(hf)
+    cfg = family.config_from_hf(hf)
+    if family.modality == "image-text":
+        return vl_spec(cfg, folder)
+    archs = hf.get("architectures") or ["?"]
     return InputSpec(vocab_size=cfg.vocab_size, checkpoint=f"{folder} ({archs[0]})")
 
 
@@ -201,10 +163,9 @@ def setup() -> torch.device:
     return device
 
 
-def load_model(args: argparse.Namespace, spec: InputSpec, state: ParallelState,
-               device: torch.device):
-    """The ``Transformer`` or ``VLModel`` of the checkpoint, tp-sharded, in eval mode."""
-    load = load_hf_vl_model if spec.vl else load_hf_model
+def load_model(args: argparse.Namespace, state: ParallelState, device: torch.device):
+    """The checkpoint's model (its family's loader), tp-sharded, in eval mode."""
+    load = family_of_hf(args.hf_checkpoint).load_hf
     model, _ = load(args.hf_checkpoint, state, cp_mode=args.cp_mode,
                     sequence_parallel=args.sequence_parallel, device=device,
                     dtype=DTYPES[args.dtype])
@@ -225,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         state = ParallelState.build(args.tp, args.cp)
         spec = checkpoint_spec(args.hf_checkpoint)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
-        model = load_model(args, spec, state, device)
+        model = load_model(args, state, device)
         start = time.perf_counter()
         mine = list(range(state.dp_rank, len(items), state.dp))
         results = score_items(model, state, [items[i] for i in mine], device, args.temperature)

@@ -40,6 +40,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
+FAMILIES = ("llama", "qwen2_vl")  # models.registry.FAMILIES (a test checks they agree)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -90,6 +91,10 @@ class ModelSection:
     init_from: str | None = None
     """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
     fields above), or null for a fresh initialisation from training.seed."""
+    family: str = "auto"
+    """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above)
+    or qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision); auto: the family of init_from's
+    config.json, else qwen2_vl when vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
@@ -134,6 +139,7 @@ class ModelSection:
             raise ValueError("model.fp8=tensorwise is mpcore's own kernel (linear_backend "
                              "native); with linear_backend=te use fp8=te_current or te_delayed")
         _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
+        _choice("model", "family", self.family, ("auto", *FAMILIES))
         if self.vision is not None and not isinstance(self.vision, dict):
             raise ValueError(f"model.vision must be a mapping of VisionConfig fields or null, "
                              f"got {self.vision!r}")
@@ -144,10 +150,10 @@ class ModelSection:
     def shape_fields(self) -> dict:
         """The keyword arguments of ``models.ModelConfig``: every field but ``init_from``, the
         kernel choices (``attention_backend``, ``fp8``, ``linear_backend``; ``mpcore.build``),
-        and the vision fields (``mpcore.vl_build``)."""
+        and the family's own fields (``model.family``; the vision ones are qwen2_vl's)."""
         out = dataclasses.asdict(self)
-        for name in ("init_from", "attention_backend", "fp8", "linear_backend", "vision",
-                     "freeze_vision", "vision_cp"):
+        for name in ("init_from", "family", "attention_backend", "fp8", "linear_backend",
+                     "vision", "freeze_vision", "vision_cp"):
             del out[name]
         return out
 

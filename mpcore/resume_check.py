@@ -12,8 +12,9 @@ Refused (they change the data order or what a step means), listed as ``key: save
                                  decay, min_lr_ratio
     model.*                      the model (the vision tower and freeze_vision included), but
                                  for choices of kernels or layout that compute the same model:
-                                 init_from, max_position_embeddings, attention_backend, fp8,
-                                 linear_backend, vision_cp
+                                 init_from, family (auto or the name it resolves to: the
+                                 fields say what the model is), max_position_embeddings,
+                                 attention_backend, fp8, linear_backend, vision_cp
 A key named in ``checkpoint.accept_changes`` is accepted instead (logged).
 
 Allowed and logged: everything else (logging.*, checkpoint.every / keep_last, the parallel
@@ -37,7 +38,7 @@ from mpcore.config import Config, to_dict
 
 _WHOLE_BELOW = 8 << 20
 _BLOCKS, _BLOCK = 64, 64 << 10
-_EXEMPT_MODEL = ("init_from", "max_position_embeddings", "attention_backend", "fp8",
+_EXEMPT_MODEL = ("init_from", "family", "max_position_embeddings", "attention_backend", "fp8",
                  "linear_backend", "vision_cp")
 REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction", "data.vl_paths",
            "data.vl_drop_long", "training.seed", "schedule.warmup_steps", "schedule.decay",

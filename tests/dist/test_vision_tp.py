@@ -21,7 +21,7 @@ import torch
 from harness import run_distributed
 from safetensors.torch import load_file
 
-from models.vision import (
+from models.qwen2_vl import (
     build_vision_tower,
     export_vision_weights,
     load_vision_tower,

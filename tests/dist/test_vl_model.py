@@ -12,9 +12,9 @@ import pytest
 import torch
 from hf_vl_tiny import IMAGE, reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 
-from models.hf import _scatter_back
-from models.vl_hf import export_hf_vl, load_hf_vl_model, vl_shard_map
-from models.vl_inputs import local_vl_inputs
+from models.common.hf_io import _scatter_back
+from models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
+from models.qwen2_vl.inputs import local_vl_inputs
 from parallel.state import ParallelState
 
 CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False)]

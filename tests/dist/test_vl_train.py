@@ -168,7 +168,7 @@ def test_export_loads_in_transformers(runs):
                         cfg.vision_end_token_id, 9, 11])
     pixels = torch.randn(16, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
     grid = torch.tensor([[1, 4, 4]])
-    from models.vl_inputs import local_vl_inputs
+    from models.qwen2_vl.inputs import local_vl_inputs
 
     _, inputs = local_vl_inputs(ParallelState.build(), ids, torch.tensor([0, ids.numel()]), cfg,
                                 pixel_values=pixels, image_grid_thw=grid)

@@ -431,9 +431,9 @@ def parse_args(argv):
                              "mpcore only)")
     parser.add_argument("--cp-mode", default="ring", choices=["ring", "ulysses"])
     parser.add_argument("--vision-cp", default="split", choices=["split", "replicate"],
-                        help="how the cp ranks share the tower's work (models.vl_vision)")
+                        help="how the cp ranks share the tower's work (models.common.vision_cp)")
     parser.add_argument("--vision-attention", default="auto", choices=["auto", "flash", "cudnn"],
-                        help="mpcore's vision attention kernel on CUDA (models.vision.attention)")
+                        help="mpcore's vision attention kernel on CUDA (models.common.vision_attention)")
     parser.add_argument("--count-params", action="store_true",
                         help="print both models' parameter counts (meta device) and exit")
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ import torch
 from interpret import run_under_interpreter
 
 from kernels.rope import rope, rope_reference, rope_triton
-from models.rope import RotaryEmbedding, apply_rope
+from models.common.rope import RotaryEmbedding, apply_rope
 
 # Norm-wise relative tolerance per rounded dtype: one rounding of an fp32 (or exact) value.
 _TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.float64: 1e-12}

@@ -434,10 +434,10 @@ def test_blend_with_text_only(prepared, data_dir, tok):
 
 
 def test_batches_feed_the_vl_model_inputs(prepared, tok):
-    from models.config import ModelConfig
-    from models.vision.config import VisionConfig
-    from models.vl_config import VLConfig
-    from models.vl_inputs import vl_inputs
+    from models.common.config import ModelConfig
+    from models.qwen2_vl.config import VLConfig
+    from models.qwen2_vl.inputs import vl_inputs
+    from models.qwen2_vl.vision_config import VisionConfig
 
     vl = VLDataset(prepared[1])
     packed = VLPackedDataset(vl, 64, 0, pad_id=tok.eos_id)

@@ -1,7 +1,7 @@
 """Hugging Face Qwen2-VL / Qwen2.5-VL checkpoints <-> tensor-parallel shards of ``VLModel``.
 
-The table of ``models.hf.shard_map`` (the decoder, under ``text.``) and of
-``models.vision.hf.vision_shard_map`` (the tower, under ``visual.``) says which slices of which
+The table of ``models.common.decoder_hf.shard_map`` (the decoder, under ``text.``) and of
+``models.qwen2_vl.vision_hf.vision_shard_map`` (the tower, under ``visual.``) says which slices of which
 HF tensors each tp rank holds. HF names are those of the hub layout that ``save_pretrained``
 writes: ``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``visual.*``.
 Checkpoints saved in transformers' module layout (``model.language_model.*``,
@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from models.hf import Piece, _Checkpoint, fill_from_table, shard_map, write_hf
-from models.transformer import init_weights
-from models.vision.hf import vision_shard_map
-from models.vl import VLModel
-from models.vl_config import VLConfig, hf_vl_config_dict, vl_config_from_hf
+from models.common.decoder import init_weights
+from models.common.decoder_hf import shard_map
+from models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
+from models.qwen2_vl.config import VLConfig, hf_vl_config_dict, vl_config_from_hf
+from models.qwen2_vl.model import VLModel
+from models.qwen2_vl.vision_hf import vision_shard_map
 from parallel.state import ParallelState
 
 # Hub name prefix -> the same tensor's name in transformers' module layout.
@@ -34,7 +35,7 @@ def vl_shard_map(cfg: VLConfig, tp: int, rank: int) -> dict[str, list[Piece]]:
     return out
 
 
-class _VLCheckpoint(_Checkpoint):
+class _VLCheckpoint(Checkpoint):
     """A checkpoint folder whose tensors may use either name layout (module docstring)."""
 
     def __init__(self, folder: Path):
@@ -80,13 +81,15 @@ def load_hf_vl_model(folder: str | Path, state: ParallelState, *,
 
 
 @torch.no_grad()
-def export_hf_vl(model: VLModel, state: ParallelState, out_dir: str | Path) -> None:
+def export_hf_vl(model: VLModel, state: ParallelState, out_dir: str | Path,
+                 progress=None) -> None:
     """Write ``config.json`` and ``model.safetensors`` (hub layout) of ``model`` to ``out_dir``.
 
     Collective over the world: call it on every rank. Only the tp group of global rank 0
-    gathers; rank 0 writes; a barrier then lets every rank read it.
+    gathers; rank 0 writes; a barrier then lets every rank read it. ``progress(done, total)``
+    is called after each parameter is gathered.
     """
     cfg = model.cfg
     hf_dict = hf_vl_config_dict(cfg)  # raises before any communication on bad configs
     write_hf(model, state, out_dir, hf_dict,
-             [vl_shard_map(cfg, state.tp, rank) for rank in range(state.tp)])
+             [vl_shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.vision.config import VisionConfig
+from models.qwen2_vl.vision_config import VisionConfig
 
 
 @dataclass(frozen=True)

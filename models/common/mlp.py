@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kernels.swiglu import swiglu
-from models.config import ModelConfig
+from models.common.config import ModelConfig
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.state import ProcessGroup
 

@@ -10,26 +10,14 @@ Writing picks the architecture from the fields: qk_norm -> Qwen3, qkv_bias -> Qw
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from models.config import ROPE_SCALING_KEYS, ModelConfig
+from models.common.config import ROPE_SCALING_KEYS, ModelConfig
+from models.common.hf_io import read_hf_config
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3"}
 VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-
-
-def read_hf_config(source: str | Path | dict) -> dict:
-    """The raw dict of ``config.json`` (``source``: a checkpoint folder, the file, or a dict)."""
-    if isinstance(source, dict):
-        return source
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no config.json at {path}; pass a Hugging Face checkpoint folder")
-    return json.loads(path.read_text())
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:

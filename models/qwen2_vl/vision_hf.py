@@ -2,7 +2,7 @@
 
 One table, :func:`vision_shard_map`, says for every local parameter of tp rank r which pieces
 of which HF tensors (hub layout, as ``save_pretrained`` writes it, under ``prefix``) it holds,
-concatenated along the pieces' dim (``models.hf.Piece``):
+concatenated along the pieces' dim (``models.common.hf_io.Piece``):
 
     patch_embed.weight                  patch_embed.proj.weight  (whole, Conv3d layout)
     layers.i.attention_norm.*           blocks.i.norm1.{weight,bias}  (bias: qwen2_vl only)
@@ -16,7 +16,7 @@ concatenated along the pieces' dim (``models.hf.Piece``):
     merger.w1.{weight,bias}             merger.mlp.0 rows r
     merger.w2.weight                    merger.mlp.2.weight columns r; .bias whole
 
-Loading reads only this rank's slices (``models.hf._Checkpoint``). Export runs the table
+Loading reads only this rank's slices (``models.common.hf_io.Checkpoint``). Export runs the table
 backwards: the tp group all-gathers each sharded tensor and every rank of it gets the full HF
 tensors (the VL export merges them with the language model's).
 """
@@ -27,14 +27,10 @@ from pathlib import Path
 
 import torch
 
-from models.hf import Piece, _Checkpoint, fill_from_table, gather_full
-from models.vision.config import VisionConfig
-from models.vision.tower import VisionTower
+from models.common.hf_io import Checkpoint, Piece, fill_from_table, gather_full, whole
+from models.qwen2_vl.tower import VisionTower
+from models.qwen2_vl.vision_config import VisionConfig
 from parallel.state import ParallelState, ProcessGroup, group_size
-
-
-def _whole(name: str, shape: tuple[int, ...]) -> list[Piece]:
-    return [Piece(name, shape, 0, 0, shape[0])]
 
 
 def _rows(name: str, shape: tuple[int, ...], tp: int, rank: int, part: int = 0,
@@ -63,13 +59,13 @@ def _column(out: dict, ours: str, hf: list[str], width_in: int, width_out: int, 
 def _row(out: dict, ours: str, hf: str, width_in: int, width_out: int, tp: int,
          rank: int) -> None:
     out[f"{ours}.weight"] = _cols(f"{hf}.weight", (width_out, width_in), tp, rank)
-    out[f"{ours}.bias"] = _whole(f"{hf}.bias", (width_out,))
+    out[f"{ours}.bias"] = whole(f"{hf}.bias", (width_out,))
 
 
 def _norm(out: dict, cfg: VisionConfig, ours: str, hf: str) -> None:
     kinds = ("weight", "bias") if cfg.arch == "qwen2_vl" else ("weight",)
     for kind in kinds:
-        out[f"{ours}.{kind}"] = _whole(f"{hf}.{kind}", (cfg.hidden_size,))
+        out[f"{ours}.{kind}"] = whole(f"{hf}.{kind}", (cfg.hidden_size,))
 
 
 def vision_shard_map(cfg: VisionConfig, tp: int, rank: int,
@@ -77,7 +73,7 @@ def vision_shard_map(cfg: VisionConfig, tp: int, rank: int,
     """Our parameter name -> the HF pieces of tp rank ``rank``'s shard (module docstring)."""
     cfg.check_parallel(tp)
     hid, inter, width = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.merge_unit
-    out = {"patch_embed.weight": _whole(
+    out = {"patch_embed.weight": whole(
         prefix + "patch_embed.proj.weight",
         (hid, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))}
     for i in range(cfg.depth):
@@ -116,23 +112,23 @@ def _check_state(tower: VisionTower, state: ParallelState | ProcessGroup | None)
 
 
 @torch.no_grad()
-def load_vision_weights(tower: VisionTower, source: str | Path | _Checkpoint,
+def load_vision_weights(tower: VisionTower, source: str | Path | Checkpoint,
                         state: ParallelState | ProcessGroup | None = None, *,
                         prefix: str = "visual.") -> None:
     """Fill every parameter of ``tower`` with this tp rank's shard of the checkpoint's tensors.
 
     ``source``: a checkpoint folder (``model.safetensors`` or a sharded index) or an open
-    ``models.hf._Checkpoint`` shared with the language model's loader. The tp group and rank
+    ``models.common.hf_io.Checkpoint`` shared with the language model's loader. The tp group and rank
     are the tower's own; ``state``, when given, must agree with them. Reads only this rank's
     slices. Raises ``ValueError`` naming a missing tensor or a tensor whose shape disagrees with
     the config, before copying it.
     """
     _check_state(tower, state)
-    ckpt = source if isinstance(source, _Checkpoint) else _Checkpoint(Path(source))
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(Path(source))
     fill_from_table(tower, ckpt, vision_shard_map(tower.cfg, tower.tp, tower.tp_rank, prefix))
 
 
-def load_vision_tower(source: str | Path | _Checkpoint, cfg: VisionConfig,
+def load_vision_tower(source: str | Path | Checkpoint, cfg: VisionConfig,
                       state: ParallelState | ProcessGroup | None = None, *,
                       prefix: str = "visual.", device: torch.device | str = "cpu",
                       dtype: torch.dtype = torch.float32,

@@ -29,11 +29,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.swiglu import swiglu
-from models.norm import RMSNorm
-from models.transformer import init_weights
-from models.vision.attention import KERNELS, Segments, VisionAttention, rotary_tables
-from models.vision.config import VisionConfig
-from models.vision.plan import VisionPlan, plan_vision
+from models.common.decoder import init_weights
+from models.common.norm import RMSNorm
+from models.common.vision_attention import KERNELS, Segments, VisionAttention, rotary_tables
+from models.qwen2_vl.vision_config import VisionConfig
+from models.qwen2_vl.vision_plan import VisionPlan, plan_vision
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
 from parallel.state import ParallelState, ProcessGroup, group_rank, group_size
@@ -151,7 +151,7 @@ class PatchMerger(nn.Module):
 class VisionTower(nn.Module):
     """The vision tower (module docstring). ``state_or_tp_group``: a ``ParallelState`` (its tp
     group is used), a tp ``ProcessGroup``, or None (one process). Build it with
-    :func:`build_vision_tower` or load it with ``models.vision.hf``."""
+    :func:`build_vision_tower` or load it with ``models.qwen2_vl.vision_hf``."""
 
     def __init__(self, cfg: VisionConfig,
                  state_or_tp_group: ParallelState | ProcessGroup | None = None, *,
@@ -175,7 +175,7 @@ class VisionTower(nn.Module):
             layer.attention.kernel = attention_kernel
 
     def plan(self, grid_thw) -> VisionPlan:
-        """Host-side plan of ``grid_thw`` (checks it; ``models.vision.plan``)."""
+        """Host-side plan of ``grid_thw`` (checks it; ``models.qwen2_vl.vision_plan``)."""
         return plan_vision(self.cfg, grid_thw)
 
     def _check_pixels(self, pixel_values: torch.Tensor, plan: VisionPlan) -> None:

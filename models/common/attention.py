@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import ModelConfig
-from models.norm import RMSNorm
-from models.rope import apply_rope
+from models.common.config import ModelConfig
+from models.common.norm import RMSNorm
+from models.common.rope import apply_rope
 from parallel.attention import AttentionPlan, context_attention
 from parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, linear

@@ -16,9 +16,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.config import ModelConfig
-from models.hf_config import config_from_hf, hf_config_dict, read_hf_config
-from models.vision.config import VisionConfig, hf_vision_config_dict, vision_config_from_hf
+from models.common.config import ModelConfig
+from models.common.hf_io import read_hf_config
+from models.llama.hf_config import config_from_hf, hf_config_dict
+from models.qwen2_vl.vision_config import VisionConfig, hf_vision_config_dict, vision_config_from_hf
 
 VL_ARCHS = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
             "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from models.vl_config import VLConfig
+from models.qwen2_vl.config import VLConfig
 from parallel.context import ContextPlan, split_batch
-from parallel.labels import LabelShifter, check_cu_seqlens
+from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
 from parallel.state import ParallelState
-
-IGNORE_INDEX = -100  # the label of positions without a target (LabelShifter's default)
 
 __all__ = ["check_grid", "local_vl_inputs", "vl_inputs", "vl_position_ids"]
 
@@ -158,17 +156,18 @@ def vl_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, *, image_grid_
 def local_vl_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig,
                     *, pixel_values: torch.Tensor | None = None, image_grid_thw=None,
                     pixel_values_videos: torch.Tensor | None = None, video_grid_thw=None,
-                    second_per_grid=None, loss_mask=None, sequence_parallel: bool = False
-                    ) -> tuple[ContextPlan, dict]:
+                    second_per_grid=None, loss_mask=None, sequence_parallel: bool = False,
+                    layout: str | None = None) -> tuple[ContextPlan, dict]:
     """The cp plan of one packed VL stream and this rank's ``VLModel.forward`` keyword
     arguments (all but ``output``): the per-token tensors made on the GLOBAL stream
     (``vl_inputs``), then split together (zigzag when cp > 1; a multiple of tp under SP); the
-    vision input (images then videos) passed whole to every rank."""
+    vision input (images then videos) passed whole to every rank. ``layout``: ``zigzag`` or
+    ``contiguous`` (None: zigzag when cp > 1)."""
     total = input_ids.numel()
     batch = vl_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                       video_grid_thw=video_grid_thw, second_per_grid=second_per_grid,
                       loss_mask=loss_mask)
-    layout = "zigzag" if state.cp > 1 else "contiguous"
+    layout = (layout or "zigzag") if state.cp > 1 else "contiguous"
     plan = ContextPlan(cu_seqlens, total, state.cp, layout,
                        pad_multiple=state.tp if sequence_parallel else 1)
     local = split_batch({**batch, "cu_seqlens": cu_seqlens}, plan, state.cp_rank,
@@ -179,6 +178,8 @@ def local_vl_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, c
     grids = [g for g in (image_grid_thw, video_grid_thw) if g is not None]
     grid = torch.cat([torch.as_tensor(g, dtype=torch.int64).view(-1, 3) for g in grids]) \
         if grids else None
+    if grid is None or not grid.numel():  # no vision item: the model runs its dummy window
+        parts, grid = [], None
     return plan, {**local, "doc_id": rank_layout.doc_id.to(device),
                   "positions_in_doc": rank_layout.positions_in_doc.to(device),
                   "pixel_values": torch.cat(parts) if parts else None, "grid_thw": grid}

@@ -2,7 +2,7 @@
 
 Every cp rank holds the whole micro-batch's vision input (``pixel_values [N, patch_dim]`` of all
 items, ``grid_thw [I, 3]``: images then videos) and its own local ``vision_rows`` (the tower
-output row of each local placeholder, ``-1`` for text; ``models.vl_inputs``). Two modes:
+output row of each local placeholder, ``-1`` for text; ``models.qwen2_vl.inputs``). Two modes:
 
 ``split`` (default): items are assigned to cp ranks by patch count (largest first, to the least
     loaded rank; deterministic, the same on every rank without communication). Each rank runs the

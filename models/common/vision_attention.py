@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.rope import rope
-from models.vision.config import VisionConfig
 from parallel.attention import flash, sdpa_cudnn, use_flash
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.state import ProcessGroup, group_size
@@ -171,9 +170,10 @@ def segment_attention(q, k, v, segments: Segments, scale: float,
 
 
 class VisionAttention(nn.Module):
-    """Self-attention of one vision block (module docstring); heads sharded over ``tp_group``."""
+    """Self-attention of one vision block (module docstring); heads sharded over ``tp_group``.
+    ``cfg``: a family's vision config (``hidden_size``, ``num_heads``, ``head_dim``)."""
 
-    def __init__(self, cfg: VisionConfig, *, tp_group: ProcessGroup | None, device=None,
+    def __init__(self, cfg, *, tp_group: ProcessGroup | None, device=None,
                  dtype=None):
         super().__init__()
         hid, tp = cfg.hidden_size, group_size(tp_group)

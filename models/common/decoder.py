@@ -37,11 +37,11 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import host_checked
 from kernels.fp8_linear import check_fp8
-from models.attention import Attention
-from models.config import ModelConfig
-from models.mlp import FeedForward
-from models.norm import RMSNorm
-from models.rope import RotaryEmbedding
+from models.common.attention import Attention
+from models.common.config import ModelConfig
+from models.common.mlp import FeedForward
+from models.common.norm import RMSNorm
+from models.common.rope import RotaryEmbedding
 from parallel.attention import AttentionPlan
 from parallel.attention.backends import check_name
 from parallel.collectives import copy_to_tp, sp_all_gather

@@ -1,14 +1,14 @@
 """Vision-language model (Qwen2-VL / Qwen2.5-VL): a vision tower feeding an M-RoPE decoder.
 
 Layout, per rank: the L local tokens of this cp rank's share of one packed stream, with the
-per-token tensors made on the GLOBAL stream by ``models.vl_inputs.vl_inputs`` and split together
+per-token tensors made on the GLOBAL stream by ``models.qwen2_vl.inputs.vl_inputs`` and split together
 by one ``ContextPlan``: ``input_ids [L]``, ``position_ids [3, L]``, ``labels [L]``,
 ``vision_rows [L]`` (tower output row of each placeholder, -1 for text). The micro-batch's vision
 input is the same on every cp rank: ``pixel_values [N, patch_dim]`` and ``grid_thw [I, 3]``
 (images then videos, the rows of ``pixel_values`` in that order).
 
     h = text.tok_embeddings(input_ids)                # (L or L/tp under SP, hidden)
-    rows = visual(pixel_values, grid_thw)             # work spread over cp (models.vl_vision)
+    rows = visual(pixel_values, grid_thw)             # work spread over cp (models.common.vision_cp)
     h[placeholders] = rows[vision_rows[placeholders]] # this rank's placeholders only
     out = text.decode(h, position_ids, ...)           # loss | logprobs + entropy | logits
 
@@ -22,17 +22,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.transformer import Transformer, init_weights, make_packing
-from models.vision import VisionTower
-from models.vl_config import VLConfig
-from models.vl_inputs import check_grid
-from models.vl_vision import MODES, vision_rows_for_rank
+from models.common.decoder import Transformer, init_weights, make_packing
+from models.common.vision_cp import MODES, vision_rows_for_rank
+from models.qwen2_vl.config import VLConfig
+from models.qwen2_vl.inputs import check_grid
+from models.qwen2_vl.tower import VisionTower
 from parallel.state import ParallelState
 
 
 class VLModel(nn.Module):
     """The vision-language model (module docstring). Build it with :func:`build_vl_model`.
-    ``vision_attention``: the tower's attention kernel on CUDA (``models.vision.attention``);
+    ``vision_attention``: the tower's attention kernel on CUDA (``models.common.vision_attention``);
     ``decoder_options``: further ``Transformer`` keyword arguments (kernel choices)."""
 
     def __init__(self, cfg: VLConfig, state: ParallelState, *, sequence_parallel: bool = False,
@@ -71,7 +71,7 @@ class VLModel(nn.Module):
         if tuple(vision_rows.shape) != (num,) or vision_rows.dtype != torch.int64:
             raise ValueError(f"vision_rows must be int64 [{num}] (one entry per local token), "
                              f"got {vision_rows.dtype} {tuple(vision_rows.shape)}; make it with "
-                             f"models.vl_inputs.vl_inputs and split it with the ids")
+                             f"models.qwen2_vl.inputs.vl_inputs and split it with the ids")
         merge = self.cfg.vision.spatial_merge_size
         patches = sum(t * h * w for t, h, w in grids)
         width = self.cfg.vision.patch_dim
