@@ -115,7 +115,7 @@ class ModelSection:
     position rows, summing to head_dim / 2; null for plain RoPE."""
     vision: dict | None = None
     """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
-    models.vision.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
+    models.qwen2_vl.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
     patch_size, ...; out_hidden_size defaults to hidden_size); needs mrope_section. Null: a
     decoder-only model, unless init_from is a Qwen2-VL / Qwen2.5-VL checkpoint."""
     freeze_vision: bool = False

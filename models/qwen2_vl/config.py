@@ -1,7 +1,7 @@
 """Vision-language model configuration (Qwen2-VL / Qwen2.5-VL), and its Hugging Face config.json.
 
 A ``VLConfig`` is a text decoder (``ModelConfig`` with ``mrope_section``: Qwen2 with QKV biases),
-a vision tower (``models.vision.VisionConfig``) and the special token ids that tie them: the
+a vision tower (``models.qwen2_vl.VisionConfig``) and the special token ids that tie them: the
 image and video placeholders (one per merged patch, replaced by the tower's output rows; never
 targets) and the vision start/end tokens (ordinary text tokens around each placeholder run).
 
