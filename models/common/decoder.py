@@ -64,8 +64,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then SwiGLU feed-forward."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bool,
-                 fp8: str = "none", dtype=None):
+                 fp8: str = "none", dtype=None, index: int = 0):
         super().__init__()
+        del index  # every layer of this decoder is the same block
         norm = dict(group=state.tp_group, sum_grad_over_tp=sequence_parallel and state.tp > 1,
                     dtype=dtype)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
@@ -97,12 +98,15 @@ def _autocast_dtype(h: torch.Tensor) -> torch.dtype | None:
 
 
 class Transformer(nn.Module):
-    """The decoder (module docstring). Build it with :func:`build_model`."""
+    """The decoder (module docstring). Build it with :func:`build_model`. ``layer``: the block
+    class of a family whose layers differ (``DecoderLayer``'s constructor, plus ``index``, the
+    layer's number, so a family may choose a mixer per layer, and its ``forward(h, delta, cos,
+    sin, plan) -> (h, delta)``); None is ``DecoderLayer``."""
 
     def __init__(self, cfg: ModelConfig, state: ParallelState, *,
                  sequence_parallel: bool = False, cp_mode: str = "none",
                  activation_checkpointing: bool = False, attention_backend: str = "auto",
-                 fp8: str = "none", dtype=None):
+                 fp8: str = "none", dtype=None, layer: Callable[..., nn.Module] | None = None):
         super().__init__()
         cfg.check_parallel(state.tp, state.cp, cp_mode)
         self.attention_backend, self.fp8 = check_name(attention_backend), fp8
@@ -117,10 +121,11 @@ class Transformer(nn.Module):
             sequence_parallel=self.sequence_parallel, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                      cfg.mrope_section)
+        layer = layer or DecoderLayer  # a family's block: same constructor and forward
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, state, sequence_parallel=self.sequence_parallel, fp8=fp8,
-                         dtype=dtype)
-            for _ in range(cfg.num_layers))
+            layer(cfg, state, sequence_parallel=self.sequence_parallel, fp8=fp8, dtype=dtype,
+                  index=i)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
                             sum_grad_over_tp=self.sequence_parallel, dtype=dtype)
         self.output = None if cfg.tie_embeddings else OutputWeight(
