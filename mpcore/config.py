@@ -108,6 +108,9 @@ class ModelSection:
     mrope_section: list[int] | None = None
     """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
     position rows, summing to head_dim / 2; null for plain RoPE."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL's interleaved M-RoPE (models.ModelConfig.mrope_interleaved); needs
+    mrope_section."""
     vision: dict | None = None
     """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
     models.vision.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
