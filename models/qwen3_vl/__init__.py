@@ -12,6 +12,7 @@ from models.qwen3_vl.config import (
 from models.qwen3_vl.hf import export_hf, load_hf_model, load_hf_weights, shard_map
 from models.qwen3_vl.inputs import global_inputs, local_inputs, position_ids
 from models.qwen3_vl.model import Qwen3VLModel, build_model, flops_per_token, num_params
+from models.qwen3_vl.presets import config_from_section
 from models.qwen3_vl.vision import Qwen3VisionTower
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "build_model",
     "config_from_dict",
     "config_from_hf",
+    "config_from_section",
     "export_hf",
     "flops_per_token",
     "global_inputs",
