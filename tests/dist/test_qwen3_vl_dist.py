@@ -1,15 +1,15 @@
 """Qwen3VLModel at tp x cp layouts vs one process and vs transformers (gloo, fp32, CPU).
 
-One 4-process spawn per test runs its cases. Layouts: tp in {1, 2} x cp in {1, 2, 4} where
-tp * cp <= 4 (tp 2 x cp 4 needs 8 processes: not run on CI's 2 cores), ring and Ulysses, SP on
-and off, the tower's work split over cp or replicated, activation checkpointing. Streams: the
-mixed one of ``hf_qwen3_vl_tiny`` (images of different grids and a 3-frame video; a placeholder
-run crosses a zigzag cut, asserted), one whose only visual token lands on cp rank 3 of four
-while rank 0 runs the tower (ranks 0-2 hold no visual token), and one without any image (every
-rank still runs the tower: no hang, vision gradients exactly zero). Checked: per-token
-log-probs vs our single-process result (<= 1e-5) and vs transformers (<= 1e-4), every
-parameter's gradient (tower and DeepStack mergers included; summed over cp as the dp x cp
-reduction does) vs the single-process one (rel <= 1e-5) and vs transformers (rel <= 1e-4).
+One 4-process spawn per test runs its cases (tp 2 x cp 4 has an 8-process test of its own).
+Layouts: tp in {1, 2} x cp in {1, 2, 4}, ring and Ulysses, SP on and off, the tower's work
+split over cp or replicated, activation checkpointing. Streams: the mixed one of
+``hf_qwen3_vl_tiny`` (images of different grids and a 3-frame video; a placeholder run crosses
+a zigzag cut, asserted), one whose only visual token lands on cp rank 3 of four while rank 0
+runs the tower (ranks 0-2 hold no visual token), and one without any image (every rank still
+runs the tower: no hang, vision gradients exactly zero). Checked: per-token log-probs vs our
+single-process result (<= 1e-5) and vs transformers (<= 1e-4), every parameter's gradient
+(tower and DeepStack mergers included; summed over cp as the dp x cp reduction does) vs the
+single-process one (rel <= 1e-5) and vs transformers (rel <= 1e-4).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _worker(rank, world, folder, refs, cases):
     return results
 
 
-def _run(tmp_path, cases):
+def _run(tmp_path, cases, world: int = 4):
     save_hf_model(seed=0, folder=tmp_path)
     refs = {}
     for name in {n for n, _ in cases}:
@@ -97,7 +97,7 @@ def _run(tmp_path, cases):
         lp, ent = reference_scores(tmp_path, s)
         loss, grads = reference_loss_grads(tmp_path, s)
         refs[name] = {"logprobs": lp, "entropy": ent, "loss": loss, "grads": grads}
-    results = run_distributed(_worker, 4, tmp_path, refs, cases, timeout=900)
+    results = run_distributed(_worker, world, tmp_path, refs, cases, timeout=900)
     visual = {}
     for rank_results in results:
         for key, out in rank_results.items():
@@ -132,6 +132,14 @@ def test_layouts_match_one_process_and_transformers(tmp_path):
 @pytest.mark.slow
 def test_every_layout_matches_one_process_and_transformers(tmp_path):
     _run(tmp_path, _cases(ALL))
+
+
+@pytest.mark.slow
+def test_tp2_cp4_on_eight_processes(tmp_path):
+    """tp 2 x cp 4 (ring; Ulysses would need the 2 local heads divisible by 4), SP on and off."""
+    layouts = [BASE, (2, 4, "ring", True, False, "split"), (2, 4, "ring", False, True, "split")]
+    _run(tmp_path, [(name, layout) for name in ("mixed", "one_rank") for layout in layouts],
+         world=8)
 
 
 def test_a_placeholder_run_crosses_the_zigzag_cut():
