@@ -101,8 +101,9 @@ def test_matches_transformers(tie, tmp_path):
 
 def test_export_loads_in_transformers_with_the_same_outputs(tmp_path):
     state = ParallelState()
-    cfg = config_from_hf(tmp_path_config(tmp_path / "src"))
-    model = build_model(cfg, state, seed=3)
+    save_hf_model(seed=0, folder=tmp_path / "src")  # only its config.json is used
+    cfg = config_from_hf(tmp_path / "src")
+    model = build_model(cfg, state, seed=3)  # our own initialisation, exported
     export_hf(model, state, tmp_path / "out")
     s = stream(seed=4)
     ref_lp, _ = reference_scores(tmp_path / "out", s)
@@ -113,11 +114,6 @@ def test_export_loads_in_transformers_with_the_same_outputs(tmp_path):
     again, _ = load_hf_model(tmp_path / "out", state)
     for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
         assert torch.equal(a, b), n
-
-
-def tmp_path_config(folder):
-    save_hf_model(seed=0, folder=folder)
-    return folder
 
 
 @pytest.mark.parametrize("fault", ["no_add", "shifted_rows"])
@@ -133,8 +129,7 @@ def test_deepstack_add_matters(fault, tmp_path, monkeypatch):
         def hook(i, out):
             if fault == "no_add":
                 return out
-            moved = after_layer(i, out.roll(1, 0)).roll(-1, 0)  # rows added one token later
-            return moved
+            return after_layer(i, out.roll(1, 0)).roll(-1, 0)  # rows added one token off
 
         return decode(h, position_ids, packing, labels, output, temperature, hook)
 
