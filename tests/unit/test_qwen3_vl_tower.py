@@ -90,7 +90,8 @@ def test_features_in_block_order_each_through_its_own_merger(tmp_path):
     tower = _ours(hf_model, tmp_path)
     grid = torch.tensor([[1, 4, 4]])
     pixels = torch.randn(16, 24, generator=torch.Generator().manual_seed(3))
-    ref = hf_model(pixels, grid_thw=grid).deepstack_features
+    with torch.no_grad():
+        ref = hf_model(pixels, grid_thw=grid).deepstack_features
     with torch.no_grad():
         _, before = tower(pixels, grid)
         a, b = tower.deepstack_mergers
