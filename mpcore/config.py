@@ -40,7 +40,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-FAMILIES = ("llama", "qwen2_vl")  # models.registry.FAMILIES (a test checks they agree)
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl")  # models.registry.FAMILIES (a test checks they agree)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -92,9 +92,10 @@ class ModelSection:
     """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
     fields above), or null for a fresh initialisation from training.seed."""
     family: str = "auto"
-    """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above)
-    or qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision); auto: the family of init_from's
-    config.json, else qwen2_vl when vision is set, else llama."""
+    """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
+    qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision) or qwen3_vl (Qwen3-VL: needs vision,
+    qk_norm, mrope_interleaved); auto: the family of init_from's config.json, else qwen2_vl
+    when vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
@@ -113,6 +114,9 @@ class ModelSection:
     mrope_section: list[int] | None = None
     """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
     position rows, summing to head_dim / 2; null for plain RoPE."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL's interleaved M-RoPE (models.ModelConfig.mrope_interleaved); needs
+    mrope_section."""
     vision: dict | None = None
     """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
     models.qwen2_vl.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
