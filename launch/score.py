@@ -25,7 +25,6 @@ them in input order. CUDA when available (nccl), else CPU (gloo).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
+from launch.score_output import check_paths, lock_output, write_output
 from models import (
     Transformer,
     config_from_hf,
@@ -45,11 +45,14 @@ from models import (
     vl_config_from_hf,
 )
 from models.hf_config import read_hf_config
+from mpcore.checkpoint import from_rank0
 from parallel.context import ContextPlan, split_batch
 from parallel.labels import LabelShifter, position_ids
 from parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EPILOG = """exit codes: 0 scored and written; 2 an input or usage error (the message names the
+file, the line or the option, and the fix; --output is left as it was)"""
 
 
 def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -176,16 +179,34 @@ def gather_in_order(results: list[dict], mine: list[int], state: ParallelState,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-checkpoint", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--input", type=Path, required=True)
-    parser.add_argument("--output", type=Path, required=True)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EPILOG)
+    parser.add_argument("--hf-checkpoint", type=Path, required=True, metavar="DIR",
+                        help="Hugging Face checkpoint folder (config.json + *.safetensors): a "
+                             "Llama 3 / Qwen2 / Qwen3 decoder or a Qwen2-VL / Qwen2.5-VL model")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree (default 1); tp * cp must divide the "
+                             "number of processes, the rest are data-parallel replicas")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree (default 1): each packed stream is split "
+                             "over cp ranks (zigzag when cp > 1)")
+    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring",
+                        help="context-parallel attention when cp > 1 (default ring; ulysses "
+                             "needs heads divisible by cp)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="weights and compute dtype (default float32); outputs are float32")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron sequence parallelism inside the tp group (same results)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="divide the logits by this before log-softmax (default 1.0)")
+    parser.add_argument("--input", type=Path, required=True, metavar="IN.jsonl",
+                        help='one JSON object per line, {"input_ids": [...]} with optional '
+                             '"loss_mask" and images (see above); no blank lines: output line '
+                             "i belongs to input line i")
+    parser.add_argument("--output", type=Path, required=True, metavar="OUT.jsonl",
+                        help='one {"logprobs": [...], "entropy": [...]} per input line, in '
+                             "order; replaced whole when the run ends (never the input file; "
+                             "one score.py per output at a time)")
     return parser.parse_args(argv)
 
 
@@ -211,18 +232,29 @@ def load_model(args: argparse.Namespace, spec: InputSpec, state: ParallelState,
     return model.eval()
 
 
-def write_output(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+def claim_output(args: argparse.Namespace, state: ParallelState):
+    """Refuse an output that is the input (every rank), lock it (rank 0; ``launch.score_output``):
+    before the model loads. Returns the lock (rank 0) or None. Collective."""
+    check_paths(args.input, args.output)
+    lock, error = None, None
+    if state.rank == 0:
+        try:
+            lock = lock_output(args.output)
+        except ValueError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error:
+        raise ValueError(error)
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = setup()
+    lock = None
     try:
         state = ParallelState.build(args.tp, args.cp)
+        lock = claim_output(args, state)
         spec = checkpoint_spec(args.hf_checkpoint)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
         model = load_model(args, spec, state, device)
@@ -242,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        if lock is not None:
+            lock.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
