@@ -20,6 +20,11 @@ the M-RoPE positions and vision rows), splits it over its cp ranks (zigzag when 
 model (tp-sharded; every cp rank gets the replica's whole pixel_values), gathers the per-token
 outputs back to stream order over cp, and rank 0 collects every replica's results and writes
 them in input order. CUDA when available (nccl), else CPU (gloo).
+
+The output (launch/score_output.py) is never the input file, under any name or link; one
+score.py at a time writes it (a lock beside it, ``.<name>.lock``, names the holder); and it is
+replaced whole at the end, so a killed run leaves the previous file. A blank input line is an
+error: output line i belongs to input line i.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ class ModelSection:
     max_position_embeddings: int = 8192
     """Longest position the model is meant for (exported to Hugging Face)."""
     init_from: str | None = None
-    """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
-    fields above), or null for a fresh initialisation from training.seed."""
+    """A Hugging Face checkpoint folder (not a file in it) to start from (its config.json
+    replaces the shape fields above), or null for a fresh initialisation from training.seed."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
@@ -203,7 +203,7 @@ class DataSection:
     """Blend weights, one per path; empty means equal weights."""
     tokenizer: str | None = None
     """The SentencePiece .model that wrote the datasets (its eos id ends each document);
-    required with paths."""
+    required with paths, refused without them (the default corpus uses its own)."""
     cache_dir: str = "runs/data"
     """Where the default corpus is prepared (tokenizer + dataset) on first use."""
     default_vocab_size: int = 2048
