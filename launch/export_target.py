@@ -37,7 +37,7 @@ CHECKPOINT_FILES = ("latest", "manifest.json", "meta.json", ".metadata")
 def _checkpoint_reason(folder: Path) -> str | None:
     """Why ``folder`` is a checkpoint or a checkpoint root, or None."""
     if step_folders(folder):
-        return "holds checkpoints (step-N folders)"
+        return "holds step-N folders"
     found = [name for name in CHECKPOINT_FILES if (folder / name).exists()]
     return f"holds {', '.join(found)}" if found else None
 

@@ -83,7 +83,7 @@ def test_outputs_that_are_not_an_export_folder_are_refused(run_dir, tmp_path, ca
         (ckpt, ["--overwrite"], f"--output {ckpt} is a checkpoint folder (it holds "
                                 f"manifest.json, meta.json, .metadata)"),
         (run_dir / "checkpoints", ["--overwrite"], f"--output {run_dir / 'checkpoints'} is a "
-                                                   f"checkpoint folder (it holds checkpoints"),
+                                                   f"checkpoint folder (it holds step-N folders)"),
         (ckpt / "hf", [], f"--output {ckpt / 'hf'} is inside {ckpt}: a checkpoint folder"),
         (run_dir, ["--overwrite"], f"--output {run_dir} is a run folder (it holds "
                                    f"metrics.jsonl, config.yaml)"),
