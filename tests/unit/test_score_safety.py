@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +75,11 @@ def score(checkpoint, input_path, output, capsys=None) -> tuple[int, str]:
 
 @pytest.mark.parametrize("link", ["same path", "symlink", "hard link", "via a linked folder"])
 def test_output_that_is_the_input_refuses(checkpoint, tmp_path, capsys, link):
+    # A checkpoint without weights: the refusal must come before the model loads (a load
+    # would fail on the missing model.safetensors with another message).
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(checkpoint / "config.json", config_only)
     data = write_input(tmp_path / "in.jsonl")
     before = data.read_bytes()
     if link == "same path":
@@ -87,7 +93,7 @@ def test_output_that_is_the_input_refuses(checkpoint, tmp_path, capsys, link):
     else:
         (tmp_path / "alias").symlink_to(tmp_path, target_is_directory=True)
         out = tmp_path / "alias" / "in.jsonl"
-    code, err = score(checkpoint, data, out, capsys)
+    code, err = score(config_only, data, out, capsys)
     assert code == 2
     assert err.startswith(f"error: --output {out} is the input file {data} (the same file "
                           f"under another name or link)"), err
