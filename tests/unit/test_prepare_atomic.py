@@ -103,6 +103,7 @@ def docs(prefix: Path) -> list[list[int]]:
     return [ds[i].tolist() for i in range(len(ds))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["writing", "between"])
 def test_killed_text_preparation(tokenizer, tmp_path, stage):
     prefix = tmp_path / "ds" / "corpus"

@@ -118,6 +118,7 @@ def test_killed_before_its_first_save_still_restarts(data_dir, tmp_path):
     assert steps(run_dir) == [1, 2]
 
 
+@pytest.mark.slow
 def test_pretrain_exit_code_and_message(copy, data_dir, tmp_path):
     shutil.rmtree(copy / "checkpoints")
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain.py"),
