@@ -107,6 +107,7 @@ def test_tensorboard_is_an_extra(tmp_path):
         MetricsWriter(tmp_path, True, tensorboard=True)
 
 
+@pytest.mark.slow
 def test_init_from_a_file_is_named_before_any_work(tmp_path):
     """model.init_from pointing at config.json (or the weights) instead of their folder: one
     message that says so, exit 2, no data prepared and no run folder. Before, a config.json
