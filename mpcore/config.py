@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from mpcore import atomic
+
 DTYPES = ("bfloat16", "float32")
 # parallel.attention.backends.BACKENDS, kernels.fp8_linear.RECIPES + parallel.te.TE_RECIPES and
 # parallel.te.LINEAR_BACKENDS (tests check they agree).
@@ -89,8 +91,8 @@ class ModelSection:
     max_position_embeddings: int = 8192
     """Longest position the model is meant for (exported to Hugging Face)."""
     init_from: str | None = None
-    """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
-    fields above), or null for a fresh initialisation from training.seed."""
+    """A Hugging Face checkpoint folder (not a file in it) to start from (its config.json
+    replaces the shape fields above), or null for a fresh initialisation from training.seed."""
     family: str = "auto"
     """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
     qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision) or qwen3_vl (Qwen3-VL: needs vision,
@@ -147,6 +149,10 @@ class ModelSection:
         if self.vision is not None and not isinstance(self.vision, dict):
             raise ValueError(f"model.vision must be a mapping of VisionConfig fields or null, "
                              f"got {self.vision!r}")
+        if self.init_from and Path(self.init_from).is_file():
+            raise ValueError(f"model.init_from={self.init_from} is a file, not a folder; pass the "
+                             f"Hugging Face checkpoint folder that holds config.json and the "
+                             f"weights (here perhaps {Path(self.init_from).parent})")
         if self.vision is not None and self.mrope_section is None and not self.init_from:
             raise ValueError("model.vision is set but model.mrope_section is not; a VL decoder "
                              "uses M-RoPE (e.g. mrope_section: [2, 3, 3] for head_dim 16)")
@@ -207,7 +213,7 @@ class DataSection:
     """Blend weights, one per path; empty means equal weights."""
     tokenizer: str | None = None
     """The SentencePiece .model that wrote the datasets (its eos id ends each document);
-    required with paths."""
+    required with paths, refused without them (the default corpus uses its own)."""
     cache_dir: str = "runs/data"
     """Where the default corpus is prepared (tokenizer + dataset) on first use."""
     default_vocab_size: int = 2048
@@ -243,6 +249,19 @@ class DataSection:
         if self.paths and not self.tokenizer and not self.vl_paths:
             raise ValueError("data.paths is set but data.tokenizer is not; set data.tokenizer to "
                              "the SentencePiece .model that wrote the datasets")
+        if self.tokenizer and not self.paths and self.vl_paths:
+            raise ValueError(f"data.tokenizer={self.tokenizer} is set with data.vl_paths only; a "
+                             f"VL run uses the tokenizer its datasets were prepared with "
+                             f"(tokenizer.json in each folder), so drop data.tokenizer")
+        if self.tokenizer and not self.paths:
+            # The default corpus is tokenized by the model trained on it (its cache is keyed
+            # by that); a tokenizer given alone would be silently ignored.
+            raise ValueError(
+                f"data.tokenizer={self.tokenizer} is set but data.paths is empty, and the default "
+                f"corpus uses its own tokenizer; to train on the default corpus with yours, "
+                f"prepare it first: python launch/prepare_data.py --input "
+                f"launch/data/default_corpus.jsonl --output-prefix runs/data/mine --tokenizer "
+                f"{self.tokenizer}, then set data.paths=[runs/data/mine]; or drop data.tokenizer")
 
 
 @dataclass(frozen=True)
@@ -614,6 +633,4 @@ def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved ``cfg`` as YAML (every field), atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    atomic.write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

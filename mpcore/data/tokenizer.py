@@ -20,6 +20,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from mpcore import atomic
 from mpcore.data.jsonl import json_lines
 
 TRAIN_COMMAND = (
@@ -164,8 +165,7 @@ def train_tokenizer(
             "plain text: paragraphs separated by blank lines); pass files that contain text"
         )
     spm.set_random_generator_seed(seed)
-    tmp = model_path.with_name(model_path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic.atomic_open(model_path, "wb") as f:
         try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=itertools.chain([first], sentences),
@@ -179,5 +179,4 @@ def train_tokenizer(
                 "the vocabulary needs a smaller --vocab-size; one with many distinct "
                 "characters a larger one)"
             ) from None
-    tmp.replace(model_path)
     return Tokenizer(model_path)
