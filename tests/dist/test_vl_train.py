@@ -26,6 +26,8 @@ from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
 from mpcore.train import train
 
+pytestmark = pytest.mark.slow  # VL training in several layouts (a 30 s module fixture)
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "vl_tiny.yaml"
 STEPS = 8

@@ -8,6 +8,7 @@ the interpreter (DESIGN.md); these kernels have no dot, but bf16 is left to the 
 """
 
 
+import pytest
 from interpret import needs_triton, run_under_interpreter
 
 
@@ -132,6 +133,7 @@ def _main():
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__, "INTERPRETED-OK")
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 HIDE = "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None; "
 
@@ -39,6 +41,7 @@ def test_everything_imports_and_a_kernel_launch_says_how_to_install():
     assert "refused: triton.next_power_of_2: the Triton kernels need triton" in proc.stdout
 
 
+@pytest.mark.slow
 def test_kernel_unit_tests_pass_without_triton():
     files = ["tests/unit/test_rmsnorm.py", "tests/unit/test_swiglu.py",
              "tests/unit/test_rope_kernel.py", "tests/unit/test_fp8_linear.py"]

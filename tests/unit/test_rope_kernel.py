@@ -214,6 +214,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
 

@@ -183,6 +183,7 @@ def test_export_hf_roundtrip(tmp_path, data_dir):
         assert torch.equal(param, dict(exported.named_parameters())[name]), name
 
 
+@pytest.mark.slow
 def test_default_command_trains_and_resumes(tmp_path):
     """``torchrun launch/pretrain.py`` with nothing but a step count: the tiny model on the
     shipped corpus; the loss falls; a second launch resumes from the saved checkpoint."""
