@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mpcore.data import prepare_default
 from mpcore.data.corpus import DEFAULT_CORPUS
@@ -47,6 +49,16 @@ def test_auto_tokenizer_matches_on_the_corpus_and_tricky_text(model, tmp_path):
     assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (tok.bos_id, tok.eos_id,
                                                                    tok.eos_id)
     assert len(hf) == tok.vocab_size
+
+
+def test_the_shipped_default_vocabulary_matches_on_the_corpus(tmp_path):
+    """data.default_vocab_size's default (2048): the tokenizer a first run trains."""
+    tok = Tokenizer(prepare_default(tmp_path / "data", 2048)[0])
+    tok.write_hf_tokenizer(tmp_path / "hf")
+    hf = _load(tmp_path / "hf")
+    docs = list(iter_documents([DEFAULT_CORPUS]))
+    assert hf(docs)["input_ids"] == tok.encode_batch(docs)
+    assert all(hf(t)["input_ids"] == tok.encode(t) for t in TRICKY)
 
 
 def test_a_retrained_model_with_other_merges_matches_too(tmp_path):
@@ -97,3 +109,24 @@ def test_config_names_the_generic_class(model, tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert config["add_bos_token"] is False and config["split_special_tokens"] is True
+
+
+@pytest.fixture(scope="module")
+def pair(model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    tok = Tokenizer(model)
+    tok.write_hf_tokenizer(folder)
+    return tok, _load(folder)
+
+
+# Any text, weighted towards what breaks tokenizers: spaces, newlines, digits, accents, CJK,
+# emoji, control characters, and the specials' spellings.
+PIECES = st.sampled_from([" ", "  ", "\n", "\t", "\r", "0", "42", "\u00e9", "\u65e5", "\U0001F600",
+                          "\x00", "</s>", "<s>", "\u2581", "the", "ing", "def", "_", "."])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(PIECES, st.text(max_size=6)), max_size=12).map("".join))
+def test_random_text_gives_the_same_ids(pair, text):
+    tok, hf = pair
+    assert hf(text)["input_ids"] == tok.encode(text)
