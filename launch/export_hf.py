@@ -8,7 +8,9 @@ written by its family's export (``models.registry``). Memory: the full model in 
 ``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
 
 The run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
-beside the weights as ``tokenizer.model`` when it can be found; a progress bar on stderr
+beside the weights as ``tokenizer.model`` when it can be found, with ``tokenizer.json``,
+``tokenizer_config.json`` and ``special_tokens_map.json`` so that transformers'
+``AutoTokenizer`` loads the folder and gives the same ids; a progress bar on stderr
 follows the weights. Files get mode 0644 and folders 0755 whatever the umask of the run, so
 the export can be shared as it is.
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 from pathlib import Path
 
@@ -33,6 +34,8 @@ import torch
 from launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
 from models import Family, family_named
 from mpcore.checkpoint import latest_checkpoint, read_meta
+from mpcore.data.tokenizer import Tokenizer
+from mpcore.data.vl_tokenizer import VLTokenizer
 from mpcore.logical import LogicalLayout
 from mpcore.progress import ProgressBar
 from mpcore.train_state import TrainState
@@ -78,12 +81,8 @@ def _export_into(checkpoint: str | Path, output: Path) -> Path:
     bar.close()
     vl = family.modality == "image-text"
     tokenizer = run_tokenizer(meta.get("config", {}), vl)
-    if vl and tokenizer is not None and tokenizer.is_file():
-        # the SentencePiece model and tokenizer.json naming the four vision ids after its vocab
-        shutil.copyfile(tokenizer, Path(output) / "tokenizer.json")
-        shutil.copyfile(tokenizer.parent / "tokenizer.model", Path(output) / "tokenizer.model")
-    elif tokenizer is not None and tokenizer.is_file():
-        shutil.copyfile(tokenizer, Path(output) / "tokenizer.model")
+    if tokenizer is not None and tokenizer.is_file():
+        write_tokenizer(tokenizer, vl, Path(output))
     elif tokenizer is not None:
         logging.warning("the run's tokenizer %s is not there (run from the training folder to "
                         "copy it); exported the weights without it", tokenizer)
@@ -121,6 +120,17 @@ def _vl_tokenizer(data: dict) -> Path | None:
     from mpcore.data.vl_default import default_folder
 
     return default_folder(data["cache_dir"], data["default_vocab_size"]) / "tokenizer.json"
+
+
+def write_tokenizer(tokenizer: Path, vl: bool, output: Path) -> None:
+    """``tokenizer.model`` and the Hugging Face tokenizer files (AutoTokenizer gives our ids;
+    a VL run's four vision ids are added tokens); a model they cannot mirror gets only the
+    ``.model`` and a warning."""
+    tok = VLTokenizer.load(tokenizer) if vl else Tokenizer(tokenizer)
+    try:
+        tok.write_hf_tokenizer(output)
+    except ValueError as e:
+        logging.warning("%s; exported tokenizer.model without the transformers files", e)
 
 
 def normal_modes(folder: Path) -> None:

@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO / "tests" / "perf"))
 import bench_vl  # noqa: E402
 import vl_batches  # noqa: E402
 
+pytestmark = pytest.mark.slow  # benchmark smoke runs (torchrun layouts, HF baselines)
+
 SEQ, MICRO_BATCH, STEPS, WARMUP = 256, 2, 1, 1
 DISTINCT = 4  # bench_vl's --distinct-batches default
 VOCAB = 516  # bench_vl.tiny()

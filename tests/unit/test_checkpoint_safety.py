@@ -360,6 +360,7 @@ def _child(script: Path, overrides: list[str], kill_at: tuple[int, str] | None,
         proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_resumes_the_same_curve(tmp_path, data_dir):
     """A training process SIGKILLed at random points of its saves (after a random save stage,
     plus up to 30 ms), again and again: each rerun resumes, and metrics.jsonl ends up with the
