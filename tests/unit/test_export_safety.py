@@ -142,7 +142,8 @@ def test_killed_export_leaves_no_folder_or_the_previous_one(run_dir, tmp_path):
     assert [p.name for p in tmp_path.glob(".hf.tmp-*")] == [f".hf.tmp-{proc.pid}"]
     assert export(run_dir / "checkpoints" / "step-2", out)[0] == 0
     previous = listing(out)
-    assert set(previous) == {"config.json", "model.safetensors", "tokenizer.model"}
+    assert set(previous) == {"config.json", "model.safetensors", "tokenizer.model",
+                             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
     proc, _ = _slow_export(tmp_path, ckpt, out, "--overwrite")
     _kill(proc)
     assert listing(out) == previous  # the earlier export, whole
