@@ -109,8 +109,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     output element is the same two products and sum as the adjacent-pair formula.
     """
     r = cos.shape[-1]
-    if r == x.shape[-1] and style == "half":
-        return rope(x, cos, sin, out_dtype)
+    if style == "half" and (x.dim() != 3 or r >= x.shape[-1]):
+        return rope(x, cos, sin, out_dtype)  # full width (the kernel checks the shapes)
     if style not in ("half", "gptj") or r > x.shape[-1] or r % 2:
         raise ValueError(f"apply_rope: style must be 'half' or 'gptj' and the tables' width "
                          f"{r} even and at most head_dim {x.shape[-1]}; got style={style!r}")
