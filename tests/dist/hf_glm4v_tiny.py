@@ -42,7 +42,7 @@ def make_hf_model(seed: int, tie: bool = False):
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
     return model
 
 
