@@ -151,3 +151,28 @@ def test_placeholder_counts_must_match_grid():
     with pytest.raises(ValueError, match="grids give 5 images"):
         position_ids(ids, cu, cfg, torch.cat([s["image_grid_thw"], bad[:1]]),
                      s["video_grid_thw"])
+
+
+def test_shipped_shape_matches_glm41v_9b():
+    """launch/configs/glm4v_9b.yaml counts as many parameters as transformers' GLM-4.1V-9B
+    (its config's defaults are that checkpoint's shape), both built on meta."""
+    from pathlib import Path
+
+    from models.glm4v import FAMILY, Glm4vModel
+    from mpcore.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    ids = dict(image_token_id=151343, video_token_id=151344, vision_start_token_id=151339,
+               vision_end_token_id=151340)
+    cfg = FAMILY.config_from_section(load_config(root / "launch/configs/glm4v_9b.yaml").model,
+                                     ids)
+    state = ParallelState.build()
+    with torch.device("meta"):
+        hf = transformers.Glm4vForConditionalGeneration(transformers.Glm4vConfig())
+        ours = Glm4vModel(cfg, state)
+    counts = FAMILY.num_params(cfg)
+    total = sum(p.numel() for p in hf.parameters())
+    assert counts["total"] == total == sum(p.numel() for p in ours.parameters())
+    assert counts["vision"] == sum(p.numel() for p in hf.model.visual.parameters())
+    assert cfg.text.rotary_dim == 64 and cfg.vision.grid_side == 24
+    assert 9e9 < total < 11e9
