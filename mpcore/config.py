@@ -113,6 +113,12 @@ class ModelSection:
     mrope_section: list[int] | None = None
     """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
     position rows, summing to head_dim / 2; null for plain RoPE."""
+    rotary_dim: int | None = None
+    """Partial rotary: dims of each head RoPE rotates (models.ModelConfig.rotary_dim); null:
+    all of head_dim (a glm4v model defaults to half of it)."""
+    rope_style: str = "half"
+    """RoPE pairs: half (Llama) or gptj (adjacent dims; models.ModelConfig.rope_style; a glm4v
+    model always uses gptj)."""
     vision: dict | None = None
     """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
     models.qwen2_vl.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,

@@ -43,7 +43,8 @@ def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
     except TypeError as e:
         raise ValueError(f"model.vision: {e}; its keys are models.glm4v.Glm4vVisionConfig's "
                          f"fields") from None
-    fields = {k: v for k, v in section.shape_fields().items() if k != "qkv_bias"}
+    fields = {k: v for k, v in section.shape_fields().items()
+              if k not in ("qkv_bias", "rope_style")}  # GLM's own: always on, always gptj
     return Glm4vConfig(
         text=text_config(**fields), vision=vision_cfg,
         image_token_id=token_ids["image_token_id"], video_token_id=token_ids["video_token_id"],
