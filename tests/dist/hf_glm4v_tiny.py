@@ -136,3 +136,32 @@ def reference_positions(model, s: dict) -> torch.Tensor:
             video_grid_thw=s["video_grid_thw"][[video]].clone() if video is not None else None)
         parts.append(pos[:, 0])
     return torch.cat(parts, dim=1)
+
+
+def reference_loss_grads(model, s: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers' mean next-token loss over the stream (targets that are text, per document,
+    summed then divided by their count) and every parameter's gradient, by HF name."""
+    model.zero_grad()
+    cu = s["cu_seqlens"].tolist()
+    count, losses = 0, []
+    for d, (images, video) in enumerate(s["docs"]):
+        a, b = cu[d], cu[d + 1]
+        kwargs = {}
+        if images:
+            kwargs.update(pixel_values=s["pixel_values"][_rows(s["image_grid_thw"], images)],
+                          image_grid_thw=s["image_grid_thw"][images])
+        if video is not None:
+            kwargs.update(pixel_values_videos=s["pixel_values_videos"][
+                _rows(s["video_grid_thw"], [video])],
+                video_grid_thw=s["video_grid_thw"][[video]])
+        ids = s["input_ids"][a:b]
+        logits = model(input_ids=ids[None], mm_token_type_ids=s["types"][a:b][None],
+                       **kwargs).logits[0]
+        targets = ids[1:].clone()
+        targets[targets == IMAGE] = -100
+        losses.append(torch.nn.functional.cross_entropy(logits[:-1], targets,
+                                                        ignore_index=-100, reduction="sum"))
+        count += int((targets != -100).sum())
+    loss = torch.stack(losses).sum() / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
