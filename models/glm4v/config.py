@@ -73,6 +73,13 @@ class Glm4vVisionConfig:
     """Base of the 2-D rotary embedding."""
 
     def __post_init__(self):
+        for name in ("image_size", "patch_size"):  # transformers allows [h, w]: square only
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                if len(value) != 2 or value[0] != value[1]:
+                    raise ValueError(f"vision {name}={list(value)}: the learned position grid "
+                                     f"must be square (one int, or [n, n])")
+                object.__setattr__(self, name, value[0])
         for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
                      "in_channels", "image_size", "patch_size", "temporal_patch_size",
                      "spatial_merge_size"):
@@ -200,16 +207,6 @@ def _unknown(d: dict, known: set, where: str) -> None:
                          f"if they are metadata")
 
 
-def _side(value, key: str) -> int:
-    """An int size of config.json, or a square ``[n, n]``; anything else is refused."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 2 or value[0] != value[1]:
-            raise ValueError(f"vision_config {key}={list(value)}: the learned position grid "
-                             f"must be square (one int, or [n, n])")
-        value = value[0]
-    return value
-
-
 def vision_from_hf(d: dict) -> Glm4vVisionConfig:
     """``Glm4vVisionConfig`` of an HF ``vision_config`` dict (both transformers forms)."""
     d = dict(d)
@@ -234,9 +231,6 @@ def vision_from_hf(d: dict) -> Glm4vVisionConfig:
         raise ValueError(f"vision_config head_dim={d['head_dim']} differs from hidden_size / "
                          f"num_heads; a separate head dim is not supported")
     d = {k: v for k, v in d.items() if k in known}
-    for key in ("image_size", "patch_size"):
-        if key in d:
-            d[key] = _side(d[key], key)
     return Glm4vVisionConfig(**{"depth": 24, "hidden_size": 1536, "num_heads": 12,
                                 "intermediate_size": 13696, "out_hidden_size": 4096,
                                 **out, **d, "rope_theta": float(theta)})

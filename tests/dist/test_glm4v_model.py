@@ -205,3 +205,16 @@ def test_shipped_shape_matches_glm41v_9b():
     assert counts["vision"] == sum(p.numel() for p in hf.model.visual.parameters())
     assert cfg.text.rotary_dim == 64 and cfg.vision.grid_side == 24
     assert 9e9 < total < 11e9
+
+
+def test_checkpoint_position_grid_must_match_config(tmp_path):
+    """A position table that is not the config's square grid is refused before any compute."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model(seed=1, folder=tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.visual.embeddings.position_embedding.weight"
+    tensors[name] = tensors[name][:12].contiguous()  # 12 rows: no square grid
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="position_embedding.weight has shape"):
+        load_hf_model(tmp_path, ParallelState.build())
