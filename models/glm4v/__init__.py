@@ -13,6 +13,7 @@ from models.glm4v.family import FAMILY
 from models.glm4v.hf import export_hf, load_hf_weights, shard_map, vision_shard_map
 from models.glm4v.inputs import glm4v_inputs, local_glm4v_inputs, mm_token_types, position_ids
 from models.glm4v.model import Glm4vDecoderLayer, Glm4vModel, build_model, load_hf_model
+from models.glm4v.processor import resize_size
 from models.glm4v.tower import Glm4vVisionTower, build_vision_tower
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "local_glm4v_inputs",
     "mm_token_types",
     "position_ids",
+    "resize_size",
     "Glm4vConfig",
     "Glm4vVisionConfig",
     "Glm4vVisionTower",
