@@ -14,11 +14,12 @@ from pathlib import Path
 
 from models.common.family import Family
 from models.common.hf_io import read_hf_config
+from models.glm4v.family import FAMILY as GLM4V
 from models.llama.family import FAMILY as LLAMA
 from models.qwen2_vl.family import FAMILY as QWEN2_VL
 from models.qwen3_vl.family import FAMILY as QWEN3_VL
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2_VL, QWEN3_VL)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2_VL, QWEN3_VL, GLM4V)}
 
 
 def family_named(name: str) -> Family:

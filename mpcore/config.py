@@ -42,7 +42,8 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-FAMILIES = ("llama", "qwen2_vl", "qwen3_vl")  # models.registry.FAMILIES (a test checks they agree)
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v")  # models.registry.FAMILIES (a test checks
+# they agree)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -119,6 +120,12 @@ class ModelSection:
     mrope_interleaved: bool = False
     """Qwen3-VL's interleaved M-RoPE (models.ModelConfig.mrope_interleaved); needs
     mrope_section."""
+    rotary_dim: int | None = None
+    """Partial rotary: dims of each head RoPE rotates (models.ModelConfig.rotary_dim); null:
+    all of head_dim (a glm4v model defaults to half of it)."""
+    rope_style: str = "half"
+    """RoPE pairs: half (Llama) or gptj (adjacent dims; models.ModelConfig.rope_style; a glm4v
+    model always uses gptj)."""
     vision: dict | None = None
     """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
     models.qwen2_vl.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,

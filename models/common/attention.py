@@ -120,7 +120,7 @@ class Attention(nn.Module):
                  sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):
         super().__init__()
         tp = group_size(tp_group)
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.rope_style = cfg.head_dim, cfg.rope_style
         self.num_local_heads = cfg.num_heads // tp
         self.num_local_kv_heads = cfg.local_kv_heads(tp)
         self.wqkv = QKVProjection(cfg, group=tp_group, sequence_parallel=sequence_parallel,
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         # Under autocast the projections are bf16 but fp32 norm weights and rope tables would
         # promote q and k to fp32; attention runs in the projections' dtype, as SDPA would, so
         # the rotation (computed in fp32) is rounded once straight to v's dtype.
-        q = apply_rope(q, cos, sin, out_dtype=v.dtype)
-        k = apply_rope(k, cos, sin, out_dtype=v.dtype)
+        q = apply_rope(q, cos, sin, out_dtype=v.dtype, style=self.rope_style)
+        k = apply_rope(k, cos, sin, out_dtype=v.dtype, style=self.rope_style)
         out = context_attention(q, k, v, plan=plan, softmax_scale=d ** -0.5)
         return self.wo(out.reshape(out.shape[0], q_width))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 CP_MODES = ("none", "ring", "ulysses")
+ROPE_STYLES = ("half", "gptj")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,13 @@ class ModelConfig:
     ``j < 3 * s_h``, row 2 (width) when ``j % 3 == 2`` and ``j < 3 * s_w``, else row 0
     (temporal), as transformers' Qwen3-VL rotary embedding assigns them. False: the contiguous
     Qwen2-VL sections. Needs ``mrope_section``."""
+    rotary_dim: int | None = None
+    """Partial rotary (GLM-4V: half the head dim): RoPE rotates the first ``rotary_dim`` dims of
+    each head, the rest pass through unchanged; even, at most ``head_dim``. ``None``: all of
+    ``head_dim``. ``mrope_section`` then sums to ``rotary_dim / 2``."""
+    rope_style: str = "half"
+    """Which dims RoPE pairs: ``"half"`` (Llama / GPT-NeoX: ``(i, i + r/2)``) or ``"gptj"``
+    (GLM-4V: adjacent ``(2i, 2i + 1)``), r the rotated width."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -85,6 +93,7 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if self.rope_scaling is not None:
             self._check_rope_scaling()
+        self._check_rotary()
         if self.mrope_section is not None:
             self._check_mrope()
         if not isinstance(self.mrope_interleaved, bool):
@@ -102,19 +111,34 @@ class ModelConfig:
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
             raise ValueError(f"mrope_section must be three non-negative ints (t, h, w), got "
                              f"{self.mrope_section!r}")
-        if sum(section) != self.head_dim // 2:
-            raise ValueError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim "
-                             f"{self.head_dim} rotates {self.head_dim // 2} frequency pairs; "
-                             f"the three sections must sum to head_dim / 2")
-        half = self.head_dim // 2
+        if sum(section) != self.rope_dim // 2:
+            what = "head_dim" if self.rotary_dim is None else "rotary_dim"
+            raise ValueError(f"mrope_section {list(section)} sums to {sum(section)} but {what} "
+                             f"{self.rope_dim} rotates {self.rope_dim // 2} frequency pairs; "
+                             f"the three sections must sum to {what} / 2")
+        half = self.rope_dim // 2
         if self.mrope_interleaved and (3 * section[1] - 2 >= half or 3 * section[2] - 1 >= half):
-            raise ValueError(f"interleaved mrope_section {list(section)} does not fit head_dim "
-                             f"{self.head_dim}: height pairs reach index {3 * section[1] - 2} "
-                             f"and width pairs {3 * section[2] - 1}, but there are {half} "
-                             f"pairs; lower the h and w sections")
+            raise ValueError(f"interleaved mrope_section {list(section)} does not fit "
+                             f"{self.rope_dim} rotated dims: height pairs reach index "
+                             f"{3 * section[1] - 2} and width pairs {3 * section[2] - 1}, but "
+                             f"there are {half} pairs; lower the h and w sections")
         if self.rope_scaling is not None:
             raise ValueError("mrope_section with Llama 3 rope_scaling is not supported; set "
                              "one of the two")
+
+    def _check_rotary(self) -> None:
+        if self.rope_style not in ROPE_STYLES:
+            raise ValueError(f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
+        r = self.rotary_dim
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 2 or r % 2
+                              or r > self.head_dim):
+            raise ValueError(f"rotary_dim must be None or an even integer in [2, head_dim = "
+                             f"{self.head_dim}], got {r!r}")
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that RoPE rotates: ``rotary_dim``, or ``head_dim`` when None."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def _check_rope_scaling(self) -> None:
         scaling = self.rope_scaling

@@ -14,6 +14,10 @@ M-RoPE (Qwen3-VL, ``mrope_interleaved``): pair j takes row 1 when ``j % 3 == 1``
 
 Numerics follow transformers: inverse frequencies and angles in fp32, cos/sin cast to the
 residual stream's dtype (fp32 under autocast); the rotation itself is ``kernels.rope.rope``.
+
+Partial rotary (``rotary_dim`` r < head_dim, GLM-4V) rotates the first r dims of each head, with
+frequencies of a width-r head; ``apply_rope(style="gptj")`` pairs adjacent dims instead of
+halves (GLM-4V's interleaved form: its tables repeat each angle for the two dims of a pair).
 """
 
 from __future__ import annotations
@@ -53,8 +57,12 @@ class RotaryEmbedding(nn.Module):
     buffer recomputed by ``reset_parameters`` (the model is built on the meta device)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None,
-                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
+                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False,
+                 rotary_dim: int | None = None):
         super().__init__()
+        # Partial rotary: the tables cover the rotated dims only (``apply_rope`` passes the
+        # rest through), and the frequencies are those of a head of that width.
+        head_dim = head_dim if rotary_dim is None else rotary_dim
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.mrope_section, self.mrope_interleaved = mrope_section, mrope_interleaved
         self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32),
@@ -79,7 +87,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """``positions [T]`` (``[3, T]`` with M-RoPE) -> ``(cos, sin)``, each ``[T, head_dim]``
-        in ``dtype``."""
+        (``[T, rotary_dim]`` under partial rotary) in ``dtype``."""
         if self.mrope_section is None:
             if positions.dim() != 1:
                 raise ValueError(f"position ids must be [T], got shape "
@@ -97,7 +105,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, style: str = "half") -> torch.Tensor:
     """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (``kernels.rope.rope``:
     one fused Triton kernel per pass on CUDA, the PyTorch reference elsewhere).
 
@@ -105,5 +113,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     ``out_dtype``, by default ``torch.result_type(x, cos)`` as in eager; on CPU the result
     equals eager ``x * cos + rotate_half(x) * sin`` cast to ``out_dtype``, bitwise, for fp32 x
     and for bf16 x with fp32 tables. Differentiable in x only; the tables must not require grad.
+
+    Partial rotary (tables ``[T, r]`` with r < head_dim) rotates ``x[..., :r]`` and passes the
+    rest through. ``style="gptj"`` pairs adjacent dims ``(2i, 2i + 1)`` (GLM-4V) instead of
+    ``(i, i + r/2)``: the rotated dims are viewed evens-then-odds, which turns adjacent pairs
+    into rotate-half pairs with the same tables, rotated by the same kernel and put back; each
+    output element is the same two products and sum as the adjacent-pair formula.
     """
-    return rope(x, cos, sin, out_dtype)
+    r = cos.shape[-1]
+    if style == "half" and (x.dim() != 3 or r >= x.shape[-1]):
+        return rope(x, cos, sin, out_dtype)  # full width (the kernel checks the shapes)
+    if style not in ("half", "gptj") or r > x.shape[-1] or r % 2:
+        raise ValueError(f"apply_rope: style must be 'half' or 'gptj' and the tables' width "
+                         f"{r} even and at most head_dim {x.shape[-1]}; got style={style!r}")
+    part, rest = x[..., :r], x[..., r:]
+    if style == "gptj":
+        part = part.unflatten(-1, (r // 2, 2)).transpose(-1, -2).flatten(-2)  # evens, odds
+    out = rope(part, cos, sin, out_dtype)
+    if style == "gptj":
+        out = out.unflatten(-1, (2, r // 2)).transpose(-1, -2).flatten(-2)
+    return torch.cat([out, rest.to(out.dtype)], dim=-1) if rest.shape[-1] else out

@@ -171,17 +171,18 @@ def segment_attention(q, k, v, segments: Segments, scale: float,
 
 class VisionAttention(nn.Module):
     """Self-attention of one vision block (module docstring); heads sharded over ``tp_group``.
-    ``cfg``: a family's vision config (``hidden_size``, ``num_heads``, ``head_dim``)."""
+    ``cfg``: a family's vision config (``hidden_size``, ``num_heads``, ``head_dim``);
+    ``qkv_bias`` / ``out_bias``: biases on wqkv / wo (GLM-4V: configurable / none)."""
 
     def __init__(self, cfg, *, tp_group: ProcessGroup | None, device=None,
-                 dtype=None):
+                 dtype=None, qkv_bias: bool = True, out_bias: bool = True):
         super().__init__()
         hid, tp = cfg.hidden_size, group_size(tp_group)
         self.head_dim, self.num_local_heads = cfg.head_dim, cfg.num_heads // tp
-        self.wqkv = ColumnParallelLinear(hid, 3 * hid, bias=True, group=tp_group,
+        self.wqkv = ColumnParallelLinear(hid, 3 * hid, bias=qkv_bias, group=tp_group,
                                          partition_sizes=[hid, hid, hid], device=device,
                                          dtype=dtype)
-        self.wo = RowParallelLinear(hid, hid, bias=True, group=tp_group, device=device,
+        self.wo = RowParallelLinear(hid, hid, bias=out_bias, group=tp_group, device=device,
                                     dtype=dtype)
         self.kernel = "auto"  # segment_attention's CUDA kernel (VisionTower's attention_kernel)
 

@@ -82,6 +82,13 @@ def config_from_hf(source: str | Path | dict) -> ModelConfig:
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """A config.json dict transformers loads as the architecture matching ``cfg``'s fields."""
+    departs = {name: getattr(cfg, name) for name, plain in (
+        ("mrope_section", None), ("mrope_interleaved", False), ("rotary_dim", None),
+        ("rope_style", "half")) if getattr(cfg, name) != plain}
+    if departs:
+        raise ValueError(f"{departs}: a Llama / Qwen2 / Qwen3 config.json has no such RoPE; "
+                         f"these belong to a vision-language family (model.family qwen2_vl, "
+                         f"qwen3_vl or glm4v), whose export writes them")
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("qk_norm with qkv_bias has no Hugging Face architecture (Qwen3's "
                          "attention_bias also biases o_proj); export one of the two")

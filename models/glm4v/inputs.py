@@ -1,0 +1,159 @@
+"""Per-token inputs of a GLM-4V packed stream, computed on the GLOBAL stream before any split.
+
+Layout: ``input_ids [T]``, documents end to end (``cu_seqlens [D+1]``). An image is one run of
+``t * h * w / m^2`` placeholders (``image_token_id``, m the merge size) between image start/end
+tokens; a video of t frames is t such runs of ``h * w / m^2``, one per frame, each between
+image start/end tokens with its timestamp as text, all inside ``video_start ... video_end``.
+Images and videos share the placeholder id: a placeholder inside an open video span of its own
+document is a video frame (transformers' processor rule for ``mm_token_type_ids``, applied per
+document), any other an image. ``image_grid_thw [I, 3]`` / ``video_grid_thw [V, 3]`` give the
+items' patch grids in stream order.
+
+    position_ids [3, T]  M-RoPE rows (temporal, height, width), restarting in every document
+    vision_rows  [T]     tower output row of a placeholder (images first, then videos), else -1
+    labels       [T]     ``LabelShifter`` with the placeholder id ignored
+
+The position rule is transformers 5.x ``Glm4vModel.get_rope_index``, per document: a text token
+takes the current position p on all three rows and advances p by 1; an image (or one video
+frame) with merged grid ``(t, h / m, w / m)`` starting at p takes ``p + i_t, p + i_h, p + i_w``
+over its grid, row-major, then p advances by ``max(h, w) / m``. Frames are separate items (the
+video's grid split into t rows of t=1), so a video's temporal row steps through the text between
+frames, not by a frame index. Each item needs a run of its own: runs that touch (two images
+with no token between) are refused, as transformers cannot place them either.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.glm4v.config import Glm4vConfig
+from models.qwen2_vl.inputs import check_grid
+from parallel.context import ContextPlan, split_batch
+from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
+from parallel.state import ParallelState
+
+__all__ = ["glm4v_inputs", "local_glm4v_inputs", "mm_token_types", "position_ids"]
+
+
+def mm_token_types(input_ids: torch.Tensor, cu: list[int], cfg: Glm4vConfig) -> torch.Tensor:
+    """``[T]`` int64: 0 text, 1 image placeholder, 2 video placeholder (module docstring)."""
+    ids = input_ids.detach().cpu().long()
+    placeholder = ids == cfg.image_token_id
+    opened = torch.zeros_like(ids)
+    for a, b in zip(cu[:-1], cu[1:], strict=True):  # spans never reach across documents
+        doc = ids[a:b]
+        opened[a:b] = ((doc == cfg.video_start_token_id).cumsum(0)
+                       - (doc == cfg.video_end_token_id).cumsum(0))
+    return placeholder.long() * torch.where(opened > 0, 2, 1)
+
+
+def _runs(kinds: torch.Tensor, cu: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(start, stop, kind)`` of equal kinds, cut at every document start."""
+    cut = torch.ones(kinds.numel(), dtype=torch.bool)
+    cut[1:] = kinds[1:] != kinds[:-1]
+    cut[torch.tensor(cu[:-1], dtype=torch.int64)] = True
+    starts = cut.nonzero().view(-1).tolist()
+    return [(a, b, int(kinds[a])) for a, b in zip(starts, [*starts[1:], kinds.numel()],
+                                                  strict=True)]
+
+
+def _items(cfg: Glm4vConfig, image_grid_thw, video_grid_thw):
+    """Per kind, the items in stream order: ``(grid (t, h, w), first tower row, name)``; a
+    video's frames are items of their own, their rows after every image's."""
+    m = cfg.vision.spatial_merge_size
+    images = check_grid(image_grid_thw, "image_grid_thw", m)
+    videos = check_grid(video_grid_thw, "video_grid_thw", m)
+    row, out = 0, {1: [], 2: []}
+    for i, (t, h, w) in enumerate(images):
+        out[1].append(((t, h, w), row, f"image {i}"))
+        row += t * h * w // m ** 2
+    for i, (t, h, w) in enumerate(videos):
+        for f in range(t):
+            out[2].append(((1, h, w), row, f"video {i} frame {f}"))
+            row += h * w // m ** 2
+    return out
+
+
+def position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: Glm4vConfig, image_grid_thw=None,
+                 video_grid_thw=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids [3, T], vision_rows [T])`` int64 of a packed stream (module docstring).
+
+    Raises ``ValueError`` before any compute when a placeholder run's length is not its item's
+    ``t * h * w / m^2`` (naming the item and both counts), or runs and grid rows differ in number.
+    """
+    total = input_ids.numel()
+    cu = check_cu_seqlens(cu_seqlens, total).cpu().tolist()
+    m = cfg.vision.spatial_merge_size
+    kinds = mm_token_types(input_ids, cu, cfg)
+    items = _items(cfg, image_grid_thw, video_grid_thw)
+    names, used = {1: "image", 2: "video frame"}, {1: 0, 2: 0}
+    positions = torch.empty(3, total, dtype=torch.int64)
+    rows = torch.full((total,), -1, dtype=torch.int64)
+    doc_starts, p = set(cu[:-1]), 0
+    for start, stop, kind in _runs(kinds, cu):
+        p = 0 if start in doc_starts else p  # positions restart in every document
+        if kind == 0:
+            positions[:, start:stop] = torch.arange(p, p + stop - start)
+            p += stop - start
+            continue
+        if used[kind] >= len(items[kind]):
+            raise ValueError(f"the stream has more {names[kind]} placeholder runs than its grid "
+                             f"rows give ({len(items[kind])}); the run at token {start} has none")
+        (t, h, w), first, name = items[kind][used[kind]]
+        expected = t * h * w // m ** 2
+        if stop - start != expected:
+            raise ValueError(f"{name} (grid {[t, h, w]}) needs {expected} placeholder tokens "
+                             f"(t*h*w / {m}^2) but its run at token {start} has {stop - start}; "
+                             f"give each item a run of its own, between image start/end tokens")
+        gt, gh, gw = torch.meshgrid(torch.arange(t), torch.arange(h // m), torch.arange(w // m),
+                                    indexing="ij")
+        positions[:, start:stop] = p + torch.stack([gt, gh, gw]).reshape(3, -1)
+        rows[start:stop] = first + torch.arange(expected)
+        used[kind] += 1
+        p += max(h, w) // m
+    for kind in (1, 2):
+        if used[kind] != len(items[kind]):
+            raise ValueError(f"the grids give {len(items[kind])} {names[kind]}s but the stream "
+                             f"has {used[kind]} {names[kind]} placeholder runs; give one grid row "
+                             f"per item, in stream order")
+    return positions.to(input_ids.device), rows.to(input_ids.device)
+
+
+def glm4v_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: Glm4vConfig, *, image_grid_thw=None,
+                 video_grid_thw=None, loss_mask=None,
+                 ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+    """The global per-token tensors ``{"input_ids", "labels", "position_ids", "vision_rows"}``
+    of a packed stream (module docstring), ready for one ``split_batch``."""
+    positions, rows = position_ids(input_ids, cu_seqlens, cfg, image_grid_thw, video_grid_thw)
+    labels = LabelShifter(ignore_index, cfg.placeholder_ids)(input_ids, cu_seqlens, loss_mask)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions,
+            "vision_rows": rows}
+
+
+def local_glm4v_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens,
+                       cfg: Glm4vConfig, *, pixel_values: torch.Tensor | None = None,
+                       image_grid_thw=None, pixel_values_videos: torch.Tensor | None = None,
+                       video_grid_thw=None, loss_mask=None, sequence_parallel: bool = False,
+                       layout: str | None = None) -> tuple[ContextPlan, dict]:
+    """The cp plan of one packed stream and this rank's ``Glm4vModel.forward`` keyword arguments
+    (all but ``output``): the per-token tensors made on the GLOBAL stream, then split together
+    by one ``ContextPlan`` (zigzag when cp > 1 unless ``layout`` says otherwise; a multiple of tp
+    under SP); the vision input (images, then videos) passed whole to every rank."""
+    batch = glm4v_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
+                         video_grid_thw=video_grid_thw, loss_mask=loss_mask)
+    layout = (layout or "zigzag") if state.cp > 1 else "contiguous"
+    plan = ContextPlan(cu_seqlens, input_ids.numel(), state.cp, layout,
+                       pad_multiple=state.tp if sequence_parallel else 1)
+    local = split_batch({**batch, "cu_seqlens": cu_seqlens}, plan, state.cp_rank,
+                        pad_values={"vision_rows": -1})
+    rank_layout = plan.rank_layout(state.cp_rank)
+    device = input_ids.device
+    parts = [p for p in (pixel_values, pixel_values_videos) if p is not None]
+    grids = [torch.as_tensor(g, dtype=torch.int64).view(-1, 3)
+             for g in (image_grid_thw, video_grid_thw) if g is not None]
+    grid = torch.cat(grids) if grids else None
+    if grid is None or not grid.numel():  # no vision item: the model runs its dummy window
+        parts, grid = [], None
+    return plan, {**local, "doc_id": rank_layout.doc_id.to(device),
+                  "positions_in_doc": rank_layout.positions_in_doc.to(device),
+                  "pixel_values": torch.cat(parts) if parts else None, "grid_thw": grid}
