@@ -25,6 +25,7 @@ until the new one replaces it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import sys
@@ -34,6 +35,7 @@ import torch
 
 from launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
 from models import Family, family_named
+from mpcore import atomic
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.data.tokenizer import Tokenizer
 from mpcore.data.vl_tokenizer import VLTokenizer
@@ -132,6 +134,20 @@ def write_tokenizer(tokenizer: Path, vl: bool, output: Path) -> None:
         tok.write_hf_tokenizer(output)
     except ValueError as e:
         logging.warning("%s; exported tokenizer.model without the transformers files", e)
+    special_ids_into_config(output / "config.json", tok.bos_id, tok.eos_id)
+
+
+def special_ids_into_config(path: Path, bos_id: int, eos_id: int) -> None:
+    """The tokenizer's bos / eos ids (eos also the pad, as our packing pads) into config.json,
+    at the top and in ``text_config``: without them transformers fills in its defaults for the
+    architecture (Qwen's 151643 / 151645), ids outside a model trained on our vocabulary, and
+    generation never stops."""
+    config = json.loads(path.read_text())
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    config.update(ids)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].update(ids)
+    atomic.write_text(path, json.dumps(config, indent=2) + "\n")
 
 
 def normal_modes(folder: Path) -> None:

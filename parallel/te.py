@@ -66,8 +66,8 @@ log = logging.getLogger(__name__)
 
 LINEAR_BACKENDS = ("native", "te", "auto")
 TE_RECIPES = ("te_delayed", "te_current")
-TE_INSTALL = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (a CUDA machine "
-              "without a registry: ../shared/notes/TE.md)")
+TE_INSTALL = ("pip install --no-build-isolation 'transformer_engine[pytorch]' (it builds "
+              "against the installed torch and CUDA toolkit)")
 _logged: set[str] = set()
 _import_error = [""]  # why the last import of TE failed
 _region = threading.local()  # .fp8: the recipe of the forward_region open on this thread

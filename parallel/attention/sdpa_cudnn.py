@@ -18,7 +18,7 @@ heads and dk/dv summed back, as on the flash path.
 
 Why not the ragged cuDNN path (``aten._cudnn_attention_forward`` with cu_seqlens): it takes
 packed documents but its forward ran 60-66 ms per call in torch 2.11 against ~1 ms for flash
-(../shared/notes/GPU.md, and ``tests/perf/bench_attention.py`` measures it again).
+(measured on an H200; ``tests/perf/bench_attention.py`` measures it again).
 """
 
 from __future__ import annotations

@@ -173,6 +173,10 @@ def test_export_loads_in_transformers(runs):
 
     hf = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
     ours, cfg = load_hf_vl_model(out, ParallelState.build())
+    text_cfg = hf.config.text_config  # bos / eos / pad: the tokenizer's, inside the vocabulary
+    assert (text_cfg.bos_token_id, text_cfg.eos_token_id, text_cfg.pad_token_id) == (
+        ours_tok.bos_id, ours_tok.eos_id, ours_tok.eos_id)
+    assert max(text_cfg.bos_token_id, text_cfg.eos_token_id) < cfg.text.vocab_size
     assert hf_tok.convert_tokens_to_ids("<|image_pad|>") == cfg.image_token_id
     ids = torch.tensor([5, 7, cfg.vision_start_token_id, *[cfg.image_token_id] * 4,
                         cfg.vision_end_token_id, 9, 11])

@@ -175,7 +175,12 @@ def test_export_hf_roundtrip(tmp_path, data_dir):
 
     text = "Exported: the same ids, 42 of them?\n  indented"
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert hf_tok(text)["input_ids"] == Tokenizer(data_dir / "default_v512.model").encode(text)
+    ours = Tokenizer(data_dir / "default_v512.model")
+    assert hf_tok(text)["input_ids"] == ours.encode(text)
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path / "hf")  # the tokenizer's ids
+    assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (
+        ours.bos_id, ours.eos_id, ours.eos_id)
+    assert hf_tok.eos_token_id == hf_cfg.eos_token_id < hf_cfg.vocab_size
     exported, _ = load_hf_model(tmp_path / "hf", ParallelState())
     trained = build(cfg, setup(cfg), resolve_device(cfg))
     Trainer(trained).resume()
