@@ -115,3 +115,14 @@ def test_dtypes_and_empty():
     empty = _inputs([1])
     out = chunk_gated_delta_rule(*(t[:0] for t in empty), torch.tensor([0]))
     assert out.shape == (0, HV, DV)
+
+
+def test_kernel_choice_on_cpu():
+    from models.qwen3_5 import kernels
+
+    x = torch.zeros(2, 3, dtype=torch.bfloat16)
+    assert kernels.resolve("auto", x) == "reference"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        kernels.resolve("fla", x)
+    with pytest.raises(ValueError, match="gdn_kernel must be one of"):
+        kernels.resolve("triton", x)
