@@ -40,7 +40,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-FAMILIES = ("llama", "qwen2_vl")  # models.registry.FAMILIES (a test checks they agree)
+FAMILIES = ("llama", "qwen2_vl", "qwen3_5")  # models.registry.FAMILIES (a test checks they agree)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
