@@ -42,6 +42,7 @@ from models.common.hf_io import (
     write_hf,
 )
 from models.qwen3_5.config import Qwen35Config
+from models.qwen3_5.kernels import check_available
 from models.qwen3_5.model import Qwen35Transformer, make_model
 from parallel.state import ParallelState
 
@@ -218,6 +219,7 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
     """The model of a Qwen3.5 checkpoint folder for ``state``, each rank reading its slices
     (``build``'s keyword arguments, no seed). Returns ``(model, cfg)``."""
     check_fp8(fp8, device)
+    check_available(options.get("gdn_kernel", "auto"), device)
     hf = read_hf_config(folder)
     prefix = PREFIX[_architecture(hf)]
     cfg = config_from_hf(hf)

@@ -47,6 +47,20 @@ def _warn_no_fla() -> None:
                   f"on CUDA (slow); {INSTALL_HINT}", stacklevel=3)
 
 
+def check_available(name: str, device: torch.device | str) -> None:
+    """At build time: ``ValueError`` when ``name`` is ``fla`` but ``device`` is not CUDA or
+    fla-core is missing (so a run fails before any step, not at its first forward)."""
+    check_kernel(name)
+    if name != "fla":
+        return
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"gdn_kernel='fla' needs a CUDA device, got {device}; use "
+                         f"gdn_kernel='auto' or 'reference'")
+    if fla_ops() is None:
+        raise ValueError(f"gdn_kernel='fla' but fla-core is not installed; {INSTALL_HINT}"
+                         f" (or use gdn_kernel='auto' to fall back to the reference)")
+
+
 def resolve(name: str, x: torch.Tensor) -> str:
     """``"fla"`` or ``"reference"`` for operands like ``x`` under kernel ``name``."""
     check_kernel(name)

@@ -18,7 +18,7 @@ from models.common.decoder import Transformer, init_weights
 from models.common.norm import RMSNorm
 from models.common.rope import RotaryEmbedding
 from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.kernels import check_kernel
+from models.qwen3_5.kernels import check_available, check_kernel
 from models.qwen3_5.layers import Qwen35Block
 from parallel.state import ParallelState
 
@@ -59,6 +59,7 @@ def build(cfg: Qwen35Config, state: ParallelState, *, seed: int = 0,
     (``build_model``'s keyword arguments, plus ``gdn_kernel``). Raises ``ValueError`` when
     ``cfg`` does not fit ``state`` (``Qwen35Config.check_parallel``)."""
     check_fp8(fp8, device)
+    check_available(options.get("gdn_kernel", "auto"), device)
     model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
     model.to_empty(device=device)
     init_weights(model, seed)

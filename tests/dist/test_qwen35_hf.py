@@ -131,3 +131,19 @@ def test_config_errors():
                        num_kv_heads=1, intermediate_size=8)
     assert cfg.layer_types.count("full_attention") == 1 and cfg.layer_types[3] == "full_attention"
     assert hf_config_dict(cfg)["layer_types"] == list(cfg.layer_types)
+
+
+def test_checkpoint_that_disagrees_with_its_config_and_kernel_errors(checkpoint, tmp_path):
+    folder, *_ = checkpoint
+    for key, value in (("linear_conv_kernel_dim", 3), ("linear_num_value_heads", 8)):
+        bad = tmp_path / key
+        bad.mkdir()
+        hf = json.loads((folder / "config.json").read_text()) | {key: value}
+        (bad / "config.json").write_text(json.dumps(hf))
+        (bad / "model.safetensors").symlink_to(folder / "model.safetensors")
+        with pytest.raises(ValueError, match="has shape .* in the checkpoint but the config"):
+            load_hf(bad, ParallelState())
+    with pytest.raises(ValueError, match="gdn_kernel='fla' needs a CUDA device"):
+        load_hf(folder, ParallelState(), gdn_kernel="fla")
+    with pytest.raises(ValueError, match="gdn_kernel must be one of"):
+        load_hf(folder, ParallelState(), gdn_kernel="triton")
