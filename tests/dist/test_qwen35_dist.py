@@ -1,9 +1,10 @@
-"""The Qwen3.5 text family at tp in {1, 2} x cp in {1, 2} (ring, Ulysses), SP on and off,
+"""The Qwen3.5 text family at tp in {1, 2} x cp in {1, 2} (and cp = 4 at tp = 1), ring and
+Ulysses, SP on and off,
 against transformers and against our own single-process result (gloo, fp32, CPU).
 
 One 4-process spawn runs every layout on a packed stream whose documents (lengths 5, 1, 70,
 2, 3, 13) include ones shorter than the conv window and one longer than a DeltaNet chunk, cut
-by the per-document zigzag split at cp = 2 (every document spans both cp ranks, so a state or
+by the per-document zigzag split at cp > 1 (every document spans every cp rank, so a state or
 conv window that crossed a document or a cp boundary, or a wrong global order before the
 recurrence, changes the result). Per layout: log-probs (launch/score.py's path) within 1e-4 of
 transformers per document and 1e-5 of tp = cp = 1; loss and every gradient shard (summed over
@@ -35,7 +36,8 @@ HEADS = dict(linear_num_key_heads=4, linear_num_value_heads=8)  # split over tp 
 LAYOUTS = [(1, 1, "none", False, False), (2, 1, "none", True, False),
            (1, 2, "ring", False, False), (1, 2, "ulysses", False, True),
            (2, 2, "ring", True, False), (2, 2, "ulysses", False, False),
-           (2, 2, "ulysses", True, True)]
+           (2, 2, "ulysses", True, True), (1, 4, "ring", False, False),
+           (1, 4, "ulysses", False, False)]
 
 
 def _rel(a, b) -> float:
@@ -89,7 +91,7 @@ def _worker(rank, world, folder, ids, cu, ref, export_dir):
             "grad": max(rel.values()), "worst": max(rel, key=rel.get),
             "grad_vs_base": max(_rel(g, _expected(base[1], pieces[n]))
                                 for n, g in grads.items())}
-    export_hf(model, states[(2, 2)], export_dir)
+    export_hf(load_hf(folder, states[(2, 2)], cp_mode="ring")[0], states[(2, 2)], export_dir)
     try:  # 8 value heads, 2 key heads: not divisible by tp x cp = 4
         load_hf(folder + "_few", states[(2, 2)], cp_mode="ring")
     except ValueError as e:
