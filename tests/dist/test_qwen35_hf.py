@@ -147,3 +147,33 @@ def test_checkpoint_that_disagrees_with_its_config_and_kernel_errors(checkpoint,
         load_hf(folder, ParallelState(), gdn_kernel="fla")
     with pytest.raises(ValueError, match="gdn_kernel must be one of"):
         load_hf(folder, ParallelState(), gdn_kernel="triton")
+
+
+def test_released_layout_conditional_generation_text_decoder(tmp_path, caplog):
+    """A ``Qwen3_5ForConditionalGeneration`` folder (the released checkpoints' form: nested
+    ``text_config``, ``model.language_model.*`` keys, a tower): the family loads its text
+    decoder, skips the tower with one log line, and scores text as transformers' VL model."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                  out_hidden_size=32, patch_size=4, num_position_embeddings=16)
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=HF_CONFIG,
+                                                       vision_config=vision)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "A_log" not in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(tmp_path)
+    assert family_of_hf(tmp_path) is FAMILY
+    with caplog.at_level(logging.INFO, logger="models.qwen3_5.hf"):
+        model, _ = load_hf(tmp_path, ParallelState())
+    lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(lines) == 1 and "model.visual.*" in lines[0], lines
+    ids, cu = packed_docs([9, 4, 30], seed=3)
+    logprobs, _ = score_stream(model, ParallelState(), ids, cu)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=ids[None, a:b]).logits[0], -1)
+        want = logp[:-1].gather(1, ids[a + 1:b, None])[:, 0]
+        assert (logprobs[a:b - 1] - want).abs().max() < 1e-4
