@@ -93,6 +93,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     out_dtype = q.dtype
     if num == 0:
         return v.new_zeros(0, hv, dv).to(out_dtype)
+    # Autocast would run the matmuls below in bf16: the rule is fp32 throughout, as in
+    # transformers' fallback and fla's accumulators.
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunked(q, k, v, g, beta, cu_seqlens, scale, use_l2norm, chunk_size, out_dtype)
+
+
+def _chunked(q, k, v, g, beta, cu_seqlens, scale, use_l2norm, chunk_size, out_dtype):
+    """The body of ``chunk_gated_delta_rule`` (autocast off)."""
+    _, hk, dk = k.shape
+    hv, dv = v.shape[1:]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k = q.to(compute), k.to(compute)
     if use_l2norm:
