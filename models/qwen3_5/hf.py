@@ -65,7 +65,7 @@ def _architecture(hf: dict) -> str:
                      f"family (models.registry.family_of_hf)")
 
 
-def _text(hf: dict) -> dict:
+def text_fields(hf: dict) -> dict:
     """The text decoder's fields (a VL config nests them in ``text_config``)."""
     text = dict(hf.get("text_config") or hf)
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
@@ -84,7 +84,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen35Config:
     key for a feature this model does not have, or the architecture for another model."""
     hf = read_hf_config(source)
     _architecture(hf)
-    t = _text(hf)
+    t = text_fields(hf)
     _reject(t, "hidden_act", "silu", "an activation other than silu")
     _reject(t, "attention_bias", False, "attention biases")
     _reject(t, "attn_output_gate", True, "full attention without the output gate")
