@@ -20,12 +20,16 @@ the M-RoPE positions and vision rows), splits it over its cp ranks (zigzag when 
 model (tp-sharded; every cp rank gets the replica's whole pixel_values), gathers the per-token
 outputs back to stream order over cp, and rank 0 collects every replica's results and writes
 them in input order. CUDA when available (nccl), else CPU (gloo).
+
+The output (launch/score_output.py) is never the input file, under any name or link; one
+score.py at a time writes it (a lock beside it, ``.<name>.lock``, names the holder); and it is
+replaced whole at the end, so a killed run leaves the previous file. A blank input line is an
+error: output line i belongs to input line i.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,10 +39,14 @@ import torch
 import torch.distributed as dist
 
 from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
+from launch.score_output import check_paths, lock_output, write_output
 from models import family_of, family_of_hf, read_hf_config
+from mpcore.checkpoint import from_rank0
 from parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EPILOG = """exit codes: 0 scored and written; 2 an input or usage error (the message names the
+file, the line or the option, and the fix; --output is left as it was)"""
 
 
 def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
@@ -138,16 +146,34 @@ def gather_in_order(results: list[dict], mine: list[int], state: ParallelState,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-checkpoint", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--input", type=Path, required=True)
-    parser.add_argument("--output", type=Path, required=True)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EPILOG)
+    parser.add_argument("--hf-checkpoint", type=Path, required=True, metavar="DIR",
+                        help="Hugging Face checkpoint folder (config.json + *.safetensors): a "
+                             "Llama 3 / Qwen2 / Qwen3 decoder or a Qwen2-VL / Qwen2.5-VL model")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree (default 1); tp * cp must divide the "
+                             "number of processes, the rest are data-parallel replicas")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree (default 1): each packed stream is split "
+                             "over cp ranks (zigzag when cp > 1)")
+    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring",
+                        help="context-parallel attention when cp > 1 (default ring; ulysses "
+                             "needs heads divisible by cp)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="weights and compute dtype (default float32); outputs are float32")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron sequence parallelism inside the tp group (same results)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="divide the logits by this before log-softmax (default 1.0)")
+    parser.add_argument("--input", type=Path, required=True, metavar="IN.jsonl",
+                        help='one JSON object per line, {"input_ids": [...]} with optional '
+                             '"loss_mask" and images (see above); no blank lines: output line '
+                             "i belongs to input line i")
+    parser.add_argument("--output", type=Path, required=True, metavar="OUT.jsonl",
+                        help='one {"logprobs": [...], "entropy": [...]} per input line, in '
+                             "order; replaced whole when the run ends (never the input file; "
+                             "one score.py per output at a time)")
     return parser.parse_args(argv)
 
 
@@ -172,18 +198,29 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
     return model.eval()
 
 
-def write_output(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+def claim_output(args: argparse.Namespace, state: ParallelState):
+    """Refuse an output that is the input (every rank), lock it (rank 0; ``launch.score_output``):
+    before the model loads. Returns the lock (rank 0) or None. Collective."""
+    check_paths(args.input, args.output)
+    lock, error = None, None
+    if state.rank == 0:
+        try:
+            lock = lock_output(args.output)
+        except ValueError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error:
+        raise ValueError(error)
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = setup()
+    lock = None
     try:
         state = ParallelState.build(args.tp, args.cp)
+        lock = claim_output(args, state)
         spec = checkpoint_spec(args.hf_checkpoint)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
         model = load_model(args, state, device)
@@ -203,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        if lock is not None:
+            lock.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

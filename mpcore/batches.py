@@ -131,7 +131,7 @@ def data_loaders(cfg: Config, state: ParallelState, family: Family):
         return loader, valid, summary, tok.token_ids()
     if cfg.data.vl_paths:
         raise ValueError(f"data.vl_paths {cfg.data.vl_paths} holds image-text data but the model "
-                         f"family {family.name} has no vision tower; choose a vision-language "
+                         f"has no vision tower (family {family.name}); choose a vision-language "
                          f"family (model.family, model.vision or a VL model.init_from), or "
                          f"train a text model on data.paths")
     return (*build_loaders(cfg, state), None)

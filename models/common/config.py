@@ -55,6 +55,11 @@ class ModelConfig:
     """M-RoPE (Qwen2-VL): ``(t, h, w)`` counts of rotary frequency pairs driven by the
     temporal, height and width rows of ``[3, T]`` position ids; sums to ``head_dim / 2``.
     ``None``: plain 1-D RoPE on ``[T]`` positions."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL M-RoPE: frequency pair j takes row 1 (height) when ``j % 3 == 1`` and
+    ``j < 3 * s_h``, row 2 (width) when ``j % 3 == 2`` and ``j < 3 * s_w``, else row 0
+    (temporal), as transformers' Qwen3-VL rotary embedding assigns them. False: the contiguous
+    Qwen2-VL sections. Needs ``mrope_section``."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -82,6 +87,11 @@ class ModelConfig:
             self._check_rope_scaling()
         if self.mrope_section is not None:
             self._check_mrope()
+        if not isinstance(self.mrope_interleaved, bool):
+            raise ValueError(f"mrope_interleaved must be a bool, got {self.mrope_interleaved!r}")
+        if self.mrope_interleaved and self.mrope_section is None:
+            raise ValueError("mrope_interleaved needs mrope_section (the t, h, w counts); set "
+                             "both or neither")
 
     def _check_mrope(self) -> None:
         section = self.mrope_section
@@ -96,6 +106,12 @@ class ModelConfig:
             raise ValueError(f"mrope_section {list(section)} sums to {sum(section)} but head_dim "
                              f"{self.head_dim} rotates {self.head_dim // 2} frequency pairs; "
                              f"the three sections must sum to head_dim / 2")
+        half = self.head_dim // 2
+        if self.mrope_interleaved and (3 * section[1] - 2 >= half or 3 * section[2] - 1 >= half):
+            raise ValueError(f"interleaved mrope_section {list(section)} does not fit head_dim "
+                             f"{self.head_dim}: height pairs reach index {3 * section[1] - 2} "
+                             f"and width pairs {3 * section[2] - 1}, but there are {half} "
+                             f"pairs; lower the h and w sections")
         if self.rope_scaling is not None:
             raise ValueError("mrope_section with Llama 3 rope_scaling is not supported; set "
                              "one of the two")

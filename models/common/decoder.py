@@ -120,7 +120,7 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group,
             sequence_parallel=self.sequence_parallel, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                     cfg.mrope_section)
+                                     cfg.mrope_section, cfg.mrope_interleaved)
         layer = layer or DecoderLayer  # a family's block: same constructor and forward
         self.layers = nn.ModuleList(
             layer(cfg, state, sequence_parallel=self.sequence_parallel, fp8=fp8, dtype=dtype,

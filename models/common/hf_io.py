@@ -59,6 +59,39 @@ def chunk(name: str, shape: tuple[int, ...], dim: int, tp: int, rank: int) -> Pi
     return Piece(name, shape, dim, rank * size, (rank + 1) * size)
 
 
+def part_rows(name: str, shape: tuple[int, ...], tp: int, rank: int, part: int = 0,
+          parts: int = 1) -> Piece:
+    """Rows of tp rank ``rank`` inside logical part ``part`` of ``parts`` equal row parts."""
+    size = shape[0] // parts
+    local = size // tp
+    start = part * size + rank * local
+    return Piece(name, shape, 0, start, start + local)
+
+
+def column_pieces(name: str, shape: tuple[int, int], tp: int, rank: int) -> list[Piece]:
+    """Columns (dim 1) of tp rank ``rank``: its equal share."""
+    local = shape[1] // tp
+    return [Piece(name, shape, 1, rank * local, (rank + 1) * local)]
+
+
+def column_linear(out: dict, ours: str, hf: list[str], width_in: int, width_out: int, tp: int,
+            rank: int) -> None:
+    """``out[ours.weight/bias]``: a column-parallel layer (with bias) fused from the ``hf``
+    tensors of ``width_out`` rows each; tp rank ``rank``'s rows of each."""
+    for kind in ("weight", "bias"):
+        tail = (width_in,) if kind == "weight" else ()
+        out[f"{ours}.{kind}"] = [part_rows(f"{name}.{kind}", (width_out, *tail), tp, rank)
+                                 for name in hf]
+
+
+def row_linear(out: dict, ours: str, hf: str, width_in: int, width_out: int, tp: int,
+         rank: int) -> None:
+    """``out[ours.weight/bias]``: a row-parallel layer (columns of tp rank ``rank``; the bias
+    whole, added once after the reduction)."""
+    out[f"{ours}.weight"] = column_pieces(f"{hf}.weight", (width_out, width_in), tp, rank)
+    out[f"{ours}.bias"] = whole(f"{hf}.bias", (width_out,))
+
+
 def _safe_open(path: Path):
     """``safe_open(path)``; a truncated or corrupt file raises ``ValueError`` naming it."""
     try:

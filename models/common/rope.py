@@ -8,7 +8,9 @@ their true positions). ``cos, sin [T, head_dim]``; ``x [T, heads, head_dim]``. T
 M-RoPE (Qwen2-VL, ``mrope_section=(s_t, s_h, s_w)``): positions are ``[3, T]`` (temporal,
 height, width rows; equal rows for text tokens). Frequency pair j takes its angle from row 0 for
 the first ``s_t`` pairs, row 1 for the next ``s_h``, row 2 for the last ``s_w``; the two halves
-of ``head_dim`` repeat that choice, as in transformers' Qwen2-VL rotary embedding.
+of ``head_dim`` repeat that choice, as in transformers' Qwen2-VL rotary embedding. Interleaved
+M-RoPE (Qwen3-VL, ``mrope_interleaved``): pair j takes row 1 when ``j % 3 == 1`` and
+``j < 3 * s_h``, row 2 when ``j % 3 == 2`` and ``j < 3 * s_w``, row 0 otherwise.
 
 Numerics follow transformers: inverse frequencies and angles in fp32, cos/sin cast to the
 residual stream's dtype (fp32 under autocast); the rotation itself is ``kernels.rope.rope``.
@@ -51,10 +53,10 @@ class RotaryEmbedding(nn.Module):
     buffer recomputed by ``reset_parameters`` (the model is built on the meta device)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None,
-                 mrope_section: tuple[int, ...] | None = None):
+                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.mrope_section = mrope_section
+        self.mrope_section, self.mrope_interleaved = mrope_section, mrope_interleaved
         self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32),
                              persistent=False)
 
@@ -62,6 +64,18 @@ class RotaryEmbedding(nn.Module):
         del seed  # deterministic: nothing is drawn
         with torch.no_grad():
             self.inv_freq.copy_(inverse_frequencies(self.head_dim, self.theta, self.scaling))
+
+    def _mrope_rows(self, device) -> torch.Tensor:
+        """``[D/2]`` int64: the position row (0 t, 1 h, 2 w) of each frequency pair."""
+        _, s_h, s_w = self.mrope_section
+        if self.mrope_interleaved:
+            row = torch.zeros(self.head_dim // 2, dtype=torch.int64, device=device)
+            row[1:3 * s_h:3] = 1
+            row[2:3 * s_w:3] = 2
+            return row
+        # Contiguous: 0 for the first s_t pairs, 1 for the next s_h, 2 for the last s_w.
+        return torch.repeat_interleave(torch.arange(3, device=device),
+                                       torch.tensor(self.mrope_section, device=device))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """``positions [T]`` (``[3, T]`` with M-RoPE) -> ``(cos, sin)``, each ``[T, head_dim]``
@@ -75,10 +89,7 @@ class RotaryEmbedding(nn.Module):
             if positions.dim() != 2 or positions.shape[0] != 3:
                 raise ValueError(f"M-RoPE position ids must be [3, T] (temporal, height, "
                                  f"width), got shape {tuple(positions.shape)}")
-            # Row of each frequency pair: 0 for the first s_t pairs, 1 for s_h, 2 for s_w.
-            row = torch.repeat_interleave(torch.arange(3, device=positions.device),
-                                          torch.tensor(self.mrope_section,
-                                                       device=positions.device))
+            row = self._mrope_rows(positions.device)
             chosen = positions.float().index_select(0, row)  # (D/2, T)
             angles = chosen.t() * self.inv_freq.float()[None, :]  # (T, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T, D)

@@ -29,45 +29,13 @@ from __future__ import annotations
 
 import torch
 
+from models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
 from models.qwen2_vl.config import VLConfig
-from parallel.context import ContextPlan, split_batch
+from parallel.context import ContextPlan
 from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
 from parallel.state import ParallelState
 
-__all__ = ["check_grid", "local_vl_inputs", "vl_inputs", "vl_position_ids"]
-
-
-def check_grid(grid, name: str, merge: int) -> list[tuple[int, int, int]]:
-    """``grid`` (``[n, 3]`` tensor or nested list, or None) as a list of int triples; raises
-    ``ValueError`` naming the row when an entry is not a positive int or h, w do not divide by
-    ``merge``."""
-    if grid is None:
-        return []
-    rows = grid.tolist() if isinstance(grid, torch.Tensor) else list(grid)
-    out = []
-    for i, row in enumerate(rows):
-        row = list(row) if isinstance(row, (list, tuple)) else row
-        if (not isinstance(row, list) or len(row) != 3 or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row)):
-            raise ValueError(f"{name}[{i}] = {row!r} must be three positive ints (t, h, w)")
-        if row[1] % merge or row[2] % merge:
-            raise ValueError(f"{name}[{i}] = {row}: h and w must be multiples of the spatial "
-                             f"merge size {merge} (the processor resizes images to multiples "
-                             f"of patch_size * merge)")
-        out.append(tuple(row))
-    return out
-
-
-def _runs(ids: torch.Tensor, kinds: torch.Tensor, cu: list[int]):
-    """Maximal runs ``(start, stop, kind)`` of equal ``kinds`` (0 text, 1 image, 2 video),
-    never crossing a document boundary."""
-    cut = torch.zeros(ids.numel(), dtype=torch.bool)
-    cut[0] = True
-    cut[1:] = kinds[1:] != kinds[:-1]
-    cut[torch.tensor(cu[:-1], dtype=torch.int64)] = True
-    starts = cut.nonzero().view(-1).tolist()
-    stops = [*starts[1:], ids.numel()]
-    return [(a, b, int(kinds[a])) for a, b in zip(starts, stops, strict=True)]
+__all__ = ["local_vl_inputs", "vl_inputs", "vl_position_ids"]
 
 
 def vl_position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, image_grid_thw=None,
@@ -99,7 +67,7 @@ def vl_position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, image_gr
     vision_rows = torch.full((total,), -1, dtype=torch.int64)
     doc_starts = set(cu[:-1])
     p = 0
-    for start, stop, kind in _runs(ids, kinds, cu):
+    for start, stop, kind in placeholder_runs(ids, kinds, cu):
         if start in doc_starts:
             p = 0  # positions restart in every document
         length = stop - start
@@ -163,23 +131,9 @@ def local_vl_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, c
     (``vl_inputs``), then split together (zigzag when cp > 1; a multiple of tp under SP); the
     vision input (images then videos) passed whole to every rank. ``layout``: ``zigzag`` or
     ``contiguous`` (None: zigzag when cp > 1)."""
-    total = input_ids.numel()
     batch = vl_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                       video_grid_thw=video_grid_thw, second_per_grid=second_per_grid,
                       loss_mask=loss_mask)
-    layout = (layout or "zigzag") if state.cp > 1 else "contiguous"
-    plan = ContextPlan(cu_seqlens, total, state.cp, layout,
-                       pad_multiple=state.tp if sequence_parallel else 1)
-    local = split_batch({**batch, "cu_seqlens": cu_seqlens}, plan, state.cp_rank,
-                        pad_values={"vision_rows": -1})
-    rank_layout = plan.rank_layout(state.cp_rank)
-    device = input_ids.device
-    parts = [p for p in (pixel_values, pixel_values_videos) if p is not None]
-    grids = [g for g in (image_grid_thw, video_grid_thw) if g is not None]
-    grid = torch.cat([torch.as_tensor(g, dtype=torch.int64).view(-1, 3) for g in grids]) \
-        if grids else None
-    if grid is None or not grid.numel():  # no vision item: the model runs its dummy window
-        parts, grid = [], None
-    return plan, {**local, "doc_id": rank_layout.doc_id.to(device),
-                  "positions_in_doc": rank_layout.positions_in_doc.to(device),
-                  "pixel_values": torch.cat(parts) if parts else None, "grid_thw": grid}
+    return split_vl_stream(state, batch, cu_seqlens, pixels=[pixel_values, pixel_values_videos],
+                           grids=[image_grid_thw, video_grid_thw],
+                           sequence_parallel=sequence_parallel, layout=layout)

@@ -24,8 +24,8 @@ from torch import nn
 
 from models.common.decoder import Transformer, init_weights, make_packing
 from models.common.vision_cp import MODES, vision_rows_for_rank
+from models.common.vl_split import check_grid
 from models.qwen2_vl.config import VLConfig
-from models.qwen2_vl.inputs import check_grid
 from models.qwen2_vl.tower import VisionTower
 from parallel.state import ParallelState
 

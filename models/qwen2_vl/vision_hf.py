@@ -27,39 +27,19 @@ from pathlib import Path
 
 import torch
 
-from models.common.hf_io import Checkpoint, Piece, fill_from_table, gather_full, whole
+from models.common.hf_io import (
+    Checkpoint,
+    Piece,
+    column_linear,
+    fill_from_table,
+    gather_full,
+    part_rows,
+    row_linear,
+    whole,
+)
 from models.qwen2_vl.tower import VisionTower
 from models.qwen2_vl.vision_config import VisionConfig
 from parallel.state import ParallelState, ProcessGroup, group_size
-
-
-def _rows(name: str, shape: tuple[int, ...], tp: int, rank: int, part: int = 0,
-          parts: int = 1) -> Piece:
-    """Rows of tp rank ``rank`` inside logical part ``part`` of ``parts`` equal row parts."""
-    size = shape[0] // parts
-    local = size // tp
-    start = part * size + rank * local
-    return Piece(name, shape, 0, start, start + local)
-
-
-def _cols(name: str, shape: tuple[int, int], tp: int, rank: int) -> list[Piece]:
-    local = shape[1] // tp
-    return [Piece(name, shape, 1, rank * local, (rank + 1) * local)]
-
-
-def _column(out: dict, ours: str, hf: list[str], width_in: int, width_out: int, tp: int,
-            rank: int) -> None:
-    """A column-parallel layer fused from ``hf`` tensors of ``width_out`` rows each."""
-    for kind in ("weight", "bias"):
-        tail = (width_in,) if kind == "weight" else ()
-        out[f"{ours}.{kind}"] = [_rows(f"{name}.{kind}", (width_out, *tail), tp, rank)
-                                 for name in hf]
-
-
-def _row(out: dict, ours: str, hf: str, width_in: int, width_out: int, tp: int,
-         rank: int) -> None:
-    out[f"{ours}.weight"] = _cols(f"{hf}.weight", (width_out, width_in), tp, rank)
-    out[f"{ours}.bias"] = whole(f"{hf}.bias", (width_out,))
 
 
 def _norm(out: dict, cfg: VisionConfig, ours: str, hf: str) -> None:
@@ -83,18 +63,18 @@ def vision_shard_map(cfg: VisionConfig, tp: int, rank: int,
         for kind in ("weight", "bias"):
             shape = (3 * hid, hid) if kind == "weight" else (3 * hid,)
             out[f"{ours}attention.wqkv.{kind}"] = [
-                _rows(f"{hf}attn.qkv.{kind}", shape, tp, rank, part, 3) for part in range(3)]
-        _row(out, ours + "attention.wo", hf + "attn.proj", hid, hid, tp, rank)
+                part_rows(f"{hf}attn.qkv.{kind}", shape, tp, rank, part, 3) for part in range(3)]
+        row_linear(out, ours + "attention.wo", hf + "attn.proj", hid, hid, tp, rank)
         if cfg.arch == "qwen2_vl":
-            _column(out, ours + "feed_forward.w1", [hf + "mlp.fc1"], hid, inter, tp, rank)
-            _row(out, ours + "feed_forward.w2", hf + "mlp.fc2", inter, hid, tp, rank)
+            column_linear(out, ours + "feed_forward.w1", [hf + "mlp.fc1"], hid, inter, tp, rank)
+            row_linear(out, ours + "feed_forward.w2", hf + "mlp.fc2", inter, hid, tp, rank)
         else:
-            _column(out, ours + "feed_forward.w13", [hf + "mlp.gate_proj", hf + "mlp.up_proj"],
+            column_linear(out, ours + "feed_forward.w13", [hf + "mlp.gate_proj", hf + "mlp.up_proj"],
                     hid, inter, tp, rank)
-            _row(out, ours + "feed_forward.w2", hf + "mlp.down_proj", inter, hid, tp, rank)
+            row_linear(out, ours + "feed_forward.w2", hf + "mlp.down_proj", inter, hid, tp, rank)
     _norm(out, cfg, "merger.norm", prefix + "merger.ln_q")
-    _column(out, "merger.w1", [prefix + "merger.mlp.0"], width, width, tp, rank)
-    _row(out, "merger.w2", prefix + "merger.mlp.2", width, cfg.out_hidden_size, tp, rank)
+    column_linear(out, "merger.w1", [prefix + "merger.mlp.0"], width, width, tp, rank)
+    row_linear(out, "merger.w2", prefix + "merger.mlp.2", width, cfg.out_hidden_size, tp, rank)
     return out
 
 

@@ -8,7 +8,8 @@ writes the indexed dataset, into ``data_dir``:
     default_v<vocab>.bin / .idx       the tokenized corpus (documents in file order)
     default_v<vocab>.fingerprint      sha256 of the corpus bytes and every setting; written last
 
-A later call whose fingerprint matches reuses the files. Deterministic: the same corpus bytes
+A later call whose fingerprint matches reuses the files; a call that builds them prints one line
+saying so and how long it took. Deterministic: the same corpus bytes
 and settings give the same tokenizer and dataset on every machine. Ranks that call it at the
 same time (torchrun) serialise on a file lock in ``data_dir``; the first prepares, the rest
 find the cache.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from mpcore.data import indexed, tokenizer
@@ -97,8 +99,14 @@ def prepare_default(
         ready = [model_path, Path(f"{prefix}.bin"), Path(f"{prefix}.idx")]
         if stamp.is_file() and stamp.read_text() == want and all(p.is_file() for p in ready):
             return model_path, prefix
+        why = "its cache there did not match, rebuilt" if stamp.is_file() else "first use"
         stamp.unlink(missing_ok=True)
+        start = time.perf_counter()
         tok = train_tokenizer(iter_documents([corpus]), model_path, vocab_size, TOKENIZER_SEED)
-        tokenize_to_indexed(tok, [corpus], prefix, progress=False)
+        num_docs = tokenize_to_indexed(tok, [corpus], prefix, progress=False)
         stamp.write_text(want)
+        # One line, from the one process that prepared (the others found the cache).
+        print(f"prepared the default corpus in {data_dir} ({why}): tokenizer "
+              f"{model_path.name} and {num_docs} documents in "
+              f"{time.perf_counter() - start:.1f} s; later runs reuse it", flush=True)
     return model_path, prefix

@@ -196,6 +196,7 @@ def checkpoints(tmp_path_factory):
     return folders, refs, states, ids, cu, root
 
 
+@pytest.mark.slow
 def test_models_match_transformers_at_every_layout(checkpoints):
     folders, refs, hf_states, ids, cu, root = checkpoints
     export_dir = root / "export"
@@ -223,6 +224,7 @@ def test_models_match_transformers_at_every_layout(checkpoints):
             assert torch.equal(exported(ids[None]).logits, original(ids[None]).logits), family
 
 
+@pytest.mark.slow
 def test_score_script_under_torchrun(checkpoints, tmp_path):
     folders, refs, _, ids, cu, _ = checkpoints
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))

@@ -157,6 +157,7 @@ def run_score(folder: Path, tp: str, cp: str, mode: str, out: Path) -> str:
 
 
 @pytest.mark.parametrize("tp, cp, mode", LAYOUTS)
+@pytest.mark.slow
 def test_score_vl_under_torchrun(case, tmp_path, tp, cp, mode):
     folder, rows, refs, want = case
     stdout = run_score(folder, tp, cp, mode, tmp_path / "out.jsonl")

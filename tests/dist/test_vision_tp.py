@@ -30,6 +30,8 @@ from models.qwen2_vl import (
 )
 from parallel.state import ParallelState
 
+pytestmark = pytest.mark.slow  # the vision tower at every tp
+
 TEXT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=32,
             rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2],

@@ -248,10 +248,15 @@ def test_cli(tmp_path, tok, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
-def test_default_dataset(data_dir, tok):
+def test_default_dataset(data_dir, tok, capsys):
+    capsys.readouterr()
     first = prepare_vl_default(data_dir)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith(f"prepared the default image set in "
+                                                 f"{first.dataset} (first use")
     stamp = (first.dataset / "meta.json").stat().st_mtime_ns
     again = prepare_vl_default(data_dir)
+    assert capsys.readouterr().out == ""  # found in the cache: nothing to say
     assert again == first and (first.dataset / "meta.json").stat().st_mtime_ns == stamp
     ds = VLDataset(first.dataset)
     captions = [json.loads(x)["caption"] for x in DEFAULT_MANIFEST.read_text().splitlines()]
