@@ -41,7 +41,11 @@ class RMSNorm(nn.Module):
 
     def _weight(self) -> torch.Tensor:
         w = copy_to_tp(self.weight, self.group) if self.sum_grad_over_tp else self.weight
-        return 1.0 + w if self.zero_centred else w
+        if not self.zero_centred:
+            return w
+        # 1 + w in at least fp32: a bf16 weight (FSDP's bf16 parameters) would round the scale
+        # itself to 8 bits (1.0123 -> 1.0117); transformers adds in fp32 too.
+        return 1.0 + w.to(torch.promote_types(w.dtype, torch.float32))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``kernels.rmsnorm``)."""
