@@ -1,8 +1,9 @@
 """Model families on TP/SP/CP layers, with Hugging Face import/export.
 
 ``models.common`` holds the shared blocks; each family is a folder with one registry entry
-(``models.registry``): ``llama`` (Llama 3, Qwen2, Qwen3 by config) and ``qwen2_vl``
-(Qwen2-VL, Qwen2.5-VL). The names below are the public surface.
+(``models.registry``): ``llama`` (Llama 3, Qwen2, Qwen3 by config), ``qwen2_vl`` (Qwen2-VL,
+Qwen2.5-VL), ``qwen3_vl`` (Qwen3-VL), ``glm4v`` (GLM-4V / GLM-4.1V) and ``qwen3_5`` (Qwen3.5
+text). The names below are the common surface; each family's own are in its package.
 """
 
 from models.common.config import ModelConfig

@@ -42,8 +42,8 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v")  # models.registry.FAMILIES (a test checks
-# they agree)
+# models.registry.FAMILIES (a test checks they agree)
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -96,9 +96,10 @@ class ModelSection:
     replaces the shape fields above), or null for a fresh initialisation from training.seed."""
     family: str = "auto"
     """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
-    qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision) or qwen3_vl (Qwen3-VL: needs vision,
-    qk_norm, mrope_interleaved); auto: the family of init_from's config.json, else qwen2_vl
-    when vision is set, else llama."""
+    qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision), qwen3_vl (Qwen3-VL: needs vision, qk_norm,
+    mrope_interleaved), glm4v (GLM-4V / GLM-4.1V: needs vision) or qwen3_5 (Qwen3.5 text:
+    Gated DeltaNet beside gated attention); auto: the family of init_from's config.json, else
+    qwen2_vl when vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every

@@ -73,25 +73,30 @@ class QKVProjection(ColumnParallelLinear):
     """
 
     def __init__(self, cfg: ModelConfig, *, group: ProcessGroup | None,
-                 sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):
+                 sequence_parallel: bool, fp8: str = "none", device=None, dtype=None,
+                 query_factor: int = 1):
         tp = group_size(group)
         kv_all = cfg.local_kv_heads(tp) * tp * cfg.head_dim  # replicas counted
-        super().__init__(cfg.hidden_size, cfg.q_size + 2 * kv_all, bias=cfg.qkv_bias,
+        q_size = cfg.q_size * query_factor
+        super().__init__(cfg.hidden_size, q_size + 2 * kv_all, bias=cfg.qkv_bias,
                          group=group, sequence_parallel=sequence_parallel,
-                         partition_sizes=[cfg.q_size, kv_all, kv_all], fp8=fp8, device=device,
+                         partition_sizes=[q_size, kv_all, kv_all], fp8=fp8, device=device,
                          dtype=dtype)
-        self.cfg = cfg
+        # query_factor: rows per query head in units of head_dim (2 when each head also
+        # yields an output gate, Qwen3.5); heads stay whole on each rank either way.
+        self.cfg, self.q_size = cfg, q_size
         self.replicated = cfg.num_kv_heads % tp != 0
 
     def _take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's ``[q_r; k_r; v_r]`` rows of a logical ``[q; k; v]`` tensor."""
-        q_full, k_full, v_full = full.split([self.cfg.q_size, self.cfg.kv_size,
-                                             self.cfg.kv_size])
+        q_full, k_full, v_full = full.split([self.q_size, self.cfg.kv_size, self.cfg.kv_size])
         q, kv = qkv_rows(self.cfg, self.tp, self.tp_rank)
+        factor = self.q_size // self.cfg.q_size
+        q = slice(q.start * factor, q.stop * factor)
         return torch.cat([q_full[q], k_full[kv], v_full[kv]])
 
     def reset_parameters(self, seed: int) -> None:
-        full_rows = self.cfg.q_size + 2 * self.cfg.kv_size
+        full_rows = self.q_size + 2 * self.cfg.kv_size
         init_shard_(self.weight, (full_rows, self.in_features), self._take,
                     normal_init(self.init_std), seed)
         if self.bias is not None:
@@ -102,7 +107,7 @@ class QKVProjection(ColumnParallelLinear):
         if t is None or not self.replicated:
             return t
         head = self.tp_rank // (self.tp // self.cfg.num_kv_heads)
-        return _SumOverReplicas.apply(t, self.cfg.q_size // self.tp, head,
+        return _SumOverReplicas.apply(t, self.q_size // self.tp, head,
                                       self.cfg.num_kv_heads, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

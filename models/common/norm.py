@@ -5,6 +5,11 @@ group see DIFFERENT inputs through this weight (token shards under sequence para
 different heads for the per-head QK-norm), each computes only part of the weight's gradient:
 ``sum_grad_over_tp=True`` routes the weight through ``copy_to_tp`` so autograd sums it over the
 tp group. When every rank sees the same input the gradient is already whole on each rank.
+
+``zero_centred=True`` (Qwen3.5's norms): the scale is ``1 + weight`` and the weight starts at
+zero, so weight decay pulls the scale toward one. The kernel multiplies by ``1 + weight``; in
+fp32 that equals transformers' ``x_normed * (1 + w)``, in bf16 the normalised value is rounded
+once before the multiply (``kernels.rmsnorm``'s rule), where transformers rounds after it.
 """
 
 from __future__ import annotations
@@ -18,21 +23,29 @@ from parallel.state import ProcessGroup
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)`` over the last dim of width ``dim``; weight initialised to 1."""
+    """``weight * x / rms(x)`` over the last dim of width ``dim``; weight initialised to 1.
+    ``zero_centred``: ``(1 + weight) * x / rms(x)``, weight initialised to 0."""
 
     def __init__(self, dim: int, eps: float, *, group: ProcessGroup | None = None,
-                 sum_grad_over_tp: bool = False, device=None, dtype=None):
+                 sum_grad_over_tp: bool = False, zero_centred: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         self.eps, self.group, self.sum_grad_over_tp = eps, group, sum_grad_over_tp
+        self.zero_centred = zero_centred
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
 
     def reset_parameters(self, seed: int = 0) -> None:
-        del seed  # norm weights start at one at every TP degree
+        del seed  # norm scales start at one at every TP degree
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.zero_centred else 1.0)
 
     def _weight(self) -> torch.Tensor:
-        return copy_to_tp(self.weight, self.group) if self.sum_grad_over_tp else self.weight
+        w = copy_to_tp(self.weight, self.group) if self.sum_grad_over_tp else self.weight
+        if not self.zero_centred:
+            return w
+        # 1 + w in at least fp32: a bf16 weight (FSDP's bf16 parameters) would round the scale
+        # itself to 8 bits (1.0123 -> 1.0117); transformers adds in fp32 too.
+        return 1.0 + w.to(torch.promote_types(w.dtype, torch.float32))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``kernels.rmsnorm``)."""
@@ -45,4 +58,5 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, delta, self._weight(), self.eps, out_dtype)
 
     def extra_repr(self) -> str:
-        return f"dim={self.weight.shape[0]}, eps={self.eps}, sum_grad_over_tp={self.sum_grad_over_tp}"
+        return (f"dim={self.weight.shape[0]}, eps={self.eps}, sum_grad_over_tp="
+                f"{self.sum_grad_over_tp}" + (", zero_centred" if self.zero_centred else ""))

@@ -1,0 +1,103 @@
+"""Qwen3.5 text decoder configuration: ``ModelConfig`` plus the hybrid layers' fields.
+
+Layers are ``"linear_attention"`` (Gated DeltaNet) or ``"full_attention"`` (gated softmax
+attention); ``layer_types`` lists them, or, when None, every ``full_attention_interval``-th
+layer is full attention (transformers' rule: layer i is full iff ``(i + 1) % interval == 0``).
+Full attention: ``num_heads`` query heads (each with an output gate), ``num_kv_heads``, QK-norm,
+RoPE on the first ``partial_rotary_factor * head_dim`` dims. DeltaNet: ``linear_num_key_heads``
+query/key heads of ``linear_key_head_dim``, ``linear_num_value_heads`` value heads of
+``linear_value_head_dim`` (a multiple of the key heads: value head h reads key head
+``h // (Hv / Hk)``), a depthwise causal conv of ``linear_conv_kernel_dim`` taps.
+
+Parallel layout (``check_parallel``): DeltaNet key and value heads split over tp (each rank a
+contiguous run of key heads and the value heads grouped on them), then again over cp (the
+DeltaNet all-to-all, ``models.qwen3_5.cp``): both counts must divide by tp * cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.common.config import ModelConfig
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen35Config(ModelConfig):
+    """A Qwen3.5 text decoder (module docstring); ``qk_norm`` is always on."""
+
+    partial_rotary_factor: float = 0.25
+    """Fraction of head_dim that RoPE rotates (the rest passes through)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer ``linear_attention`` or ``full_attention``; None: by full_attention_interval."""
+    full_attention_interval: int = 4
+    """Every this-many-th layer is full attention when layer_types is None."""
+    linear_num_key_heads: int = 16
+    """DeltaNet query/key heads."""
+    linear_num_value_heads: int = 32
+    """DeltaNet value heads (a multiple of linear_num_key_heads)."""
+    linear_key_head_dim: int = 128
+    """DeltaNet query/key head width."""
+    linear_value_head_dim: int = 128
+    """DeltaNet value head width."""
+    linear_conv_kernel_dim: int = 4
+    """Taps of the DeltaNet short convolution."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "qk_norm", True)
+        super().__post_init__()
+        for name in ("full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Qwen35Config.{name} must be a positive integer, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} is not a "
+                             f"multiple of linear_num_key_heads {self.linear_num_key_heads}")
+        if self.qkv_bias:
+            raise ValueError("Qwen3.5 has no attention biases; set qkv_bias false")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives "
+                             f"{self.rotary_dim} rotary dims of head_dim {self.head_dim}; it "
+                             f"must be in (0, 1] with an even, non-zero count")
+        if self.rope_scaling is not None:
+            raise ValueError("Qwen3.5 uses plain RoPE; set rope_scaling null")
+        if self.mrope_section is not None:
+            raise ValueError("the Qwen3.5 text decoder takes 1-D positions (its M-RoPE rows "
+                             "are equal on text); set mrope_section null")
+        types = self.layer_types
+        if types is None:
+            types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
+                          else "linear_attention" for i in range(self.num_layers))
+        types = tuple(types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"layer_types must list {self.num_layers} entries (num_layers) of "
+                             f"{LAYER_TYPES}, got {list(types)}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates: ``int(head_dim * partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_size(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def check_parallel(self, tp: int, cp: int = 1, cp_mode: str = "none") -> None:
+        """``ModelConfig.check_parallel`` plus the DeltaNet heads over tp x cp."""
+        super().check_parallel(tp, cp, cp_mode)
+        if "linear_attention" not in self.layer_types:
+            return
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            heads = getattr(self, name)
+            if heads % (tp * cp):
+                raise ValueError(f"{name} {heads} is not divisible by tp x cp = {tp} x {cp} = "
+                                 f"{tp * cp}: each rank runs whole DeltaNet heads (split over tp, "
+                                 f"then over cp by the all-to-all); choose tp and cp whose "
+                                 f"product divides {heads}")

@@ -1,0 +1,66 @@
+"""The Qwen3.5 text decoder: the shared ``Transformer`` with Qwen3.5's blocks and norms.
+
+What differs from ``models.common.decoder.Transformer`` (whose forward, packing, head and
+layout rules it keeps): each layer is a ``Qwen35Block`` (gated attention or Gated DeltaNet by
+``cfg.layer_types``), the final norm is zero-centred, and the RoPE tables cover only the
+``rotary_dim`` rotated dims of each head (partial rotary). Built on the meta device and
+initialised per shard like ``build_model``: the same function at any tp degree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.fp8_linear import check_fp8
+from models.common.decoder import Transformer, init_weights
+from models.common.norm import RMSNorm
+from models.common.rope import RotaryEmbedding
+from models.qwen3_5.config import Qwen35Config
+from models.qwen3_5.kernels import check_available, check_kernel
+from models.qwen3_5.layers import Qwen35Block
+from parallel.state import ParallelState
+
+
+class Qwen35Transformer(Transformer):
+    """The decoder (module docstring); ``gdn_kernel``: ``models.qwen3_5.kernels``."""
+
+    def __init__(self, cfg: Qwen35Config, state: ParallelState, *, gdn_kernel: str = "auto",
+                 **kwargs):
+        if not isinstance(cfg, Qwen35Config):
+            raise TypeError(f"Qwen35Transformer needs a Qwen35Config, got {type(cfg).__name__}")
+        check_kernel(gdn_kernel)
+        super().__init__(cfg, state, layer=functools.partial(Qwen35Block, gdn_kernel=gdn_kernel),
+                         **kwargs)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
+                            sum_grad_over_tp=self.sequence_parallel, zero_centred=True,
+                            dtype=kwargs.get("dtype"))
+
+
+def make_model(cfg: Qwen35Config, state: ParallelState, *, sequence_parallel: bool = False,
+               cp_mode: str = "none", activation_checkpointing: bool = False,
+               attention_backend: str = "auto", fp8: str = "none", gdn_kernel: str = "auto",
+               dtype: torch.dtype = torch.float32) -> Qwen35Transformer:
+    """The model on the meta device (``build`` and ``load_hf`` materialise it)."""
+    with torch.device("meta"):
+        return Qwen35Transformer(cfg, state, sequence_parallel=sequence_parallel,
+                                 cp_mode=cp_mode,
+                                 activation_checkpointing=activation_checkpointing,
+                                 attention_backend=attention_backend, fp8=fp8,
+                                 gdn_kernel=gdn_kernel, dtype=dtype)
+
+
+def build(cfg: Qwen35Config, state: ParallelState, *, seed: int = 0,
+          device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+          fp8: str = "none", **options) -> Qwen35Transformer:
+    """Create on meta, materialise this rank's shards on ``device``, initialise from ``seed``
+    (``build_model``'s keyword arguments, plus ``gdn_kernel``). Raises ``ValueError`` when
+    ``cfg`` does not fit ``state`` (``Qwen35Config.check_parallel``)."""
+    check_fp8(fp8, device)
+    check_available(options.get("gdn_kernel", "auto"), device)
+    model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model

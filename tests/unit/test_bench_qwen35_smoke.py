@@ -1,0 +1,41 @@
+"""Smoke run of tests/perf/bench_qwen35.py on the CPU (CUDA hidden), so that it works the first
+time on a GPU: a tiny Qwen3.5 config.json, seq 64, 2 timed steps after 1 warmup; the JSON has
+finite positive step times that agree with tokens/s, null peaks on CPU, losses near ln(vocab)
+for fresh models on random tokens on both sides, and no layer benchmark without CUDA."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+from qwen35_tiny import HF_CONFIG, VOCAB  # noqa: E402
+
+
+@pytest.mark.slow
+def test_bench_qwen35_cpu_smoke(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HF_CONFIG | {"architectures": ["Qwen3_5ForCausalLM"]}))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tests/perf/bench_qwen35.py", str(out), "--config", str(config),
+         "--seq", "64", "--steps", "2", "--warmup", "1"], cwd=REPO, capture_output=True,
+        text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["seq"] == 64 and result["layer"] is None
+    for side in ("mpcore", "hf"):
+        r = result[side]
+        assert r["step_s"] > 0 and math.isclose(r["tokens_per_s"], 64 / r["step_s"])
+        assert r["peak_gib"] is None
+        for loss in (r["loss_first"], r["loss_last"]):
+            assert abs(loss - math.log(VOCAB)) < 1.0, (side, loss)
+    assert result["mpcore"]["gdn_kernel"] == "reference"
+    assert math.isclose(result["speedup"], result["hf"]["step_s"] / result["mpcore"]["step_s"])
