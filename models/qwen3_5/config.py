@@ -46,7 +46,14 @@ class Qwen35Config(ModelConfig):
 
     def __post_init__(self):
         object.__setattr__(self, "qk_norm", True)
-        super().__post_init__()
+        super().__post_init__()  # head_dim resolved
+        # ModelConfig.rotary_dim, from the factor (a meta.json round trip gives both: they agree)
+        rotary = int(self.head_dim * self.partial_rotary_factor)
+        if self.rotary_dim not in (None, rotary):
+            raise ValueError(f"rotary_dim {self.rotary_dim} disagrees with partial_rotary_factor "
+                             f"{self.partial_rotary_factor} x head_dim {self.head_dim} = "
+                             f"{rotary}; give one of the two")
+        object.__setattr__(self, "rotary_dim", rotary)
         for name in ("full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
                      "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
             value = getattr(self, name)
@@ -75,11 +82,6 @@ class Qwen35Config(ModelConfig):
         if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
             raise ValueError(f"layer_types must list {self.num_layers} entries (num_layers) of "
                              f"{LAYER_TYPES}, got {list(types)}")
-
-    @property
-    def rotary_dim(self) -> int:
-        """Dims of each head that RoPE rotates: ``int(head_dim * partial_rotary_factor)``."""
-        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def linear_key_size(self) -> int:
