@@ -19,7 +19,9 @@ download): vision depth 32, width 1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 pa
 embeddings, QKV biases, M-RoPE sections [16, 24, 24], rope theta 1e6. ``--family qwen3_vl``:
 Qwen3-VL-2B's config.json (``models.qwen3_vl.presets.QWEN3_VL_2B``: vision depth 24, width
 1024, patch 16, DeepStack after blocks 5, 11, 17; text hidden 2048, 28 layers, 16 heads, 8 KV
-heads, head_dim 128, q/k norm, interleaved M-RoPE [24, 20, 20]). Special ids of the real Qwen
+heads, head_dim 128, q/k norm, interleaved M-RoPE [24, 20, 20]). ``--family glm4v`` (``--config
+9b``): GLM-4.1V-9B's shape with 12 of its 40 decoder layers (``GLM4V_LAYERS``: fp32 master
+weights and AdamW state of all 40 do not fit one H200 beside the activations). Special ids of the real Qwen
 vocabulary: image 151655, video 151656, vision start 151652, vision end 151653 (``--data
 prepared`` replaces them by its tokenizer's, 2048-2051). Both sides start from fresh random
 weights; the family's registry entry builds ours and makes its inputs.
@@ -90,10 +92,11 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from models import ModelConfig, VisionConfig, VLConfig, family_of  # noqa: E402
+from models import ModelConfig, VisionConfig, VLConfig, family_named, family_of  # noqa: E402
 from models.qwen3_vl import config_from_hf as qwen3_vl_from_hf  # noqa: E402
 from models.qwen3_vl import config_from_section as qwen3_vl_from_section  # noqa: E402
 from models.qwen3_vl.presets import QWEN3_VL_2B, TINY  # noqa: E402
+from mpcore.config import load_config  # noqa: E402
 from mpcore.processes import init_distributed  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
@@ -142,6 +145,30 @@ def qwen3_vl_tiny():
     return qwen3_vl_from_section({**TINY, "vocab_size": 516}, ids)
 
 
+GLM4V_LAYERS = 12  # of GLM-4.1V-9B's 40: fp32 master weights + AdamW of all 40 exceed one H200
+
+
+def _glm4v(yaml: str, overrides: list[str], ids: dict):
+    section = load_config(REPO / "launch" / "configs" / yaml, overrides).model
+    return family_named("glm4v").config_from_section(section, ids)
+
+
+def glm4v_9b():
+    """GLM-4.1V-9B's shape (launch/configs/glm4v_9b.yaml: tower depth 24 / width 1536, decoder
+    hidden 4096 with 32 q / 2 kv heads, MLP 13696, untied 151552 vocab) with ``GLM4V_LAYERS``
+    decoder layers, GLM's real image / start / end ids."""
+    ids = dict(image_token_id=151343, video_token_id=151344, vision_start_token_id=151339,
+               vision_end_token_id=151340)
+    return _glm4v("glm4v_9b.yaml", [f"model.num_layers={GLM4V_LAYERS}"], ids)
+
+
+def glm4v_tiny():
+    """A CPU-sized GLM-4V (launch/configs/glm4v_tiny.yaml at vocab 518)."""
+    ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,
+               vision_end_token_id=303)
+    return _glm4v("glm4v_tiny.yaml", ["model.vocab_size=518"], ids)
+
+
 # family -> name -> (config, default seq, merged tokens per image (cycled with the images),
 # text vocab of the prepared path's tokenizer)
 PRESETS = {
@@ -149,9 +176,12 @@ PRESETS = {
                  "tiny": (tiny, 256, (9, 16, 6), 512)},
     "qwen3_vl": {"2b": (qwen3_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
                  "tiny": (qwen3_vl_tiny, 256, (9, 16, 6), 512)},
+    "glm4v": {"9b": (glm4v_9b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
+              "tiny": (glm4v_tiny, 256, (9, 16, 6), 512)},
 }
 HF_CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-              "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
+              "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+              "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration")}
 
 
 def _train_step(model, optimizer, args, loss_fn, group=None):
@@ -444,7 +474,8 @@ def parse_args(argv):
     parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
     parser.add_argument("--family", default="qwen2_vl", choices=sorted(PRESETS),
                         help="the model family (its 2B shape or a tiny one, --config)")
-    parser.add_argument("--config", default="2b", choices=["2b", "tiny"])
+    parser.add_argument("--config", default=None, choices=["2b", "9b", "tiny"],
+                        help="the family's large shape (2b; glm4v: 9b) or a tiny one")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seq", type=int, default=None,
@@ -482,7 +513,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    make_config, default_seq, image_tokens, text_vocab = PRESETS[args.family][args.config]
+    shapes = PRESETS[args.family]
+    args.config = args.config or next(k for k in shapes if k != "tiny")
+    if args.config not in shapes:
+        raise SystemExit(f"--family {args.family} has the shapes {sorted(shapes)}, not "
+                         f"{args.config}")
+    make_config, default_seq, image_tokens, text_vocab = shapes[args.config]
     cfg = make_config()
     params = count_params(cfg)
     print(f"parameters (meta device): mpcore {params['mpcore']:,}, transformers "

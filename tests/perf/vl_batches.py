@@ -125,6 +125,27 @@ def compose(cfg, seq: int, image_tokens, fraction: float, num: int, text_len, ro
     return out
 
 
+def vision_span_ids(cfg) -> tuple[int, int]:
+    """``(start, end)`` ids around an image's placeholder run (GLM-4V names them image
+    start/end, the Qwen families vision start/end)."""
+    if hasattr(cfg, "image_start_token_id"):
+        return cfg.image_start_token_id, cfg.image_end_token_id
+    return cfg.vision_start_token_id, cfg.vision_end_token_id
+
+
+def with_tokenizer_ids(cfg, ids: dict[str, int]):
+    """``cfg`` with the VL tokenizer's four ids (as its family's ``config_from_section`` maps
+    them: GLM-4V's video start/end take the two ids after them)."""
+    if not hasattr(cfg, "image_start_token_id"):
+        return dataclasses.replace(cfg, **ids)
+    top = max(ids.values())
+    return dataclasses.replace(
+        cfg, image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],
+        image_start_token_id=ids["vision_start_token_id"],
+        image_end_token_id=ids["vision_end_token_id"], video_start_token_id=top + 1,
+        video_end_token_id=top + 2)
+
+
 def _stack(samples: list[tuple[list[int], list[torch.Tensor], list]], seq: int) -> Batch:
     ids = torch.tensor([s[0] for s in samples], dtype=torch.int64)
     cu = torch.arange(0, ids.numel() + 1, seq, dtype=torch.int32)
@@ -150,8 +171,8 @@ def synthetic_batches(cfg, seq: int, image_tokens, fraction: float, micro_batch:
                                        merge_size=v.spatial_merge_size, resize=False,
                                        max_pixels=image.width * image.height, name=name)
             n = num_placeholders(grid, v.spatial_merge_size)
-            ids += [cfg.vision_start_token_id, *[cfg.image_token_id] * n,
-                    cfg.vision_end_token_id, *text_ids(caption)]
+            start, end = vision_span_ids(cfg)
+            ids += [start, *[cfg.image_token_id] * n, end, *text_ids(caption)]
             pixels.append(rows)
             grids.append(grid)
         ids += [tail[i % len(tail)] for i in range(seq - len(ids))]
@@ -181,7 +202,7 @@ def prepared_batches(cfg, seq: int, image_tokens, fraction: float, micro_batch: 
     """``(cfg with the tokenizer's VL ids, batches, store stats)``: the samples written as a
     manifest into ``folder``, prepared into ``folder/store`` and read by the loader."""
     tok = VLTokenizer(prepare_default(folder / "tokenizer", text_vocab)[0])
-    cfg = dataclasses.replace(cfg, **tok.token_ids())
+    cfg = with_tokenizer_ids(cfg, tok.token_ids())
     (folder / "images").mkdir()
     tail, cache, lines = "\n".join(e["caption"] for e in _captions()) + "\n", {}, []
     for parts, used in compose(cfg, seq, image_tokens, fraction, num_batches * micro_batch,

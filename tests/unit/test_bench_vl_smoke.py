@@ -141,11 +141,12 @@ def test_synthetic_data_path(synthetic):
     _check_sides(synthetic)
 
 
-def test_qwen3_vl_family_side_by_side(tmp_path):
-    """The Qwen3-VL family through the same benchmark: its registry entry builds our side,
-    transformers' Qwen3VLForConditionalGeneration the baseline, on the same batches."""
-    report = _run(tmp_path / "qwen3_vl.json", "prepared", "qwen3_vl")
-    assert report["family"] == "qwen3_vl"
+@pytest.mark.parametrize("family", ["qwen3_vl", "glm4v"])
+def test_other_vl_families_side_by_side(family, tmp_path):
+    """The Qwen3-VL and GLM-4V families through the same benchmark: the family's registry
+    entry builds our side, transformers' model of the family the baseline, same batches."""
+    report = _run(tmp_path / f"{family}.json", "prepared", family)
+    assert report["family"] == family
     params = report["num_params"]
     assert params["mpcore"] == params["transformers"] > 0
     _check_data(report["data"])
