@@ -14,11 +14,13 @@ One optimizer step, on every rank:
     else     skip the update, count it; max_bad_steps in a row stop the run (TrainingDiverged)
 
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
-the first step boundary after SIGTERM or SIGINT (Ctrl-C; a second Ctrl-C raises
-KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it
-with one all-reduce per step, save, and :func:`fit` returns ``"preempted"``: launch/pretrain.py
-then exits with code 0 (rerunning the same command resumes from ``latest``). Under torchrun
-the launcher catches SIGTERM itself and exits 1: the job looks failed, the checkpoint is whole.
+the first step boundary after SIGTERM, SIGUSR1 (what ``sbatch --signal=USR1@T`` sends before
+the time limit) or SIGINT (Ctrl-C; a second Ctrl-C raises KeyboardInterrupt at once, without
+saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step, save,
+and :func:`fit` returns ``"preempted"``: launch/pretrain.py then exits with code 75
+(``mpcore.processes``; rerunning the same command resumes from ``latest``). Under a bare
+torchrun the launcher catches SIGTERM itself and exits 1; ``python -m mpcore.torchrun`` passes
+the workers' 75 on.
 Resume is automatic (``checkpoint.resume``): the newest checkpoint that verifies and loads
 (``mpcore.checkpoint``), if its config is the same run (``mpcore.resume_check``). Inside a
 non-finite streak no periodic or final checkpoint is saved (a stop signal still saves), and
@@ -63,6 +65,8 @@ from parallel.loss import sum_over_group
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
+# Signals that stop the run at the next step boundary after a save (module docstring).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class TrainingDiverged(RuntimeError):
@@ -92,7 +96,7 @@ class Trainer:
         self.bad_steps = self.consecutive_bad = 0
         self._fingerprint: dict | None = None
         self.stop_requested = False
-        self.stop_signal: str | None = None  # the first SIGTERM/SIGINT received here
+        self.stop_signal: str | None = None  # the first stop signal received here
         self.shifter = LabelShifter()
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
@@ -281,7 +285,7 @@ class Trainer:
         metrics = MetricsWriter(cfg.logging.run_dir, rank0, cfg.logging.tensorboard)
         result = FitResult("done", self.step)
         main = threading.current_thread() is threading.main_thread()
-        stops = (signal.SIGTERM, signal.SIGINT)
+        stops = STOP_SIGNALS
         previous = [signal.signal(sig, self._on_signal) for sig in stops] if main else None
         every, eval_every = cfg.checkpoint.every, cfg.training.eval_every
         clock = Clock(self.step, cfg.training.max_steps)

