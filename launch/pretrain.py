@@ -81,8 +81,9 @@ def main(argv: list[str]) -> int:
         report_user_error(str(e), store)
         return EXIT_DIVERGED
     except KeyboardInterrupt:
-        print("interrupted by a second Ctrl-C: stopped without saving (the last checkpoint "
-              "stays the newest one in the checkpoint folder)", file=sys.stderr)
+        print("interrupted by Ctrl-C: stopped at once, without saving (before training "
+              "started, or a second Ctrl-C); the newest checkpoint in the checkpoint folder is "
+              "the last one saved", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         if dist.is_initialized():

@@ -291,7 +291,8 @@ class CheckpointSection:
     dir: str | None = None
     """Checkpoint folder; null means RUN_DIR/checkpoints."""
     every: int = 100
-    """Save every N steps and at the last step; 0 saves only on SIGTERM."""
+    """Save every N steps and at the last step; 0 saves only on a stop signal (SIGTERM, SIGINT,
+    SIGUSR1)."""
     keep_last: int = 2
     """Complete checkpoints kept (older ones are deleted after a save; the newest one saved
     from a finite state is always kept)."""

@@ -52,6 +52,7 @@ EXIT_RENDEZVOUS = 4
 EXIT_STUCK = 5
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
+REPORT_GRACE_S = 2.0
 # Codes whose message the worker printed itself: a launcher adds nothing to them.
 REPORTED = (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_RENDEZVOUS, EXIT_STUCK, EXIT_PREEMPTED,
             EXIT_INTERRUPTED)
@@ -130,6 +131,10 @@ def _first_to_report(store: dist.Store | None) -> bool:
 def report_user_error(message: str, store: dist.Store | None) -> None:
     """Print ``error: message`` once over the world (module docstring), no traceback."""
     if not _first_to_report(store):
+        if store is None and "RANK" in os.environ:
+            # Rank 0 prints; torchrun stops the other workers as soon as one exits, so leaving
+            # first could cut rank 0 off before its message is out.
+            time.sleep(REPORT_GRACE_S)
         return
     prefix = f"error (rank {_rank()}): " if "RANK" in os.environ and _rank() else "error: "
     print(prefix + message, file=sys.stderr, flush=True)

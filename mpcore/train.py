@@ -15,8 +15,8 @@ One optimizer step, on every rank:
 
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
 the first step boundary after SIGTERM, SIGUSR1 (what ``sbatch --signal=USR1@T`` sends before
-the time limit) or SIGINT (Ctrl-C; a second Ctrl-C raises KeyboardInterrupt at once, without
-saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step, save,
+the time limit) or SIGINT (Ctrl-C; a second Ctrl-C, more than ``SAME_CTRL_C_S`` after the
+first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step, save,
 and :func:`fit` returns ``"preempted"``: launch/pretrain.py then exits with code 75
 (``mpcore.processes``; rerunning the same command resumes from ``latest``). Under a bare
 torchrun the launcher catches SIGTERM itself and exits 1; ``python -m mpcore.torchrun`` passes
@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
 # Signals that stop the run at the next step boundary after a save (module docstring).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# One Ctrl-C reaches a worker twice under a launcher (from the terminal, then forwarded by
+# torchrun or mpcore.torchrun, milliseconds apart): SIGINTs closer than this are one Ctrl-C.
+SAME_CTRL_C_S = 2.0
 
 
 class TrainingDiverged(RuntimeError):
@@ -97,6 +100,7 @@ class Trainer:
         self._fingerprint: dict | None = None
         self.stop_requested = False
         self.stop_signal: str | None = None  # the first stop signal received here
+        self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
         self.shifter = LabelShifter()
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
@@ -237,8 +241,12 @@ class Trainer:
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if name == "SIGINT" and self.stop_signal == "SIGINT":
+        now = time.monotonic()
+        if name == "SIGINT" and self._first_sigint is not None and (
+                now - self._first_sigint > SAME_CTRL_C_S):
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+        if name == "SIGINT" and self._first_sigint is None:
+            self._first_sigint = now
         self.stop_requested = True
         self.stop_signal = self.stop_signal or name
 
