@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
             return 0
         store = init_distributed(cfg.parallel.init_timeout_s)
         source = f"{args.config}" + (f" + {args.overrides}" if args.overrides else "")
-        result = train(cfg, source=source)
+        result = train(cfg, source=source, store=store)
     except ValueError as e:
         report_user_error(str(e), store)
         return EXIT_USER_ERROR

@@ -60,6 +60,7 @@ from mpcore.optim import lr_at, set_lr
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import claim_run_dir, rewrite_metrics
+from mpcore.watchdog import StepWatchdog
 from parallel import LabelShifter, global_valid_count
 from parallel.loss import sum_over_group
 
@@ -89,12 +90,18 @@ class FitResult:
 class Trainer:
     """Runs :class:`mpcore.build.Run`'s model to ``training.max_steps`` (module docstring).
 
-    ``checkpoint_hook(stage, path)`` is passed to ``save_checkpoint`` (tests simulate crashes).
+    ``checkpoint_hook(stage, path)`` is passed to ``save_checkpoint`` (tests simulate crashes);
+    ``step_hook(step)`` is called at the start of each step (tests make a rank hang there).
+    ``store``: the rendezvous store, where the step watchdog publishes progress
+    (``mpcore.watchdog``; None: it names only this rank).
     """
 
-    def __init__(self, run: Run, checkpoint_hook=None):
+    def __init__(self, run: Run, checkpoint_hook=None, step_hook=None,
+                 store: dist.Store | None = None):
         self.run, self.cfg = run, run.cfg
-        self.checkpoint_hook = checkpoint_hook
+        self.checkpoint_hook, self.step_hook = checkpoint_hook, step_hook
+        self.watchdog = StepWatchdog(self.cfg.parallel.step_timeout_s, store, run.state.rank,
+                                     run.state.world_size)
         self.step = 0
         self.bad_steps = self.consecutive_bad = 0
         self._fingerprint: dict | None = None
@@ -211,8 +218,14 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step; returns (global loss, global grad norm) as Python floats."""
-        run = self.run
-        loss = self._forward_backward(run.loader.next_step())
+        run, beat = self.run, self.watchdog.beat
+        beat(self.step + 1, "data")
+        if self.step_hook:
+            self.step_hook(self.step + 1)
+        batches = run.loader.next_step()
+        beat(self.step + 1, "forward/backward")
+        loss = self._forward_backward(batches)
+        beat(self.step + 1, "optimizer")
         norm = run.grad_norm()
         loss_f, norm_f = float(loss), float(norm)  # CPU-GPU sync point: decides the update
         self.step += 1
@@ -229,6 +242,7 @@ class Trainer:
                             "(%d in a row, %d total)", self.step, loss_f, norm_f,
                             self.consecutive_bad, self.bad_steps)
         run.optimizer.zero_grad(set_to_none=True)
+        beat(self.step, "step end")
         return loss_f, norm_f
 
     # ------------------------------------------------------------------ the loop
@@ -252,7 +266,9 @@ class Trainer:
 
     def _save_and_report(self) -> None:
         start = time.perf_counter()
+        self.watchdog.beat(self.step, "save")
         path = self.save()
+        self.watchdog.beat(self.step, "step end")
         if path is not None and self.run.state.rank == 0:
             log.info("saved checkpoint %s (%.1f s)", path, time.perf_counter() - start)
 
@@ -297,6 +313,7 @@ class Trainer:
         previous = [signal.signal(sig, self._on_signal) for sig in stops] if main else None
         every, eval_every = cfg.checkpoint.every, cfg.training.eval_every
         clock = Clock(self.step, cfg.training.max_steps)
+        self.watchdog.start(self.step)
         try:
             last_time, last_step = time.perf_counter(), self.step
             while self.step < cfg.training.max_steps:
@@ -310,7 +327,9 @@ class Trainer:
                 valid = None
                 if eval_every and run.valid_loader is not None and (
                         self.step % eval_every == 0 or done):
+                    self.watchdog.beat(self.step, "validation")
                     valid = validation_loss(run, self.shifter)
+                    self.watchdog.beat(self.step, "step end")
                 if (self.step % cfg.logging.log_every == 0 or done or self.step == 1
                         or valid is not None):
                     now = time.perf_counter()
@@ -333,6 +352,7 @@ class Trainer:
                                     self.step, latest_checkpoint(cfg.checkpoint_dir))
                     break
         finally:
+            self.watchdog.stop()
             if main:
                 for sig, handler in zip(stops, previous, strict=True):
                     signal.signal(sig, handler)
@@ -361,7 +381,7 @@ class Trainer:
 
 
 def train(cfg: Config, source: str = "the config", loader=None,
-          checkpoint_hook=None) -> FitResult:
+          checkpoint_hook=None, step_hook=None, store: dist.Store | None = None) -> FitResult:
     """setup -> build -> resume -> fit; writes ``RUN_DIR/config.yaml`` (the resolved config).
 
     Rank 0 holds the run folder's lock throughout (``mpcore.rundir``); ``metrics.jsonl`` is cut
@@ -371,7 +391,8 @@ def train(cfg: Config, source: str = "the config", loader=None,
     try:
         device = resolve_device(cfg)
         run = build(cfg, state, device, loader=loader)
-        trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
+        trainer = Trainer(run, checkpoint_hook=checkpoint_hook, step_hook=step_hook,
+                          store=store)
         if state.rank == 0:
             save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
             log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))
