@@ -6,7 +6,8 @@ Layout of ``ROOT`` (``checkpoint.dir``):
     ROOT/step-N/meta.json       step, data position, layout, config, data fingerprint
     ROOT/step-N/manifest.json   size and sha256 of every file above (``mpcore.manifest``)
     ROOT/latest                 text file "step-N": the newest checkpoint saved
-    ROOT/tmp-step-N/            a save in progress (or one killed mid-save: ignored, then removed)
+    ROOT/tmp-step-N/            a save in progress (one killed mid-save: ignored, removed at the
+                                next start; one out of space: removed at once)
     ROOT/bad-step-N/            a checkpoint that failed verification, moved aside on resume
 
 Save: everything goes into ``tmp-step-N``; each rank hashes (and fsyncs) the ``.distcp`` files
@@ -50,6 +51,7 @@ from mpcore import atomic
 from mpcore.atomic import fsync_dir
 from mpcore.manifest import MANIFEST, check_files, file_entry, read_manifest
 from mpcore.manifest import write_manifest as _write_manifest
+from mpcore.save_errors import folder_bytes, human, mount_of, no_space_message, out_of_space
 
 log = logging.getLogger(__name__)
 META = "meta.json"
@@ -58,7 +60,8 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(ValueError):
-    """Step folders exist but none verifies and loads: the run refuses to start over."""
+    """Step folders exist but none verifies and loads (the run refuses to start over), or a
+    save found no space left; the message says what to change."""
 
 
 def _barrier() -> None:
@@ -205,44 +208,99 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
     ``"meta"`` (DCP files and meta.json written), ``"written"`` (manifest written, not yet
     renamed), ``"renamed"`` and ``"latest"`` (pointer replaced, nothing pruned yet); tests use
     it to kill the process at each point.
+
+    A failure on any rank fails the save on every rank (no rank waits for another forever);
+    the temporary folder is removed at once. Out of space (``mpcore.save_errors``) raises
+    :class:`CheckpointError` saying where, how much a save needs and what to change; any other
+    failure raises ``RuntimeError`` naming the rank and the error.
     """
     root = Path(root)
     tmp, final = root / f"tmp-step-{step}", step_dir(root, step)
+    previous = latest_checkpoint(root) if rank == 0 else None
+    failure = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        if hook:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            failure = _failed(e, 0)
+        if hook and failure is None:
             hook("begin", tmp)
-    _barrier()
-    # Returns once the coordinator (rank 0) wrote .metadata, i.e. after every rank's data.
-    with _single_process_quiet():
-        dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    # Each rank hashes (and syncs) only the files it wrote (module docstring).
-    mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
-    entries = _all_gather(mine)
-    if rank == 0:
-        atomic.write_text(tmp / META, json.dumps(meta, indent=1))
-        if hook:
-            hook("meta", tmp)
-        files = {name: entry for part in entries for name, entry in part.items()}
-        for path in sorted(tmp.iterdir()):  # .metadata, meta.json, anything no rank claimed
-            if path.is_file() and path.name not in files:
-                files[path.name] = file_entry(path)
-        _write_manifest(tmp, files)
-        fsync_dir(tmp)
-        if hook:
-            hook("written", tmp)
-        _rename_into_place(root, tmp, final)
-        if hook:
-            hook("renamed", final)
-        atomic.write_text(root / LATEST, final.name + "\n")
-        fsync_dir(root)
-        if hook:
-            hook("latest", final)
-        _prune(root, keep_last, keep=final)
-    _barrier()
+    failure = from_rank0(failure)  # also the barrier before every rank writes
+    mine, nbytes = {}, sum(t.numel() * t.element_size() for t in tensors.values())
+    if failure is None:
+        try:
+            # Returns once the coordinator (rank 0) wrote .metadata, i.e. after every rank's
+            # data; each rank then hashes (and syncs) only the files it wrote (module docstring).
+            with _single_process_quiet():
+                dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+        except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
+            failure = _failed(e, rank)
+    gathered = _all_gather((mine, nbytes, failure))
+    failure = next((f for _, _, f in gathered if f), None)
+    if rank == 0 and failure is None:
+        try:
+            _commit(root, tmp, final, meta, [m for m, _, _ in gathered], keep_last, hook)
+        except OSError as e:
+            failure = _failed(e, 0)
+    failure = from_rank0(failure)  # the barrier after rank 0 committed
+    if failure is not None:
+        _give_up(root, tmp, step, keep_last, failure, sum(n for _, n, _ in gathered), previous,
+                 rank)
     return final
+
+
+def _failed(exc: BaseException, rank: int) -> tuple[bool, str]:
+    """(out of space?, one line naming the rank and the error) of a save's failure."""
+    text = str(exc).strip().splitlines()
+    return out_of_space(exc), f"rank {rank}: {type(exc).__name__}: {text[-1] if text else ''}"
+
+
+def _commit(root: Path, tmp: Path, final: Path, meta: dict, entries: list[dict],
+            keep_last: int, hook) -> None:
+    """Rank 0: meta.json, the manifest, rename into place, the pointer, rotation."""
+    atomic.write_text(tmp / META, json.dumps(meta, indent=1))
+    if hook:
+        hook("meta", tmp)
+    files = {name: entry for part in entries for name, entry in part.items()}
+    for path in sorted(tmp.iterdir()):  # .metadata, meta.json, anything no rank claimed
+        if path.is_file() and path.name not in files:
+            files[path.name] = file_entry(path)
+    _write_manifest(tmp, files)
+    fsync_dir(tmp)
+    if hook:
+        hook("written", tmp)
+    _rename_into_place(root, tmp, final)
+    if hook:
+        hook("renamed", final)
+    atomic.write_text(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    if hook:
+        hook("latest", final)
+    _prune(root, keep_last, keep=final)
+
+
+def _give_up(root: Path, tmp: Path, step: int, keep_last: int, failure: tuple[bool, str],
+             total_bytes: int, previous: Path | None, rank: int) -> None:
+    """Remove the partial save (rank 0) and raise the save's error on every rank."""
+    full, line = failure
+    message = None
+    if rank == 0:
+        if previous is not None and previous.is_dir():
+            size, basis = folder_bytes(previous), f"the size of {previous.name}"
+        else:
+            size, basis = total_bytes, "the tensors this save wrote"
+        full = full or shutil.disk_usage(mount_of(root)).free < size
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            message = no_space_message(root, step, keep_last, size, basis, previous)
+    message = from_rank0(message)
+    if message:
+        raise CheckpointError(message)
+    raise RuntimeError(f"saving checkpoint step {step} in {root} failed ({line}); the partial "
+                       f"save was removed, the newest checkpoint is intact")
 
 
 def _rename_into_place(root: Path, tmp: Path, final: Path) -> None:
@@ -285,6 +343,17 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_partial_saves(root: Path) -> None:
+    """Delete ``tmp-step-N`` folders: saves that never finished (killed, or out of space), which
+    are never loaded and may hold most of a checkpoint's bytes."""
+    if not root.is_dir():
+        return
+    for folder in sorted(root.glob("tmp-step-*")):
+        size = folder_bytes(folder) if folder.is_dir() else 0
+        shutil.rmtree(folder, ignore_errors=True)
+        log.info("removed %s: a save that did not finish (%s)", folder, human(size))
+
+
 def _move_aside(folder: Path) -> Path:
     """Rename a checkpoint that failed to ``bad-step-N`` (kept for inspection, never loaded)."""
     target = folder.with_name(f"bad-{folder.name}")
@@ -315,6 +384,7 @@ def resume_newest(root: str | Path, load: Callable[[Path, dict], None], *, rank:
     root = Path(root)
     if rank == 0 and only is None:
         _pointer(root)  # reports a damaged pointer
+        remove_partial_saves(root)
     candidates = from_rank0([only] if only else step_folders(root)[::-1])
     failed: list[tuple[Path, list[str]]] = []
     for folder in candidates:

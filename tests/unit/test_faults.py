@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from test_checkpoint_safety import ENV, REPO, STEPS, data_dir, overrides_for, rows  # noqa: F401
 
-from mpcore.processes import EXIT_PREEMPTED
+from mpcore.checkpoint import verify_checkpoint
+from mpcore.processes import EXIT_PREEMPTED, EXIT_USER_ERROR
+from mpcore.save_errors import folder_bytes, human
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
 
@@ -70,3 +72,61 @@ def test_sigusr1_saves_exits_75_and_resumes_bit_identical(tmp_path, data_dir):  
     got, want = rows(run_dir), rows(tmp_path / "reference")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs mounted at a fresh folder (root only); yields a function that (re)sizes it."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+
+    def size(num_bytes: int, remount: bool = False) -> Path:
+        options = f"{'remount,' if remount else ''}size={num_bytes}"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.strip()}")
+        return mnt
+
+    yield size
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_save_says_so_and_the_rerun_resumes(tmp_path, data_dir,  # noqa: F811
+                                                               small_disk):
+    """A real filesystem that fills up: room for 1.5 checkpoints, so the second save fails.
+    The error names the filesystem and what a save needs; the partial save is removed; the
+    previous checkpoint verifies; with room again, the rerun continues the curve exactly."""
+    args = ["checkpoint.every=2", "checkpoint.keep_last=2", "model.num_layers=1"]
+    reference = tmp_path / "reference"
+    done = pretrain(overrides_for(reference, data_dir, *args))
+    assert done.returncode == 0, done.stderr[-3000:]
+    size = folder_bytes(reference / "checkpoints" / "step-8")  # each save is the same size
+    disk = small_disk(int(size * 1.5))
+    root = disk / "ckpt"
+    run_dir = tmp_path / "run"
+    full = pretrain(overrides_for(run_dir, data_dir, *args, f"checkpoint.dir={root}"))
+    assert full.returncode == EXIT_USER_ERROR, full.stderr[-3000:]
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert errors[0].startswith(f"error: no space left on {disk} (checkpoint.dir {root}) while "
+                                f"saving step 4: one checkpoint takes about "), errors[0]
+    assert (f"checkpoint.keep_last=2 the folder holds up to 3 of them during a save ("
+            f"{human(3 * size)})") in errors[0]
+    assert f"the newest checkpoint, {root / 'step-2'}, is intact" in errors[0]
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "latest", "step-2"]  # no tmp-step-4
+    assert verify_checkpoint(root / "step-2") == []
+    small_disk(size * 10, remount=True)
+    (root / "tmp-step-6").mkdir()  # as a save killed mid-way leaves it
+    (root / "tmp-step-6" / "__0_0.distcp").write_bytes(b"\0" * 1000)
+    again = pretrain(overrides_for(run_dir, data_dir, *args, f"checkpoint.dir={root}",
+                                   "checkpoint.every=0"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"removed {root / 'tmp-step-6'}: a save that did not finish" in again.stderr
+    assert not (root / "tmp-step-6").exists()
+    assert f"resumed from {root / 'step-2'}" in again.stderr
+    got, want = rows(run_dir), rows(reference)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    print(errors[0])
