@@ -49,7 +49,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mpcore import atomic
 from mpcore.atomic import fsync_dir
-from mpcore.manifest import MANIFEST, check_files, file_entry, read_manifest
+from mpcore.manifest import FORMAT as MANIFEST_FORMAT
+from mpcore.manifest import MANIFEST, READ_ATTEMPTS, check_files, file_entry, read_manifest
 from mpcore.manifest import write_manifest as _write_manifest
 from mpcore.save_errors import folder_bytes, human, mount_of, no_space_message, out_of_space
 
@@ -106,12 +107,24 @@ def _complete(folder: Path) -> bool:
 
 
 def _legacy(folder: Path) -> bool:
-    """A ``step-N`` folder without a manifest but with ``.metadata`` and ``meta.json``: saved
-    by an mpcore from before manifests (it renamed its folders into place only once whole, so
-    the name alone says it finished). Saves now write the manifest before that rename, so
-    such a folder is never a save of this version cut short."""
+    """A ``step-N`` folder without a manifest but with ``.metadata`` and a ``meta.json`` that
+    does not record a manifest: saved by an mpcore from before manifests (it renamed its
+    folders into place only once whole, so the name alone says it finished). Saves now write
+    the manifest before that rename, and meta.json says so (:func:`_wrote_manifest`), so a
+    folder whose manifest is lost is damaged, not legacy."""
     return (not (folder / MANIFEST).exists() and (folder / ".metadata").is_file()
-            and (folder / META).is_file())
+            and (folder / META).is_file() and not _wrote_manifest(folder))
+
+
+def _wrote_manifest(folder: Path) -> bool:
+    """meta.json says its save wrote a manifest: the key ``manifest`` (written by this
+    module), or ``data_fingerprint`` (every mpcore that wrote manifests also wrote that, and
+    none before it did). An unreadable meta.json counts as yes: nothing vouches for it."""
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return True
+    return not isinstance(meta, dict) or "manifest" in meta or "data_fingerprint" in meta
 
 
 def step_folders(root: str | Path) -> list[Path]:
@@ -189,14 +202,40 @@ def verify_checkpoint(folder: str | Path, rank: int = 0, world: int = 1) -> list
         return []
     files, why = read_manifest(folder)
     if files is None:
+        if not (folder / MANIFEST).exists() and (folder / META).is_file():
+            why = (f"no {MANIFEST}, although {META} records that its save wrote one: the "
+                   f"manifest was lost, so nothing vouches for the other files")
         return [why]
-    lacking = [n for n in (".metadata", META) if n not in files]
     names = sorted(files)
-    problems = [p for part in _all_gather(check_files(folder, files, names[rank::world]))
-                for p in part]
-    if lacking:
-        problems.append(f"{folder / MANIFEST} lists no {' or '.join(lacking)}")
-    return problems
+    parts = _all_gather(check_files(folder, files, names[rank::world]))
+    unreadable = [u for _, part in parts for u in part]
+    if unreadable:
+        raise CheckpointError(
+            f"cannot read checkpoint {folder} (after {READ_ATTEMPTS} attempts): "
+            f"{'; '.join(unreadable[:4])}. A read error is not damage: the checkpoint is left "
+            f"as it is. Check the filesystem (dmesg, the mount) and the files' permissions, "
+            f"then rerun; to use an older checkpoint instead, move this folder away")
+    problems = [p for part, _ in parts for p in part]
+    return problems or _unlisted(folder, files)
+
+
+def _unlisted(folder: Path, files: dict[str, dict]) -> list[str]:
+    """Files that loading reads but the manifest does not vouch for: any file of the folder,
+    every file ``.metadata`` names (call only once the listed files verified)."""
+    problems = [f"{folder / n} is not listed in {MANIFEST}" for n in (".metadata", META)
+                if n not in files]
+    on_disk = {p.name for p in folder.iterdir() if p.is_file()} - {MANIFEST}
+    problems += [f"{folder / n} is in the folder but not in {MANIFEST} (the save did not "
+                 f"write it)" for n in sorted(on_disk - set(files))]
+    if problems:
+        return problems
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        read = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    except Exception as e:  # a .metadata that verified but does not parse: damaged when saved
+        return [f"{folder / '.metadata'} cannot be parsed ({type(e).__name__}: {e})"]
+    return [f"{folder / n} is read by .metadata but not listed in {MANIFEST}"
+            for n in sorted(read - set(files))]
 
 
 def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
@@ -261,7 +300,8 @@ def _failed(exc: BaseException, rank: int) -> tuple[bool, str]:
 def _commit(root: Path, tmp: Path, final: Path, meta: dict, entries: list[dict],
             keep_last: int, hook) -> None:
     """Rank 0: meta.json, the manifest, rename into place, the pointer, rotation."""
-    atomic.write_text(tmp / META, json.dumps(meta, indent=1))
+    # "manifest": this folder had one, so without it the folder is damaged (_legacy).
+    atomic.write_text(tmp / META, json.dumps({**meta, "manifest": MANIFEST_FORMAT}, indent=1))
     if hook:
         hook("meta", tmp)
     files = {name: entry for part in entries for name, entry in part.items()}

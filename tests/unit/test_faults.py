@@ -5,6 +5,7 @@ a small filesystem, a file that cannot be read) and checks that the rerun resume
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -13,13 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_checkpoint_safety import ENV, REPO, STEPS, data_dir, overrides_for, rows  # noqa: F401
+import test_checkpoint_safety as safety
+from test_checkpoint_safety import ENV, REPO, STEPS, flip, overrides_for, rows, tiny
 
 from mpcore.checkpoint import verify_checkpoint
 from mpcore.processes import EXIT_PREEMPTED, EXIT_USER_ERROR
 from mpcore.save_errors import folder_bytes, human
+from mpcore.train import train
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
+# The fixtures of test_checkpoint_safety: the prepared corpus, an 8-step base run, its copy.
+data_dir, base, copy = safety.data_dir, safety.base, safety.copy
 
 
 def last_step(run_dir: Path) -> int:
@@ -52,7 +57,7 @@ def pretrain(overrides: list[str], *, signal_at: tuple[int, int] | None = None,
 
 
 @pytest.mark.slow
-def test_sigusr1_saves_exits_75_and_resumes_bit_identical(tmp_path, data_dir):  # noqa: F811
+def test_sigusr1_saves_exits_75_and_resumes_bit_identical(tmp_path, data_dir):
     """What ``sbatch --signal=USR1@120`` does: SIGUSR1 to the training process. It saves at
     the next step boundary and exits 75; the rerun continues the uninterrupted curve exactly."""
     args = ["checkpoint.every=0", "model.num_layers=1"]
@@ -93,7 +98,7 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_full_during_a_save_says_so_and_the_rerun_resumes(tmp_path, data_dir,  # noqa: F811
+def test_disk_full_during_a_save_says_so_and_the_rerun_resumes(tmp_path, data_dir,
                                                                small_disk):
     """A real filesystem that fills up: room for 1.5 checkpoints, so the second save fails.
     The error names the filesystem and what a save needs; the partial save is removed; the
@@ -130,3 +135,88 @@ def test_disk_full_during_a_save_says_so_and_the_rerun_resumes(tmp_path, data_di
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     print(errors[0])
+
+
+# ---------------------------------------------------------------- verified means verified
+def _rewrite_manifest(folder: Path, drop: str) -> None:
+    """The manifest of ``folder`` without ``drop``'s entry (as a buggy or tampered save)."""
+    body = json.loads((folder / "manifest.json").read_text())
+    del body["files"][drop]
+    (folder / "manifest.json").write_text(json.dumps(body))
+
+
+def test_lost_manifest_is_damage_not_a_checkpoint_from_before_manifests(copy, data_dir, base,
+                                                                        caplog):
+    step8 = copy / "checkpoints" / "step-8"
+    (step8 / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        result = train(tiny(copy, data_dir))
+    assert result.losses == base[1][6:]  # resumed from step-6, the curve exactly
+    assert (f"checkpoint {step8} cannot be used: no manifest.json, although meta.json records "
+            f"that its save wrote one") in caplog.text
+    assert (copy / "checkpoints" / "bad-step-8").is_dir() and "cannot be verified" not in (
+        caplog.text)
+
+
+@pytest.mark.parametrize("how", ["unlisted and damaged", "unlisted and gone"])
+def test_a_file_loading_reads_must_be_in_the_manifest(copy, data_dir, base, caplog,
+                                                      how):
+    step8 = copy / "checkpoints" / "step-8"
+    _rewrite_manifest(step8, "__0_0.distcp")
+    if how == "unlisted and damaged":  # what loading would otherwise read unchecked
+        flip(step8 / "__0_0.distcp")
+        why = f"{step8 / '__0_0.distcp'} is in the folder but not in manifest.json"
+    else:
+        (step8 / "__0_0.distcp").unlink()
+        why = f"{step8 / '__0_0.distcp'} is read by .metadata but not listed in manifest.json"
+    with caplog.at_level(logging.WARNING):
+        result = train(tiny(copy, data_dir))
+    assert result.losses == base[1][6:]
+    assert f"checkpoint {step8} cannot be used: {why}" in caplog.text
+
+
+NO_DAC = """import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+assert libc.capget(ctypes.byref(header), data) == 0
+data[0].effective &= ~((1 << 1) | (1 << 2))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+from mpcore.config import load_config
+from mpcore.train import train
+try:
+    train(load_config(None, json.loads(sys.argv[1])))
+except ValueError as e:
+    print("ValueError:", e)
+    sys.exit(2)
+"""
+
+
+def test_unreadable_file_stops_the_run_and_keeps_the_checkpoint(copy, data_dir, base,
+                                                                tmp_path):
+    """A real EACCES: a root-owned file with mode 000, read by a process without root's
+    permission override (CAP_DAC_OVERRIDE dropped). The run retries, then stops naming the
+    file; the checkpoint is NOT moved to bad-step-8 (on main it was, and the run silently fell
+    back to step-6); with the permission back it resumes from step-8."""
+    script = tmp_path / "no_dac.py"
+    script.write_text(NO_DAC)
+    victim = copy / "checkpoints" / "step-8" / "__0_0.distcp"
+    victim.chmod(0)
+    try:
+        done = subprocess.run([sys.executable, str(script), json.dumps(
+            overrides_for(copy, data_dir, "training.max_steps=10"))], cwd=REPO, env=ENV,
+            capture_output=True, text=True, timeout=240)
+    finally:
+        victim.chmod(0o644)
+    if "capset" in done.stderr or "AssertionError" in done.stderr:
+        pytest.skip(f"cannot drop CAP_DAC_OVERRIDE here: {done.stderr[-300:]}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (f"ValueError: cannot read checkpoint {victim.parent} (after 3 attempts): {victim}: "
+            f"PermissionError: Permission denied. A read error is not damage") in done.stdout
+    assert sorted(p.name for p in (copy / "checkpoints").glob("*step-*")) == ["step-6", "step-8"]
+    result = train(tiny(copy, data_dir, "training.max_steps=10", "schedule.total_steps=8"))
+    assert result.step == 10 and len(result.losses) == 2  # resumed from step-8
