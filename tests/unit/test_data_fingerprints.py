@@ -76,3 +76,38 @@ def test_vl_dataset_reprepared_with_other_images_refuses_to_resume(tmp_path, cac
         message)
     result = train(vl_tiny(run_dir, cache, f"data.vl_paths=[{moved}]", "training.max_steps=3"))
     assert result.step == 3 and len(result.losses) == 1
+
+
+def _text_tiny(run_dir: Path, cache: Path):
+    return load_config(None, [
+        "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=1",
+        "model.intermediate_size=64", f"data.cache_dir={cache}", "data.default_vocab_size=512",
+        "data.seq_len=32", "data.micro_batch=2", "training.device=cpu", "training.max_steps=2",
+        "checkpoint.every=0", f"logging.run_dir={run_dir}"])
+
+
+@pytest.mark.parametrize("damage", ["flipped .bin", "truncated .idx", "other tokenizer"])
+def test_damaged_text_cache_is_rebuilt_before_a_fresh_run(tmp_path, cache, caplog, damage):
+    """The stamp matches, the files are there, but their bytes changed since they were prepared:
+    the run rebuilds them (naming the file) and trains on the real corpus, the same losses as on
+    an intact cache. Before, it trained on the damaged bytes (or failed far from the cause)."""
+    reference = train(_text_tiny(tmp_path / "reference", cache)).losses
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    stem = copy / "default_v512"
+    victim = {"flipped .bin": stem.with_suffix(".bin"), "truncated .idx": stem.with_suffix(".idx"),
+              "other tokenizer": stem.with_suffix(".model")}[damage]
+    original = victim.read_bytes()
+    if damage == "flipped .bin":
+        victim.write_bytes(original[:100] + bytes(b ^ 0x5A for b in original[100:4100])
+                           + original[4100:])
+    elif damage == "truncated .idx":
+        victim.write_bytes(original[:-16])
+    else:
+        prepare_default(tmp_path / "other", 520)
+        shutil.copy(tmp_path / "other" / "default_v520.model", victim)
+    with caplog.at_level(logging.WARNING):
+        losses = train(_text_tiny(tmp_path / "run", copy)).losses
+    assert (f"the prepared default corpus in {copy} is damaged ({victim} does not match the "
+            f"sha256 recorded when it was prepared); preparing it again") in caplog.text
+    assert victim.read_bytes() == original and losses == reference
