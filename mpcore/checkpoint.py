@@ -49,10 +49,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mpcore import atomic
 from mpcore.atomic import fsync_dir
+from mpcore.io_errors import (
+    folder_bytes,
+    human,
+    mount_of,
+    no_space_message,
+    out_of_space,
+    read_error,
+)
 from mpcore.manifest import FORMAT as MANIFEST_FORMAT
 from mpcore.manifest import MANIFEST, READ_ATTEMPTS, check_files, file_entry, read_manifest
 from mpcore.manifest import write_manifest as _write_manifest
-from mpcore.save_errors import folder_bytes, human, mount_of, no_space_message, out_of_space
 
 log = logging.getLogger(__name__)
 META = "meta.json"
@@ -249,7 +256,7 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
     it to kill the process at each point.
 
     A failure on any rank fails the save on every rank (no rank waits for another forever);
-    the temporary folder is removed at once. Out of space (``mpcore.save_errors``) raises
+    the temporary folder is removed at once. Out of space (``mpcore.io_errors``) raises
     :class:`CheckpointError` saying where, how much a save needs and what to change; any other
     failure raises ``RuntimeError`` naming the rank and the error.
     """
@@ -437,12 +444,21 @@ def resume_newest(root: str | Path, load: Callable[[Path, dict], None], *, rank:
                 problems = [str(e)]
         if not problems:
             problem = None
+            unreadable = None
             try:
                 load(folder, meta)
             except ValueError:
                 raise
             except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
                 problem = f"loading failed: {type(e).__name__}: {str(e).strip()[:400]}"
+                cause = read_error(e)
+                unreadable = f"{cause.filename or folder}: {cause.strerror}" if cause else None
+            unreadable = _agreed_failure(unreadable)
+            if unreadable:  # the storage failed, not the checkpoint: never set it aside
+                raise CheckpointError(
+                    f"cannot read checkpoint {folder} while loading it ({unreadable}). A read "
+                    f"error is not damage: the checkpoint is left as it is. Check the "
+                    f"filesystem and permissions, then rerun")
             problem = _agreed_failure(problem)
             problems = [problem] if problem else []
         if not problems:

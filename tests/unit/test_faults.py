@@ -4,6 +4,7 @@ a small filesystem, a file that cannot be read) and checks that the rerun resume
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import signal
@@ -17,9 +18,9 @@ import pytest
 import test_checkpoint_safety as safety
 from test_checkpoint_safety import ENV, REPO, STEPS, flip, overrides_for, rows, tiny
 
-from mpcore.checkpoint import verify_checkpoint
+from mpcore.checkpoint import CheckpointError, resume_newest, verify_checkpoint
+from mpcore.io_errors import folder_bytes, human
 from mpcore.processes import EXIT_PREEMPTED, EXIT_USER_ERROR
-from mpcore.save_errors import folder_bytes, human
 from mpcore.train import train
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
@@ -220,3 +221,18 @@ def test_unreadable_file_stops_the_run_and_keeps_the_checkpoint(copy, data_dir, 
     assert sorted(p.name for p in (copy / "checkpoints").glob("*step-*")) == ["step-6", "step-8"]
     result = train(tiny(copy, data_dir, "training.max_steps=10", "schedule.total_steps=8"))
     assert result.step == 10 and len(result.losses) == 2  # resumed from step-8
+
+
+def test_read_error_while_loading_stops_and_keeps_the_checkpoint(copy):
+    """Injected (a load callable that raises EIO, as dcp.load does when the storage fails after
+    the manifest verified): the run stops naming the file; nothing is moved to bad-step-N."""
+    root = copy / "checkpoints"
+    victim = root / "step-8" / "__0_0.distcp"
+
+    def load(folder, meta):
+        raise OSError(errno.EIO, "Input/output error", str(victim))
+
+    with pytest.raises(CheckpointError, match=rf"cannot read checkpoint {root / 'step-8'} while "
+                                              rf"loading it \({victim}: Input/output error\)"):
+        resume_newest(root, load)
+    assert sorted(p.name for p in root.glob("*step-*")) == ["step-6", "step-8"]

@@ -1,4 +1,5 @@
-"""A checkpoint save that failed: was it the disk filling up, and what would a save need?
+"""I/O failures of checkpoints: a save that filled the disk (and what a save needs), a load
+that could not read a file (not damage).
 
 A save writes a whole new checkpoint before rotation deletes the oldest, so ``checkpoint.dir``
 holds up to ``keep_last + 1`` checkpoints during a save. When the filesystem fills up midway,
@@ -38,6 +39,17 @@ def out_of_space(exc: BaseException) -> bool:
     """True when ``exc`` (or anything in its chain or DCP failure list) says the disk is full."""
     return any(getattr(e, "errno", None) in FULL_ERRNOS or any(t in str(e) for t in _FULL_TEXT)
                for e in _chain(exc))
+
+
+READ_ERRNOS = (errno.EIO, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
+               errno.ENXIO, errno.ENOLINK)
+
+
+def read_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` in ``exc``'s chain that says a file could not be read (EIO, EACCES, a
+    stale network handle, ...), or None: such a failure is the storage's, not damage."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in READ_ERRNOS),
+                None)
 
 
 def mount_of(path: Path) -> Path:
