@@ -34,6 +34,7 @@ name; each rank passes the keys it owns (DCP writes each key from the rank that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -260,6 +261,42 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
     :class:`CheckpointError` saying where, how much a save needs and what to change; any other
     failure raises ``RuntimeError`` naming the rank and the error.
     """
+    save = begin_save(root, step, meta, keep_last=keep_last, rank=rank, hook=hook)
+    mine, failure = {}, save.failure
+    if failure is None:
+        try:
+            with _single_process_quiet():
+                dcp.save(tensors, checkpoint_id=save.tmp, no_dist=not dist.is_initialized())
+            mine = own_entries(save.tmp, rank)
+        except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
+            failure = _failed(e, rank)
+    return finish_save(save, mine, _nbytes(tensors), failure)
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A save between :func:`begin_save` and :func:`finish_save` (its DCP files may be being
+    written in the background: ``mpcore.checkpoint_async``)."""
+
+    root: Path
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict
+    keep_last: int
+    rank: int
+    hook: Callable[[str, Path], None] | None
+    previous: Path | None  # the newest complete checkpoint before this save (rank 0)
+    failure: tuple[bool, str] | None  # from the temporary folder's creation
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def begin_save(root: str | Path, step: int, meta: dict, *, keep_last: int, rank: int,
+               hook=None) -> PendingSave:
+    """Rank 0 makes the empty ``tmp-step-N``; every rank then may write into it. Collective."""
     root = Path(root)
     tmp, final = root / f"tmp-step-{step}", step_dir(root, step)
     previous = latest_checkpoint(root) if rank == 0 else None
@@ -274,28 +311,33 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
         if hook and failure is None:
             hook("begin", tmp)
     failure = from_rank0(failure)  # also the barrier before every rank writes
-    mine, nbytes = {}, sum(t.numel() * t.element_size() for t in tensors.values())
-    if failure is None:
-        try:
-            # Returns once the coordinator (rank 0) wrote .metadata, i.e. after every rank's
-            # data; each rank then hashes (and syncs) only the files it wrote (module docstring).
-            with _single_process_quiet():
-                dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-            mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
-        except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
-            failure = _failed(e, rank)
+    return PendingSave(root, step, tmp, final, meta, keep_last, rank, hook, previous, failure)
+
+
+def own_entries(tmp: Path, rank: int) -> dict[str, dict]:
+    """Manifest entries of the ``.distcp`` files this rank wrote (hashed and synced): each
+    rank reads only its own share (module docstring)."""
+    return {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+
+
+def finish_save(save: PendingSave, mine: dict[str, dict], nbytes: int,
+                failure: tuple[bool, str] | None) -> Path:
+    """Every rank's entries to rank 0, which commits (meta, manifest, rename, pointer,
+    rotation); or, when any rank failed, the partial save is removed and every rank raises
+    (:func:`save_checkpoint`). Collective."""
     gathered = _all_gather((mine, nbytes, failure))
     failure = next((f for _, _, f in gathered if f), None)
-    if rank == 0 and failure is None:
+    if save.rank == 0 and failure is None:
         try:
-            _commit(root, tmp, final, meta, [m for m, _, _ in gathered], keep_last, hook)
+            _commit(save.root, save.tmp, save.final, save.meta, [m for m, _, _ in gathered],
+                    save.keep_last, save.hook)
         except OSError as e:
             failure = _failed(e, 0)
     failure = from_rank0(failure)  # the barrier after rank 0 committed
     if failure is not None:
-        _give_up(root, tmp, step, keep_last, failure, sum(n for _, n, _ in gathered), previous,
-                 rank)
-    return final
+        _give_up(save.root, save.tmp, save.step, save.keep_last, failure,
+                 sum(n for _, n, _ in gathered), save.previous, save.rank)
+    return save.final
 
 
 def _failed(exc: BaseException, rank: int) -> tuple[bool, str]:

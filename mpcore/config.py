@@ -312,6 +312,12 @@ class CheckpointSection:
     overwrite: bool = False
     """Start over in a folder that holds an earlier run: delete DIR's checkpoints and
     RUN_DIR/metrics.jsonl first. Needs resume=false (it never resumes)."""
+    async_save: bool = False
+    """Write periodic checkpoints in the background (mpcore.checkpoint_async): the step that
+    saves only copies this rank's share to host memory, training goes on during the write,
+    and the checkpoint is renamed into place (manifest, rotation) at a later step boundary
+    once every rank's files are written. Costs host memory for one staged copy. Stop signals
+    and the last step still save blocking. (Named async_save: async is a Python keyword.)"""
     accept_changes: list[str] = field(default_factory=list)
     """Config keys allowed to differ from the resumed checkpoint's although they change the
     data order or what a step means (e.g. [data.paths] to continue on other data; the

@@ -54,6 +54,7 @@ from mpcore.checkpoint import (
     resume_newest,
     save_checkpoint,
 )
+from mpcore.checkpoint_async import AsyncSaver
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.optim import lr_at, set_lr
@@ -102,6 +103,8 @@ class Trainer:
         self.checkpoint_hook, self.step_hook = checkpoint_hook, step_hook
         self.watchdog = StepWatchdog(self.cfg.parallel.step_timeout_s, store, run.state.rank,
                                      run.state.world_size)
+        self.async_saver = (AsyncSaver(run.state.rank, run.device)
+                            if self.cfg.checkpoint.async_save else None)
         self.step = 0
         self.bad_steps = self.consecutive_bad = 0
         self._fingerprint: dict | None = None
@@ -142,11 +145,22 @@ class Trainer:
             self._fingerprint = data_fingerprint(self.cfg)
         return self._fingerprint
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path | None:
+        """Save this step; with ``background`` (and checkpoint.async_save) start the write and
+        return None (:meth:`_poll_background` commits it later). Collective."""
         tensors = self.run.train_state.collect()
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
-                               keep_last=self.cfg.checkpoint.keep_last,
-                               rank=self.run.state.rank, hook=self.checkpoint_hook)
+        args = (self.cfg.checkpoint_dir, self.step, tensors, self._meta())
+        kw = {"keep_last": self.cfg.checkpoint.keep_last, "hook": self.checkpoint_hook}
+        if self.async_saver is not None and background:
+            self.async_saver.start(*args, **kw)
+            return None
+        if self.async_saver is not None:
+            self._report_background(self.async_saver.wait())  # one save at a time
+        return save_checkpoint(*args, rank=self.run.state.rank, **kw)
+
+    def _report_background(self, path: Path | None) -> None:
+        if path is not None and self.run.state.rank == 0:
+            log.info("saved checkpoint %s (written in the background)", path)
 
     def resume(self, folder: Path | None = None) -> Path | None:
         """Load ``folder``, or the newest checkpoint of the checkpoint dir that verifies and
@@ -264,13 +278,16 @@ class Trainer:
         self.stop_requested = True
         self.stop_signal = self.stop_signal or name
 
-    def _save_and_report(self) -> None:
+    def _save_and_report(self, background: bool = False) -> None:
         start = time.perf_counter()
         self.watchdog.beat(self.step, "save")
-        path = self.save()
+        path = self.save(background)
         self.watchdog.beat(self.step, "step end")
         if path is not None and self.run.state.rank == 0:
             log.info("saved checkpoint %s (%.1f s)", path, time.perf_counter() - start)
+        elif self.run.state.rank == 0:
+            log.info("checkpoint step-%d staged in %.1f s; writing it in the background",
+                     self.step, time.perf_counter() - start)
 
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
@@ -283,7 +300,7 @@ class Trainer:
                 f"{self.cfg.training.max_bad_steps}); {intact}. Lower optimizer.lr, check the "
                 f"data, or raise training.max_bad_steps, then rerun to resume")
 
-    def _save_unless_streak(self, stop: bool) -> None:
+    def _save_unless_streak(self, stop: bool, background: bool = False) -> None:
         """Save, but not periodically inside a non-finite streak: rotation would delete the
         good checkpoints for ones that hold nothing new (a stop signal still saves)."""
         if self.consecutive_bad and not stop:
@@ -291,7 +308,7 @@ class Trainer:
                 log.warning("step %d: checkpoint skipped (%d non-finite steps in a row)",
                             self.step, self.consecutive_bad)
             return
-        self._save_and_report()
+        self._save_and_report(background)
 
     def fit(self) -> FitResult:
         """Train from the current step (after :meth:`resume`) to ``training.max_steps``."""
@@ -337,8 +354,10 @@ class Trainer:
                               valid, clock.fields(self.step))
                     last_time, last_step = time.perf_counter(), self.step
                 stop = self._agree_stop()
+                if self.async_saver is not None:
+                    self._report_background(self.async_saver.poll())
                 if stop or (every and (self.step % every == 0 or done)):
-                    self._save_unless_streak(stop)
+                    self._save_unless_streak(stop, background=not (stop or done))
                 if done and self.consecutive_bad:
                     raise TrainingDiverged(self._streak(
                         f"reached training.max_steps={cfg.training.max_steps} during a "
