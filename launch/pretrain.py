@@ -10,17 +10,20 @@ Under torchrun the process group uses NCCL on CUDA and gloo on CPU. Resumes from
 ``<checkpoint dir>/latest`` by itself, so ``torchrun --max-restarts K`` restarts a failed run
 from its last checkpoint.
 
-Ctrl-C (SIGINT) and SIGTERM stop the run at the next step boundary after saving a checkpoint
-(a second Ctrl-C stops at once, without saving). Under torchrun a worker whose launcher dies
-gets SIGTERM too (``mpcore.processes``), and errors are printed once, not once per rank.
+Ctrl-C (SIGINT), SIGTERM and SIGUSR1 (``sbatch --signal=USR1@120``) stop the run at the next
+step boundary after saving a checkpoint (a second Ctrl-C stops at once, without saving). Under
+torchrun a worker whose launcher dies gets SIGTERM too (``mpcore.processes``), and errors are
+printed once, not once per rank. ``python -m mpcore.torchrun`` (torchrun's arguments) prints
+nothing of its own after a worker's message and exits with the worker's code.
 
-Exit codes (of this process): 0 done, or stopped by SIGTERM/SIGINT after saving a checkpoint
-(rerun to resume; under torchrun the launcher itself catches SIGTERM and exits 1, so a scheduler
-sees a failed job even though the checkpoint is complete); 2 a configuration or input error (the
-message says what to fix); 3 the run diverged (training.max_bad_steps non-finite steps in a row,
-or training.max_steps reached inside such a streak; the message names the newest checkpoint saved
-from a finite state, which rotation keeps); 4 the process group did not form within
-parallel.init_timeout_s; 130 a second Ctrl-C.
+Exit codes: 0 done; 1 crash (a traceback); 2 a configuration or input error, or no space left
+for a checkpoint (the message says what to fix); 3 the run diverged (training.max_bad_steps
+non-finite steps in a row, or training.max_steps reached inside such a streak; the message names
+the newest checkpoint saved from a finite state, which rotation keeps); 4 the process group did
+not form within parallel.init_timeout_s; 5 a rank made no progress for parallel.step_timeout_s
+(the message names it and its step); 75 stopped by SIGTERM/SIGINT/SIGUSR1 after saving a
+checkpoint (rerun to resume); 130 a second Ctrl-C. Under a bare torchrun the launcher exits 1
+whatever its workers' codes were.
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from mpcore.build import resolved_section
 from mpcore.cli import config_help, parse_args, resolved_yaml
 from mpcore.config import load_config
-from mpcore.processes import exit_with_parent, init_distributed, report_user_error
+from mpcore.processes import (
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_USER_ERROR,
+    exit_with_parent,
+    init_distributed,
+    report_user_error,
+)
 from mpcore.train import TrainingDiverged, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -62,23 +73,24 @@ def main(argv: list[str]) -> int:
             return 0
         store = init_distributed(cfg.parallel.init_timeout_s)
         source = f"{args.config}" + (f" + {args.overrides}" if args.overrides else "")
-        result = train(cfg, source=source)
+        result = train(cfg, source=source, store=store)
     except ValueError as e:
         report_user_error(str(e), store)
-        return 2
+        return EXIT_USER_ERROR
     except TrainingDiverged as e:
         report_user_error(str(e), store)
-        return 3
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
-        print("interrupted by a second Ctrl-C: stopped without saving (the last checkpoint "
-              "stays the newest one in the checkpoint folder)", file=sys.stderr)
-        return 130
+        print("interrupted by Ctrl-C: stopped at once, without saving (before training "
+              "started, or a second Ctrl-C); the newest checkpoint in the checkpoint folder is "
+              "the last one saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:
         print(f"{result.status} at step {result.step}")
-    return 0
+    return EXIT_PREEMPTED if result.status == "preempted" else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Layout of ``ROOT`` (``checkpoint.dir``):
     ROOT/step-N/meta.json       step, data position, layout, config, data fingerprint
     ROOT/step-N/manifest.json   size and sha256 of every file above (``mpcore.manifest``)
     ROOT/latest                 text file "step-N": the newest checkpoint saved
-    ROOT/tmp-step-N/            a save in progress (or one killed mid-save: ignored, then removed)
+    ROOT/tmp-step-N/            a save in progress (one killed mid-save: ignored, removed at the
+                                next start; one out of space: removed at once)
     ROOT/bad-step-N/            a checkpoint that failed verification, moved aside on resume
 
 Save: everything goes into ``tmp-step-N``; each rank hashes (and fsyncs) the ``.distcp`` files
@@ -33,6 +34,7 @@ name; each rank passes the keys it owns (DCP writes each key from the rank that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -48,7 +50,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mpcore import atomic
 from mpcore.atomic import fsync_dir
-from mpcore.manifest import MANIFEST, check_files, file_entry, read_manifest
+from mpcore.io_errors import (
+    folder_bytes,
+    human,
+    mount_of,
+    no_space_message,
+    out_of_space,
+    read_error,
+)
+from mpcore.manifest import FORMAT as MANIFEST_FORMAT
+from mpcore.manifest import MANIFEST, READ_ATTEMPTS, check_files, file_entry, read_manifest
 from mpcore.manifest import write_manifest as _write_manifest
 
 log = logging.getLogger(__name__)
@@ -58,7 +69,8 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(ValueError):
-    """Step folders exist but none verifies and loads: the run refuses to start over."""
+    """Step folders exist but none verifies and loads (the run refuses to start over), or a
+    save found no space left; the message says what to change."""
 
 
 def _barrier() -> None:
@@ -103,12 +115,24 @@ def _complete(folder: Path) -> bool:
 
 
 def _legacy(folder: Path) -> bool:
-    """A ``step-N`` folder without a manifest but with ``.metadata`` and ``meta.json``: saved
-    by an mpcore from before manifests (it renamed its folders into place only once whole, so
-    the name alone says it finished). Saves now write the manifest before that rename, so
-    such a folder is never a save of this version cut short."""
+    """A ``step-N`` folder without a manifest but with ``.metadata`` and a ``meta.json`` that
+    does not record a manifest: saved by an mpcore from before manifests (it renamed its
+    folders into place only once whole, so the name alone says it finished). Saves now write
+    the manifest before that rename, and meta.json says so (:func:`_wrote_manifest`), so a
+    folder whose manifest is lost is damaged, not legacy."""
     return (not (folder / MANIFEST).exists() and (folder / ".metadata").is_file()
-            and (folder / META).is_file())
+            and (folder / META).is_file() and not _wrote_manifest(folder))
+
+
+def _wrote_manifest(folder: Path) -> bool:
+    """meta.json says its save wrote a manifest: the key ``manifest`` (written by this
+    module), or ``data_fingerprint`` (every mpcore that wrote manifests also wrote that, and
+    none before it did). An unreadable meta.json counts as yes: nothing vouches for it."""
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return True
+    return not isinstance(meta, dict) or "manifest" in meta or "data_fingerprint" in meta
 
 
 def step_folders(root: str | Path) -> list[Path]:
@@ -186,14 +210,40 @@ def verify_checkpoint(folder: str | Path, rank: int = 0, world: int = 1) -> list
         return []
     files, why = read_manifest(folder)
     if files is None:
+        if not (folder / MANIFEST).exists() and (folder / META).is_file():
+            why = (f"no {MANIFEST}, although {META} records that its save wrote one: the "
+                   f"manifest was lost, so nothing vouches for the other files")
         return [why]
-    lacking = [n for n in (".metadata", META) if n not in files]
     names = sorted(files)
-    problems = [p for part in _all_gather(check_files(folder, files, names[rank::world]))
-                for p in part]
-    if lacking:
-        problems.append(f"{folder / MANIFEST} lists no {' or '.join(lacking)}")
-    return problems
+    parts = _all_gather(check_files(folder, files, names[rank::world]))
+    unreadable = [u for _, part in parts for u in part]
+    if unreadable:
+        raise CheckpointError(
+            f"cannot read checkpoint {folder} (after {READ_ATTEMPTS} attempts): "
+            f"{'; '.join(unreadable[:4])}. A read error is not damage: the checkpoint is left "
+            f"as it is. Check the filesystem (dmesg, the mount) and the files' permissions, "
+            f"then rerun; to use an older checkpoint instead, move this folder away")
+    problems = [p for part, _ in parts for p in part]
+    return problems or _unlisted(folder, files)
+
+
+def _unlisted(folder: Path, files: dict[str, dict]) -> list[str]:
+    """Files that loading reads but the manifest does not vouch for: any file of the folder,
+    every file ``.metadata`` names (call only once the listed files verified)."""
+    problems = [f"{folder / n} is not listed in {MANIFEST}" for n in (".metadata", META)
+                if n not in files]
+    on_disk = {p.name for p in folder.iterdir() if p.is_file()} - {MANIFEST}
+    problems += [f"{folder / n} is in the folder but not in {MANIFEST} (the save did not "
+                 f"write it)" for n in sorted(on_disk - set(files))]
+    if problems:
+        return problems
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        read = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    except Exception as e:  # a .metadata that verified but does not parse: damaged when saved
+        return [f"{folder / '.metadata'} cannot be parsed ({type(e).__name__}: {e})"]
+    return [f"{folder / n} is read by .metadata but not listed in {MANIFEST}"
+            for n in sorted(read - set(files))]
 
 
 def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
@@ -205,44 +255,141 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, torch.Tensor
     ``"meta"`` (DCP files and meta.json written), ``"written"`` (manifest written, not yet
     renamed), ``"renamed"`` and ``"latest"`` (pointer replaced, nothing pruned yet); tests use
     it to kill the process at each point.
+
+    A failure on any rank fails the save on every rank (no rank waits for another forever);
+    the temporary folder is removed at once. Out of space (``mpcore.io_errors``) raises
+    :class:`CheckpointError` saying where, how much a save needs and what to change; any other
+    failure raises ``RuntimeError`` naming the rank and the error.
     """
+    save = begin_save(root, step, meta, keep_last=keep_last, rank=rank, hook=hook)
+    mine, failure = {}, save.failure
+    if failure is None:
+        try:
+            with _single_process_quiet():
+                dcp.save(tensors, checkpoint_id=save.tmp, no_dist=not dist.is_initialized())
+            mine = own_entries(save.tmp, rank)
+        except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
+            failure = _failed(e, rank)
+    return finish_save(save, mine, _nbytes(tensors), failure)
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A save between :func:`begin_save` and :func:`finish_save` (its DCP files may be being
+    written in the background: ``mpcore.checkpoint_async``)."""
+
+    root: Path
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict
+    keep_last: int
+    rank: int
+    hook: Callable[[str, Path], None] | None
+    previous: Path | None  # the newest complete checkpoint before this save (rank 0)
+    failure: tuple[bool, str] | None  # from the temporary folder's creation
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def begin_save(root: str | Path, step: int, meta: dict, *, keep_last: int, rank: int,
+               hook=None) -> PendingSave:
+    """Rank 0 makes the empty ``tmp-step-N``; every rank then may write into it. Collective."""
     root = Path(root)
     tmp, final = root / f"tmp-step-{step}", step_dir(root, step)
+    previous = latest_checkpoint(root) if rank == 0 else None
+    failure = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        if hook:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            failure = _failed(e, 0)
+        if hook and failure is None:
             hook("begin", tmp)
-    _barrier()
-    # Returns once the coordinator (rank 0) wrote .metadata, i.e. after every rank's data.
-    with _single_process_quiet():
-        dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    # Each rank hashes (and syncs) only the files it wrote (module docstring).
-    mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
-    entries = _all_gather(mine)
+    failure = from_rank0(failure)  # also the barrier before every rank writes
+    return PendingSave(root, step, tmp, final, meta, keep_last, rank, hook, previous, failure)
+
+
+def own_entries(tmp: Path, rank: int) -> dict[str, dict]:
+    """Manifest entries of the ``.distcp`` files this rank wrote (hashed and synced): each
+    rank reads only its own share (module docstring)."""
+    return {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+
+
+def finish_save(save: PendingSave, mine: dict[str, dict], nbytes: int,
+                failure: tuple[bool, str] | None) -> Path:
+    """Every rank's entries to rank 0, which commits (meta, manifest, rename, pointer,
+    rotation); or, when any rank failed, the partial save is removed and every rank raises
+    (:func:`save_checkpoint`). Collective."""
+    gathered = _all_gather((mine, nbytes, failure))
+    failure = next((f for _, _, f in gathered if f), None)
+    if save.rank == 0 and failure is None:
+        try:
+            _commit(save.root, save.tmp, save.final, save.meta, [m for m, _, _ in gathered],
+                    save.keep_last, save.hook)
+        except OSError as e:
+            failure = _failed(e, 0)
+    failure = from_rank0(failure)  # the barrier after rank 0 committed
+    if failure is not None:
+        _give_up(save.root, save.tmp, save.step, save.keep_last, failure,
+                 sum(n for _, n, _ in gathered), save.previous, save.rank)
+    return save.final
+
+
+def _failed(exc: BaseException, rank: int) -> tuple[bool, str]:
+    """(out of space?, one line naming the rank and the error) of a save's failure."""
+    text = str(exc).strip().splitlines()
+    return out_of_space(exc), f"rank {rank}: {type(exc).__name__}: {text[-1] if text else ''}"
+
+
+def _commit(root: Path, tmp: Path, final: Path, meta: dict, entries: list[dict],
+            keep_last: int, hook) -> None:
+    """Rank 0: meta.json, the manifest, rename into place, the pointer, rotation."""
+    # "manifest": this folder had one, so without it the folder is damaged (_legacy).
+    atomic.write_text(tmp / META, json.dumps({**meta, "manifest": MANIFEST_FORMAT}, indent=1))
+    if hook:
+        hook("meta", tmp)
+    files = {name: entry for part in entries for name, entry in part.items()}
+    for path in sorted(tmp.iterdir()):  # .metadata, meta.json, anything no rank claimed
+        if path.is_file() and path.name not in files:
+            files[path.name] = file_entry(path)
+    _write_manifest(tmp, files)
+    fsync_dir(tmp)
+    if hook:
+        hook("written", tmp)
+    _rename_into_place(root, tmp, final)
+    if hook:
+        hook("renamed", final)
+    atomic.write_text(root / LATEST, final.name + "\n")
+    fsync_dir(root)
+    if hook:
+        hook("latest", final)
+    _prune(root, keep_last, keep=final)
+
+
+def _give_up(root: Path, tmp: Path, step: int, keep_last: int, failure: tuple[bool, str],
+             total_bytes: int, previous: Path | None, rank: int) -> None:
+    """Remove the partial save (rank 0) and raise the save's error on every rank."""
+    full, line = failure
+    message = None
     if rank == 0:
-        atomic.write_text(tmp / META, json.dumps(meta, indent=1))
-        if hook:
-            hook("meta", tmp)
-        files = {name: entry for part in entries for name, entry in part.items()}
-        for path in sorted(tmp.iterdir()):  # .metadata, meta.json, anything no rank claimed
-            if path.is_file() and path.name not in files:
-                files[path.name] = file_entry(path)
-        _write_manifest(tmp, files)
-        fsync_dir(tmp)
-        if hook:
-            hook("written", tmp)
-        _rename_into_place(root, tmp, final)
-        if hook:
-            hook("renamed", final)
-        atomic.write_text(root / LATEST, final.name + "\n")
-        fsync_dir(root)
-        if hook:
-            hook("latest", final)
-        _prune(root, keep_last, keep=final)
-    _barrier()
-    return final
+        if previous is not None and previous.is_dir():
+            size, basis = folder_bytes(previous), f"the size of {previous.name}"
+        else:
+            size, basis = total_bytes, "the tensors this save wrote"
+        full = full or shutil.disk_usage(mount_of(root)).free < size
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            message = no_space_message(root, step, keep_last, size, basis, previous)
+    message = from_rank0(message)
+    if message:
+        raise CheckpointError(message)
+    raise RuntimeError(f"saving checkpoint step {step} in {root} failed ({line}); the partial "
+                       f"save was removed, the newest checkpoint is intact")
 
 
 def _rename_into_place(root: Path, tmp: Path, final: Path) -> None:
@@ -285,6 +432,17 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_partial_saves(root: Path) -> None:
+    """Delete ``tmp-step-N`` folders: saves that never finished (killed, or out of space), which
+    are never loaded and may hold most of a checkpoint's bytes."""
+    if not root.is_dir():
+        return
+    for folder in sorted(root.glob("tmp-step-*")):
+        size = folder_bytes(folder) if folder.is_dir() else 0
+        shutil.rmtree(folder, ignore_errors=True)
+        log.info("removed %s: a save that did not finish (%s)", folder, human(size))
+
+
 def _move_aside(folder: Path) -> Path:
     """Rename a checkpoint that failed to ``bad-step-N`` (kept for inspection, never loaded)."""
     target = folder.with_name(f"bad-{folder.name}")
@@ -315,6 +473,7 @@ def resume_newest(root: str | Path, load: Callable[[Path, dict], None], *, rank:
     root = Path(root)
     if rank == 0 and only is None:
         _pointer(root)  # reports a damaged pointer
+        remove_partial_saves(root)
     candidates = from_rank0([only] if only else step_folders(root)[::-1])
     failed: list[tuple[Path, list[str]]] = []
     for folder in candidates:
@@ -327,12 +486,21 @@ def resume_newest(root: str | Path, load: Callable[[Path, dict], None], *, rank:
                 problems = [str(e)]
         if not problems:
             problem = None
+            unreadable = None
             try:
                 load(folder, meta)
             except ValueError:
                 raise
             except (Exception, CheckpointException) as e:  # CheckpointException: BaseException
                 problem = f"loading failed: {type(e).__name__}: {str(e).strip()[:400]}"
+                cause = read_error(e)
+                unreadable = f"{cause.filename or folder}: {cause.strerror}" if cause else None
+            unreadable = _agreed_failure(unreadable)
+            if unreadable:  # the storage failed, not the checkpoint: never set it aside
+                raise CheckpointError(
+                    f"cannot read checkpoint {folder} while loading it ({unreadable}). A read "
+                    f"error is not damage: the checkpoint is left as it is. Check the "
+                    f"filesystem and permissions, then rerun")
             problem = _agreed_failure(problem)
             problems = [problem] if problem else []
         if not problems:

@@ -7,7 +7,9 @@ A save writes the manifest LAST, after every other file of the folder is written
 and before the folder is renamed into place (``mpcore.checkpoint``); a load first checks each
 listed file's size and hash. So a folder with a manifest that verifies holds exactly the bytes
 that were saved: a truncated ``.distcp``, a damaged ``.metadata``, a flipped byte anywhere, or a
-``meta.json`` edited by hand is found before any of it is read into the model.
+``meta.json`` edited by hand is found before any of it is read into the model. A file that
+cannot be read (EIO, EACCES) is not damage: it is retried, then reported apart
+(:func:`check_files`), so a good checkpoint is never set aside for a passing read error.
 
 Cost: one streaming read per file in 4 MiB chunks (sha256 runs at about 1 GB/s per core with
 the CPU's SHA instructions); memory stays one chunk. :func:`file_entry` also fsyncs the file it
@@ -19,11 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+import time
 from pathlib import Path
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 _CHUNK = 4 << 20
+READ_ATTEMPTS, RETRY_S = 3, 0.5  # 0.5 s, then 1 s between attempts
 
 
 def file_entry(path: Path, sync: bool = True) -> dict:
@@ -67,24 +72,45 @@ def read_manifest(folder: Path) -> tuple[dict[str, dict] | None, str | None]:
     return files, None
 
 
-def check_files(folder: Path, files: dict[str, dict], names: list[str]) -> list[str]:
-    """Problems (one line each, naming the file) of ``names`` against their manifest entries."""
-    problems = []
+def _entry_with_retries(path: Path) -> dict:
+    """:func:`file_entry` (no sync), tried ``READ_ATTEMPTS`` times: a read error (EIO on a
+    flaky network filesystem, EACCES while permissions are being fixed) may pass."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return file_entry(path, sync=False)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(RETRY_S * 2 ** attempt)
+    raise AssertionError
+
+
+def check_files(folder: Path, files: dict[str, dict],
+                names: list[str]) -> tuple[list[str], list[str]]:
+    """``(problems, unreadable)`` of ``names`` against their manifest entries, one line each
+    naming the file. A problem is damage (missing, wrong size, wrong hash); unreadable lists
+    files that exist but could not be read (after retries): not damage, the caller stops."""
+    problems, unreadable = [], []
     for name in names:
         path, want = Path(folder) / name, files[name]
-        if not path.is_file():
+        try:
+            info = os.stat(path)
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{path} is not a regular file (the save wrote one)")
+                continue
+            if info.st_size != want["size"]:
+                problems.append(f"{path} has {info.st_size} bytes, the save wrote "
+                                f"{want['size']} (truncated or overwritten)")
+                continue
+            got = _entry_with_retries(path)["sha256"]
+        except FileNotFoundError:
             problems.append(f"{path} is missing")
             continue
-        size = path.stat().st_size
-        if size != want["size"]:
-            problems.append(f"{path} has {size} bytes, the save wrote {want['size']} "
-                            f"(truncated or overwritten)")
-            continue
-        try:
-            got = file_entry(path, sync=False)["sha256"]
         except OSError as e:
-            problems.append(f"{path} cannot be read ({e})")
+            unreadable.append(f"{path}: {type(e).__name__}: {e.strerror or e}")
             continue
         if got != want["sha256"]:
             problems.append(f"{path} does not match its sha256 in {MANIFEST} (damaged in place)")
-    return problems
+    return problems, unreadable

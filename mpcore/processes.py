@@ -14,6 +14,20 @@
   rendezvous store), or by rank 0 when it happens before the process group exists (then every
   rank has the same config and the same error). That rank also writes torchelastic's error
   file, so torchrun's failure summary names the error instead of "To enable traceback ...".
+
+Exit codes of ``launch/pretrain.py`` (each worker's; ``mpcore.torchrun`` passes the first
+failing worker's code on as its own, torchrun itself exits 1 for any failure):
+
+    0    done (or already finished)
+    1    crash: an unexpected exception (its traceback is printed)
+    2    user error: config, data or inputs (``ValueError``; the message names the fix), or a
+         checkpoint that cannot be written (no space left on the device)
+    3    diverged: training.max_bad_steps non-finite steps in a row, or max_steps inside a streak
+    4    the process group did not form within parallel.init_timeout_s
+    5    a rank stopped making progress for parallel.step_timeout_s (the step watchdog)
+    75   stopped by SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 after saving a checkpoint: rerun the
+         same command to resume (75 is EX_TEMPFAIL of sysexits.h: "try again later")
+    130  a second Ctrl-C: stopped at once, without saving
 """
 
 from __future__ import annotations
@@ -31,7 +45,17 @@ import torch
 import torch.distributed as dist
 
 PR_SET_PDEATHSIG = 1
+EXIT_CRASH = 1
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
 EXIT_RENDEZVOUS = 4
+EXIT_STUCK = 5
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+REPORT_GRACE_S = 2.0
+# Codes whose message the worker printed itself: a launcher adds nothing to them.
+REPORTED = (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_RENDEZVOUS, EXIT_STUCK, EXIT_PREEMPTED,
+            EXIT_INTERRUPTED)
 
 
 def exit_with_parent() -> None:
@@ -107,6 +131,10 @@ def _first_to_report(store: dist.Store | None) -> bool:
 def report_user_error(message: str, store: dist.Store | None) -> None:
     """Print ``error: message`` once over the world (module docstring), no traceback."""
     if not _first_to_report(store):
+        if store is None and "RANK" in os.environ:
+            # Rank 0 prints; torchrun stops the other workers as soon as one exits, so leaving
+            # first could cut rank 0 off before its message is out.
+            time.sleep(REPORT_GRACE_S)
         return
     prefix = f"error (rank {_rank()}): " if "RANK" in os.environ and _rank() else "error: "
     print(prefix + message, file=sys.stderr, flush=True)

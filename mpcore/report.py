@@ -68,7 +68,7 @@ def startup_block(run: Run, tokens_per_step: int, source: str) -> str:
     every = cfg.checkpoint.every
     lines += [f"run dir: {cfg.logging.run_dir}",
               f"checkpoints: {cfg.checkpoint_dir} ("
-              + (f"every {every} steps" if every else "on SIGTERM/SIGINT only")
+              + (f"every {every} steps" if every else "on a stop signal only")
               + f", keep {cfg.checkpoint.keep_last})"]
     return "\n".join(lines)
 

@@ -7,7 +7,10 @@ Refused (they change the data order or what a step means), listed as ``key: save
     data.paths, data.tokenizer   by CONTENT (fingerprints), so moved or copied files still resume
     data.global_batch            micro_batch x grad_accum x dp; the split may change (resharding)
     data.seq_len, data.seed, data.weights, data.valid_fraction, training.seed
-    data.vl_paths, data.vl_drop_long   the image-text datasets (by path) and which samples stay
+    data.vl_paths                by CONTENT too: each folder's prepared fingerprint (every
+                                 image's bytes) and its files (checkpoints from before VL
+                                 fingerprints: by path)
+    data.vl_drop_long            which image-text samples stay
     schedule.total_steps         the schedule's length (``Config.total_steps``), warmup_steps,
                                  decay, min_lr_ratio
     model.*                      the model (the vision tower and freeze_vision included), but
@@ -40,7 +43,7 @@ _WHOLE_BELOW = 8 << 20
 _BLOCKS, _BLOCK = 64, 64 << 10
 _EXEMPT_MODEL = ("init_from", "family", "max_position_embeddings", "attention_backend", "fp8",
                  "linear_backend", "vision_cp")
-REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction", "data.vl_paths",
+REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction",
            "data.vl_drop_long", "training.seed", "schedule.warmup_steps", "schedule.decay",
            "schedule.min_lr_ratio")
 
@@ -62,13 +65,25 @@ def file_fingerprint(path: str | Path) -> str:
 
 def data_fingerprint(cfg: Config) -> dict:
     """``{"tokenizer": fp, "datasets": [fp of PREFIX.bin + fp of PREFIX.idx, ...]}`` of the
-    data ``cfg`` trains on (the default corpus included)."""
-    from mpcore.batches import dataset_sources  # the data layer: only when fingerprinting
+    data ``cfg`` trains on (the default corpus included); a vision-language run adds
+    ``"vl_datasets"``, one content fingerprint per image-text folder (the default included;
+    ``mpcore.data.vl_dataset.folder_fingerprint``) and its tokenizer is the first folder's."""
+    # The data layer, imported only when fingerprinting (it imports the model side).
+    from mpcore.batches import dataset_sources
+    from mpcore.data.vl_dataset import folder_fingerprint
+    from mpcore.vl_build import is_vl_run, vl_sources
 
+    def text(prefixes):
+        return [f"{file_fingerprint(f'{p}.bin')}; idx {file_fingerprint(f'{p}.idx')}"
+                for p in prefixes]
+
+    if is_vl_run(cfg):
+        folders, prefixes, _ = vl_sources(cfg)
+        return {"tokenizer": file_fingerprint(folders[0] / "tokenizer.json"),
+                "datasets": text(prefixes),
+                "vl_datasets": [folder_fingerprint(f, file_fingerprint) for f in folders]}
     tokenizer, prefixes = dataset_sources(cfg)
-    return {"tokenizer": file_fingerprint(tokenizer),
-            "datasets": [f"{file_fingerprint(f'{p}.bin')}; idx {file_fingerprint(f'{p}.idx')}"
-                         for p in prefixes]}
+    return {"tokenizer": file_fingerprint(tokenizer), "datasets": text(prefixes)}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -87,22 +102,37 @@ def _refused(key: str) -> bool:
     return key in REFUSED
 
 
+def _content_changes(old_fp: dict | None, fingerprint: dict | None, saved: dict,
+                     now: dict) -> list[tuple]:
+    """Refused ``(key, saved, now)`` of the data by content. A VL checkpoint saved before VL
+    fingerprints recorded the text tokenizer (not the VL one) and no image data: its text
+    datasets are compared by content, its image-text folders by path."""
+    parts = [("data.paths", "datasets"), ("data.tokenizer", "tokenizer"),
+             ("data.vl_paths", "vl_datasets")]
+    by_path = old_fp is None or fingerprint is None or (
+        "vl_datasets" in fingerprint and "vl_datasets" not in old_fp)
+    out = []
+    if old_fp is not None and fingerprint is not None:
+        for key, part in parts[:1] if by_path else parts:
+            if old_fp.get(part) != fingerprint.get(part):
+                out.append((key, old_fp.get(part), fingerprint.get(part)))
+    if by_path and saved.get("data.vl_paths") != now.get("data.vl_paths"):
+        out.append(("data.vl_paths", saved.get("data.vl_paths"), now.get("data.vl_paths")))
+    return out
+
+
 def compare(meta: dict, cfg: Config, dp: int, fingerprint: dict | None) -> tuple[list, list]:
     """``(refused, allowed)``: lists of ``(key, saved, now)`` between ``meta`` (a checkpoint's
     meta.json) and the current ``cfg`` at data-parallel degree ``dp``."""
     saved, now = _flat(meta["config"]), _flat(to_dict(cfg))
     refused, allowed = [], []
     for key in sorted(saved.keys() & now.keys()):  # a key one version lacks is not compared
-        if key in ("data.paths", "data.tokenizer", "schedule.total_steps"):
+        if key in ("data.paths", "data.tokenizer", "data.vl_paths", "schedule.total_steps"):
             continue  # compared by content or effective value below
         if saved[key] != now[key]:
             (refused if _refused(key) else allowed).append((key, saved[key], now[key]))
-    old_fp = meta.get("data_fingerprint")
-    if fingerprint is not None and old_fp is not None:
-        for key, part in (("data.paths", "datasets"), ("data.tokenizer", "tokenizer")):
-            if old_fp[part] != fingerprint[part]:
-                refused.append((key, old_fp[part], fingerprint[part]))
-    for key in ("data.paths", "data.tokenizer"):
+    refused += _content_changes(meta.get("data_fingerprint"), fingerprint, saved, now)
+    for key in ("data.paths", "data.tokenizer", "data.vl_paths"):
         if saved.get(key) != now.get(key) and not any(r[0] == key for r in refused):
             allowed.append((key + " (same content)", saved.get(key), now.get(key)))
     old_batch = saved["data.micro_batch"] * saved["data.grad_accum"] * meta["layout"]["dp"]

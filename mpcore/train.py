@@ -14,11 +14,13 @@ One optimizer step, on every rank:
     else     skip the update, count it; max_bad_steps in a row stop the run (TrainingDiverged)
 
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
-the first step boundary after SIGTERM or SIGINT (Ctrl-C; a second Ctrl-C raises
-KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it
-with one all-reduce per step, save, and :func:`fit` returns ``"preempted"``: launch/pretrain.py
-then exits with code 0 (rerunning the same command resumes from ``latest``). Under torchrun
-the launcher catches SIGTERM itself and exits 1: the job looks failed, the checkpoint is whole.
+the first step boundary after SIGTERM, SIGUSR1 (what ``sbatch --signal=USR1@T`` sends before
+the time limit) or SIGINT (Ctrl-C; a second Ctrl-C, more than ``SAME_CTRL_C_S`` after the
+first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step, save,
+and :func:`fit` returns ``"preempted"``: launch/pretrain.py then exits with code 75
+(``mpcore.processes``; rerunning the same command resumes from ``latest``). Under a bare
+torchrun the launcher catches SIGTERM itself and exits 1; ``python -m mpcore.torchrun`` passes
+the workers' 75 on.
 Resume is automatic (``checkpoint.resume``): the newest checkpoint that verifies and loads
 (``mpcore.checkpoint``), if its config is the same run (``mpcore.resume_check``). Inside a
 non-finite streak no periodic or final checkpoint is saved (a stop signal still saves), and
@@ -51,17 +53,24 @@ from mpcore.checkpoint import (
     resume_newest,
     save_checkpoint,
 )
+from mpcore.checkpoint_async import AsyncSaver
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.optim import lr_at, set_lr
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import claim_run_dir, rewrite_metrics
+from mpcore.watchdog import StepWatchdog
 from parallel import global_valid_count
 from parallel.loss import sum_over_group
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
+# Signals that stop the run at the next step boundary after a save (module docstring).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# One Ctrl-C reaches a worker twice under a launcher (from the terminal, then forwarded by
+# torchrun or mpcore.torchrun, milliseconds apart): SIGINTs closer than this are one Ctrl-C.
+SAME_CTRL_C_S = 2.0
 
 
 class TrainingDiverged(RuntimeError):
@@ -81,17 +90,26 @@ class FitResult:
 class Trainer:
     """Runs :class:`mpcore.build.Run`'s model to ``training.max_steps`` (module docstring).
 
-    ``checkpoint_hook(stage, path)`` is passed to ``save_checkpoint`` (tests simulate crashes).
+    ``checkpoint_hook(stage, path)`` is passed to ``save_checkpoint`` (tests simulate crashes);
+    ``step_hook(step)`` is called at the start of each step (tests make a rank hang there).
+    ``store``: the rendezvous store, where the step watchdog publishes progress
+    (``mpcore.watchdog``; None: it names only this rank).
     """
 
-    def __init__(self, run: Run, checkpoint_hook=None):
+    def __init__(self, run: Run, checkpoint_hook=None, step_hook=None,
+                 store: dist.Store | None = None):
         self.run, self.cfg = run, run.cfg
-        self.checkpoint_hook = checkpoint_hook
+        self.checkpoint_hook, self.step_hook = checkpoint_hook, step_hook
+        self.watchdog = StepWatchdog(self.cfg.parallel.step_timeout_s, store, run.state.rank,
+                                     run.state.world_size)
+        self.async_saver = (AsyncSaver(run.state.rank, run.device)
+                            if self.cfg.checkpoint.async_save else None)
         self.step = 0
         self.bad_steps = self.consecutive_bad = 0
         self._fingerprint: dict | None = None
         self.stop_requested = False
-        self.stop_signal: str | None = None  # the first SIGTERM/SIGINT received here
+        self.stop_signal: str | None = None  # the first stop signal received here
+        self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
         self.ddp = s.dp_cp > 1 and self.cfg.parallel.data_parallel == "ddp"
@@ -126,11 +144,22 @@ class Trainer:
             self._fingerprint = data_fingerprint(self.cfg)
         return self._fingerprint
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path | None:
+        """Save this step; with ``background`` (and checkpoint.async_save) start the write and
+        return None (:meth:`_poll_background` commits it later). Collective."""
         tensors = self.run.train_state.collect()
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, tensors, self._meta(),
-                               keep_last=self.cfg.checkpoint.keep_last,
-                               rank=self.run.state.rank, hook=self.checkpoint_hook)
+        args = (self.cfg.checkpoint_dir, self.step, tensors, self._meta())
+        kw = {"keep_last": self.cfg.checkpoint.keep_last, "hook": self.checkpoint_hook}
+        if self.async_saver is not None and background:
+            self.async_saver.start(*args, **kw)
+            return None
+        if self.async_saver is not None:
+            self._report_background(self.async_saver.wait())  # one save at a time
+        return save_checkpoint(*args, rank=self.run.state.rank, **kw)
+
+    def _report_background(self, path: Path | None) -> None:
+        if path is not None and self.run.state.rank == 0:
+            log.info("saved checkpoint %s (written in the background)", path)
 
     def resume(self, folder: Path | None = None) -> Path | None:
         """Load ``folder``, or the newest checkpoint of the checkpoint dir that verifies and
@@ -202,8 +231,14 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step; returns (global loss, global grad norm) as Python floats."""
-        run = self.run
-        loss = self._forward_backward(run.loader.next_step())
+        run, beat = self.run, self.watchdog.beat
+        beat(self.step + 1, "data")
+        if self.step_hook:
+            self.step_hook(self.step + 1)
+        batches = run.loader.next_step()
+        beat(self.step + 1, "forward/backward")
+        loss = self._forward_backward(batches)
+        beat(self.step + 1, "optimizer")
         norm = run.grad_norm()
         loss_f, norm_f = float(loss), float(norm)  # CPU-GPU sync point: decides the update
         self.step += 1
@@ -220,6 +255,7 @@ class Trainer:
                             "(%d in a row, %d total)", self.step, loss_f, norm_f,
                             self.consecutive_bad, self.bad_steps)
         run.optimizer.zero_grad(set_to_none=True)
+        beat(self.step, "step end")
         return loss_f, norm_f
 
     # ------------------------------------------------------------------ the loop
@@ -232,16 +268,25 @@ class Trainer:
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if name == "SIGINT" and self.stop_signal == "SIGINT":
+        now = time.monotonic()
+        if name == "SIGINT" and self._first_sigint is not None and (
+                now - self._first_sigint > SAME_CTRL_C_S):
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+        if name == "SIGINT" and self._first_sigint is None:
+            self._first_sigint = now
         self.stop_requested = True
         self.stop_signal = self.stop_signal or name
 
-    def _save_and_report(self) -> None:
+    def _save_and_report(self, background: bool = False) -> None:
         start = time.perf_counter()
-        path = self.save()
+        self.watchdog.beat(self.step, "save")
+        path = self.save(background)
+        self.watchdog.beat(self.step, "step end")
         if path is not None and self.run.state.rank == 0:
             log.info("saved checkpoint %s (%.1f s)", path, time.perf_counter() - start)
+        elif self.run.state.rank == 0:
+            log.info("checkpoint step-%d staged in %.1f s; writing it in the background",
+                     self.step, time.perf_counter() - start)
 
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
@@ -254,7 +299,7 @@ class Trainer:
                 f"{self.cfg.training.max_bad_steps}); {intact}. Lower optimizer.lr, check the "
                 f"data, or raise training.max_bad_steps, then rerun to resume")
 
-    def _save_unless_streak(self, stop: bool) -> None:
+    def _save_unless_streak(self, stop: bool, background: bool = False) -> None:
         """Save, but not periodically inside a non-finite streak: rotation would delete the
         good checkpoints for ones that hold nothing new (a stop signal still saves)."""
         if self.consecutive_bad and not stop:
@@ -262,7 +307,7 @@ class Trainer:
                 log.warning("step %d: checkpoint skipped (%d non-finite steps in a row)",
                             self.step, self.consecutive_bad)
             return
-        self._save_and_report()
+        self._save_and_report(background)
 
     def fit(self) -> FitResult:
         """Train from the current step (after :meth:`resume`) to ``training.max_steps``."""
@@ -280,10 +325,11 @@ class Trainer:
         metrics = MetricsWriter(cfg.logging.run_dir, rank0, cfg.logging.tensorboard)
         result = FitResult("done", self.step)
         main = threading.current_thread() is threading.main_thread()
-        stops = (signal.SIGTERM, signal.SIGINT)
+        stops = STOP_SIGNALS
         previous = [signal.signal(sig, self._on_signal) for sig in stops] if main else None
         every, eval_every = cfg.checkpoint.every, cfg.training.eval_every
         clock = Clock(self.step, cfg.training.max_steps)
+        self.watchdog.start(self.step)
         try:
             last_time, last_step = time.perf_counter(), self.step
             while self.step < cfg.training.max_steps:
@@ -297,7 +343,9 @@ class Trainer:
                 valid = None
                 if eval_every and run.valid_loader is not None and (
                         self.step % eval_every == 0 or done):
+                    self.watchdog.beat(self.step, "validation")
                     valid = validation_loss(run)
+                    self.watchdog.beat(self.step, "step end")
                 if (self.step % cfg.logging.log_every == 0 or done or self.step == 1
                         or valid is not None):
                     now = time.perf_counter()
@@ -305,8 +353,10 @@ class Trainer:
                               valid, clock.fields(self.step))
                     last_time, last_step = time.perf_counter(), self.step
                 stop = self._agree_stop()
+                if self.async_saver is not None:
+                    self._report_background(self.async_saver.poll())
                 if stop or (every and (self.step % every == 0 or done)):
-                    self._save_unless_streak(stop)
+                    self._save_unless_streak(stop, background=not (stop or done))
                 if done and self.consecutive_bad:
                     raise TrainingDiverged(self._streak(
                         f"reached training.max_steps={cfg.training.max_steps} during a "
@@ -320,6 +370,7 @@ class Trainer:
                                     self.step, latest_checkpoint(cfg.checkpoint_dir))
                     break
         finally:
+            self.watchdog.stop()
             if main:
                 for sig, handler in zip(stops, previous, strict=True):
                     signal.signal(sig, handler)
@@ -348,7 +399,7 @@ class Trainer:
 
 
 def train(cfg: Config, source: str = "the config", loader=None,
-          checkpoint_hook=None) -> FitResult:
+          checkpoint_hook=None, step_hook=None, store: dist.Store | None = None) -> FitResult:
     """setup -> build -> resume -> fit; writes ``RUN_DIR/config.yaml`` (the resolved config).
 
     Rank 0 holds the run folder's lock throughout (``mpcore.rundir``); ``metrics.jsonl`` is cut
@@ -358,7 +409,8 @@ def train(cfg: Config, source: str = "the config", loader=None,
     try:
         device = resolve_device(cfg)
         run = build(cfg, state, device, loader=loader)
-        trainer = Trainer(run, checkpoint_hook=checkpoint_hook)
+        trainer = Trainer(run, checkpoint_hook=checkpoint_hook, step_hook=step_hook,
+                          store=store)
         if state.rank == 0:
             save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
             log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))

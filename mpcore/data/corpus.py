@@ -6,10 +6,13 @@ writes the indexed dataset, into ``data_dir``:
 
     default_v<vocab>.model            the tokenizer
     default_v<vocab>.bin / .idx       the tokenized corpus (documents in file order)
-    default_v<vocab>.fingerprint      sha256 of the corpus bytes and every setting; written last
+    default_v<vocab>.fingerprint      JSON: sha256 of the corpus bytes and every setting, and the
+                                      sha256 of each file above as written; written last
 
-A later call whose fingerprint matches reuses the files; a call that builds them prints one line
-saying so and how long it took. Deterministic: the same corpus bytes
+A later call reuses the files when the fingerprint matches AND each file still has the sha256
+recorded for it (a few MB read, about 10 ms): a cache damaged since (a truncated .bin, a
+tokenizer replaced by hand) is rebuilt, with a warning naming the file, instead of trained on;
+a call that builds them prints one line saying so and how long it took. Deterministic: the same corpus bytes
 and settings give the same tokenizer and dataset on every machine. Ranks that call it at the
 same time (torchrun) serialise on a file lock in ``data_dir``; the first prepares, the rest
 find the cache.
@@ -20,9 +23,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 
+from mpcore.atomic import write_text
 from mpcore.data import indexed, tokenizer
 from mpcore.data.indexed import IndexedWriter
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
@@ -31,6 +36,33 @@ from mpcore.progress import ProgressBar
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "launch" / "data" / "default_corpus.jsonl"
 TOKENIZER_SEED = 1234
 _ENCODE_BATCH = 256
+log = logging.getLogger(__name__)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cache_problem(stamp: Path, want: str, files: list[Path]) -> str | None:
+    """Why the prepared files cannot be reused (None: they can). A stamp of another corpus or
+    settings is not a problem to report (it is simply prepared again)."""
+    try:
+        record = json.loads(stamp.read_text())
+        if record.get("fingerprint") != want:
+            return ""
+        hashes = record["files"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""  # no stamp, or one written by an mpcore that recorded no file hashes
+    for path in files:
+        if not path.is_file():
+            return f"{path} is missing"
+        if _sha256(path) != hashes.get(path.name):
+            return f"{path} does not match the sha256 recorded when it was prepared"
+    return None
 
 
 def fingerprint(corpus: Path, vocab_size: int) -> str:
@@ -96,15 +128,20 @@ def prepare_default(
     want = fingerprint(corpus, vocab_size)
     with open(data_dir / ".prepare.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until the with block closes the file
-        ready = [model_path, Path(f"{prefix}.bin"), Path(f"{prefix}.idx")]
-        if stamp.is_file() and stamp.read_text() == want and all(p.is_file() for p in ready):
+        files = [model_path, Path(f"{prefix}.bin"), Path(f"{prefix}.idx")]
+        problem = _cache_problem(stamp, want, files)
+        if problem is None:
             return model_path, prefix
+        if problem:
+            log.warning("the prepared default corpus in %s is damaged (%s); preparing it "
+                        "again", data_dir, problem)
         why = "its cache there did not match, rebuilt" if stamp.is_file() else "first use"
         stamp.unlink(missing_ok=True)
         start = time.perf_counter()
         tok = train_tokenizer(iter_documents([corpus]), model_path, vocab_size, TOKENIZER_SEED)
         num_docs = tokenize_to_indexed(tok, [corpus], prefix, progress=False)
-        stamp.write_text(want)
+        write_text(stamp, json.dumps({"fingerprint": want,
+                                      "files": {p.name: _sha256(p) for p in files}}))
         # One line, from the one process that prepared (the others found the cache).
         print(f"prepared the default corpus in {data_dir} ({why}): tokenizer "
               f"{model_path.name} and {num_docs} documents in "

@@ -115,6 +115,22 @@ def dataset_fingerprint(
     ).fingerprint
 
 
+# The files a run reads, in the order a content fingerprint covers them (meta.json apart).
+CONTENT_FILES = ("tokens.bin", "tokens.idx", "mask.bin", "grids.bin", "pixels.bin",
+                 "row_offsets.i64", "tokenizer.json")
+
+
+def folder_fingerprint(folder: str | Path, file_fingerprint) -> str:
+    """What a run trains on in prepared folder ``folder``: the fingerprint meta.json recorded
+    when it was prepared (settings, tokenizer, every image's bytes, the manifest) and
+    ``file_fingerprint(path)`` of each of :data:`CONTENT_FILES` (so files replaced without
+    their meta.json differ too). A missing or foreign folder raises ``ValueError``."""
+    meta = VLDataset(folder).meta
+    parts = [f"prepared {str(meta.get('fingerprint'))[:16]}"]
+    parts += [f"{name} {file_fingerprint(Path(folder) / name)}" for name in CONTENT_FILES]
+    return "; ".join(parts)
+
+
 def prepare_vl_dataset(
     manifest: str | Path,
     out_dir: str | Path,

@@ -1,0 +1,109 @@
+"""Benchmark: the step-time hiccup of a checkpoint save, blocking vs ``checkpoint.async_save``.
+
+    torchrun --nproc-per-node N tests/perf/bench_ckpt_async.py [CONFIG.yaml] [key=value ...]
+        [--steps 40] [--every 10] [--out tests/perf/results/ckpt_async.json]
+
+Trains the same run twice from the same seed (``checkpoint.async_save=false``, then ``true``),
+each in a fresh run folder under ``--work`` (default: a temporary folder), saving every
+``--every`` steps, and times every step on the host with a device synchronize at its end (so a
+step's time includes a save started in it and, with async, the staging copy). Reports per
+mode: the median step without a save, the mean and max of the steps that saved, the hiccup
+(save step minus median), and for async how many steps later each checkpoint was committed.
+Rank 0 writes the JSON. The losses of both modes must be equal (the saves do not change
+training); the script says so and exits 1 when they are not. GPU-sized: run it on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from mpcore.build import build, resolve_device, setup  # noqa: E402
+from mpcore.config import load_config  # noqa: E402
+from mpcore.processes import init_distributed  # noqa: E402
+from mpcore.train import Trainer  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_mode(config: str | None, overrides: list[str], work: Path, async_save: bool,
+             steps: int, every: int) -> dict:
+    cfg = load_config(config, [*overrides, f"logging.run_dir={work}/{'async' if async_save else 'blocking'}",
+                               f"checkpoint.async_save={str(async_save).lower()}",
+                               f"checkpoint.every={every}", f"training.max_steps={steps}",
+                               "checkpoint.resume=false"])
+    state = setup(cfg)
+    device = resolve_device(cfg)
+    trainer = Trainer(build(cfg, state, device))
+    times, saves, losses, committed = [], [], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss, _ = trainer.train_step()
+        if trainer.async_saver is not None and trainer.async_saver.poll() is not None:
+            committed.append(trainer.step)
+        saved = trainer.step % every == 0
+        if saved:
+            trainer.save(background=async_save)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+        if saved:
+            saves.append(trainer.step)
+    if trainer.async_saver is not None and trainer.async_saver.wait() is not None:
+        committed.append(trainer.step)
+    plain = [t for i, t in enumerate(times, 1) if i not in saves and i > 2]  # warm steps
+    saving = [times[i - 1] for i in saves]
+    median = statistics.median(plain)
+    return {"async_save": async_save, "median_step_s": median,
+            "save_step_mean_s": statistics.mean(saving), "save_step_max_s": max(saving),
+            "hiccup_s": statistics.mean(saving) - median, "saved_at": saves,
+            "committed_at": committed, "step_times_s": times, "losses": losses,
+            "rank": state.rank}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", default=None)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "tests" / "perf" / "results" / "ckpt_async.json")
+    args = parser.parse_args(argv)
+    if args.config and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], None
+    init_distributed(300)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_ckpt_async_"))
+    results = [run_mode(args.config, args.overrides, work, mode, args.steps, args.every)
+               for mode in (False, True)]
+    same = results[0]["losses"] == results[1]["losses"]
+    if results[0]["rank"] == 0:
+        report = {"config": args.config, "overrides": args.overrides, "steps": args.steps,
+                  "every": args.every, "same_losses": same,
+                  "modes": [{k: v for k, v in r.items() if k not in ("losses", "rank")}
+                            for r in results]}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        for r in report["modes"]:
+            print(f"async_save={r['async_save']}: median step {r['median_step_s']:.3f} s, save "
+                  f"step {r['save_step_mean_s']:.3f} s (max {r['save_step_max_s']:.3f}), "
+                  f"hiccup {r['hiccup_s']:.3f} s; committed at {r['committed_at']}")
+        print("losses equal" if same else "LOSSES DIFFER between the modes")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
