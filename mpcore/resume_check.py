@@ -37,7 +37,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from mpcore.batches import dataset_sources
+from mpcore.build import run_family
 from mpcore.config import Config, to_dict
+from mpcore.data.vl_dataset import folder_fingerprint
+from mpcore.vl_data import vl_sources
 
 _WHOLE_BELOW = 8 << 20
 _BLOCKS, _BLOCK = 64, 64 << 10
@@ -68,16 +72,11 @@ def data_fingerprint(cfg: Config) -> dict:
     data ``cfg`` trains on (the default corpus included); a vision-language run adds
     ``"vl_datasets"``, one content fingerprint per image-text folder (the default included;
     ``mpcore.data.vl_dataset.folder_fingerprint``) and its tokenizer is the first folder's."""
-    # The data layer, imported only when fingerprinting (it imports the model side).
-    from mpcore.batches import dataset_sources
-    from mpcore.data.vl_dataset import folder_fingerprint
-    from mpcore.vl_build import is_vl_run, vl_sources
-
     def text(prefixes):
         return [f"{file_fingerprint(f'{p}.bin')}; idx {file_fingerprint(f'{p}.idx')}"
                 for p in prefixes]
 
-    if is_vl_run(cfg):
+    if run_family(cfg).modality == "image-text":
         folders, prefixes, _ = vl_sources(cfg)
         return {"tokenizer": file_fingerprint(folders[0] / "tokenizer.json"),
                 "datasets": text(prefixes),
