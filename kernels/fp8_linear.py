@@ -33,8 +33,8 @@ matmuls) on any device: what the CPU tests check.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels._triton import tl, triton
 
 RECIPES = ("none", "tensorwise")
 FWD_DTYPE = torch.float8_e4m3fn

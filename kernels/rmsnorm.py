@@ -26,8 +26,8 @@ about 1 row in 10 gets an rstd 1 ulp apart; ``tests/gpu/test_rmsnorm_gpu.py`` bo
 import functools
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels._triton import tl, triton
 
 MAX_HIDDEN = 65536
 

@@ -37,8 +37,8 @@ traces ``rope`` without a graph break.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels._triton import tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

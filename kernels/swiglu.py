@@ -37,8 +37,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from kernels._triton import tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -4,13 +4,22 @@
 
 Runs in one process on the CPU, whatever layout the checkpoint was saved at (its tensors are in
 logical form): the model is rebuilt from the checkpoint's ``meta.json`` at tp=1, loaded, and
-written by ``models.export_hf``. Memory: the full model in fp32 plus one load batch.
+written by its family's export (``models.registry``). Memory: the full model in fp32 plus one load batch.
 ``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
 
 The run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
-beside the weights as ``tokenizer.model`` when it can be found; a progress bar on stderr
+beside the weights as ``tokenizer.model`` when it can be found, with ``tokenizer.json``,
+``tokenizer_config.json`` and ``special_tokens_map.json`` so that transformers'
+``AutoTokenizer`` loads the folder and gives the same ids; a progress bar on stderr
 follows the weights. Files get mode 0644 and folders 0755 whatever the umask of the run, so
 the export can be shared as it is.
+
+Safety (``launch.export_target``): the checkpoint's manifest is verified first, as resume
+does, and a damaged checkpoint is refused naming the file. ``--output`` must be a new or empty
+folder, or, with ``--overwrite``, an earlier export; never a file, a run folder or a
+checkpoint. The export is written into a hidden sibling folder and renamed into place when
+complete, so a killed export leaves no half-written folder and an overwritten one stays whole
+until the new one replaces it.
 """
 
 from __future__ import annotations
@@ -23,15 +32,11 @@ from pathlib import Path
 
 import torch
 
-from models import (
-    ModelConfig,
-    build_model,
-    build_vl_model,
-    export_hf,
-    export_hf_vl,
-    vl_config_from_dict,
-)
+from launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
+from models import Family, family_named
 from mpcore.checkpoint import latest_checkpoint, read_meta
+from mpcore.data.tokenizer import Tokenizer
+from mpcore.data.vl_tokenizer import VLTokenizer
 from mpcore.logical import LogicalLayout
 from mpcore.progress import ProgressBar
 from mpcore.train_state import TrainState
@@ -39,7 +44,22 @@ from parallel.random import RNGTracker
 from parallel.state import ParallelState
 
 
-def export(checkpoint: str | Path, output: str | Path) -> Path:
+def export(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -> Path:
+    """Write the folder ``output`` from ``checkpoint`` (a step-N folder or a root), whole or not
+    at all (``launch.export_target``); returns the checkpoint folder exported."""
+    final = Path(output)
+    check_output(final, overwrite)  # before any work
+    stage = staging_folder(final)
+    try:
+        folder = _export_into(checkpoint, stage)
+        swap_in(stage, final)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return folder
+
+
+def _export_into(checkpoint: str | Path, output: Path) -> Path:
     """Write ``output`` from ``checkpoint`` (a step-N folder or a root); returns the folder."""
     folder = Path(checkpoint)
     if not (folder / "meta.json").is_file():
@@ -48,27 +68,22 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
             raise ValueError(f"{folder} is neither a checkpoint (step-N with meta.json) nor a "
                              f"folder holding one; pass RUN/checkpoints/step-N")
         folder = found
+    check_checkpoint(folder)
     meta = read_meta(folder)
-    vl = "vision" in meta["model_config"]
-    cfg = (vl_config_from_dict if vl else lambda d: ModelConfig(**d))(meta["model_config"])
+    family = meta_family(meta)
+    cfg = family.config_from_dict(meta["model_config"])
     state = ParallelState()
-    model = (build_vl_model if vl else build_model)(cfg, state, device="cpu")
+    model = family.build(cfg, state, device="cpu")
     cpu = torch.device("cpu")
     TrainState(model, None, LogicalLayout(cfg, 1, 0), state, RNGTracker(cpu), cpu).restore(
         folder, same_layout=False)
-    if vl:
-        export_hf_vl(model, state, output)
-    else:
-        bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
-        export_hf(model, cfg, state, output, progress=lambda done, total: bar.update(done))
-        bar.close()
-    tokenizer = run_tokenizer(meta.get("config", {}))
-    if vl and tokenizer is not None and tokenizer.is_file():
-        # the SentencePiece model and tokenizer.json naming the four vision ids after its vocab
-        shutil.copyfile(tokenizer, Path(output) / "tokenizer.json")
-        shutil.copyfile(tokenizer.parent / "tokenizer.model", Path(output) / "tokenizer.model")
-    elif tokenizer is not None and tokenizer.is_file():
-        shutil.copyfile(tokenizer, Path(output) / "tokenizer.model")
+    bar = ProgressBar(f"exporting to {output}", len(list(model.parameters())), "tensors")
+    family.export_hf(model, state, output, progress=lambda done, total: bar.update(done))
+    bar.close()
+    vl = family.modality == "image-text"
+    tokenizer = run_tokenizer(meta.get("config", {}), vl)
+    if tokenizer is not None and tokenizer.is_file():
+        write_tokenizer(tokenizer, vl, Path(output))
     elif tokenizer is not None:
         logging.warning("the run's tokenizer %s is not there (run from the training folder to "
                         "copy it); exported the weights without it", tokenizer)
@@ -76,10 +91,19 @@ def export(checkpoint: str | Path, output: str | Path) -> Path:
     return folder
 
 
-def run_tokenizer(config: dict) -> Path | None:
-    """The SentencePiece model a run trained with (from its saved config), or None."""
+def meta_family(meta: dict) -> Family:
+    """The model family a checkpoint was saved from (``meta.json``'s ``model_family``; saved
+    before families were named: a ``vision`` field means qwen2_vl, else llama)."""
+    name = meta.get("model_family") or ("qwen2_vl" if "vision" in meta["model_config"]
+                                         else "llama")
+    return family_named(name)
+
+
+def run_tokenizer(config: dict, vl: bool) -> Path | None:
+    """The SentencePiece model a run trained with (from its saved config; ``vl``: the model
+    takes images, so the VL tokenizer), or None."""
     data = config.get("data") or {}
-    if (config.get("model") or {}).get("vision") is not None or data.get("vl_paths"):
+    if vl or data.get("vl_paths"):
         return _vl_tokenizer(data)
     if data.get("paths"):
         return Path(data["tokenizer"]) if data.get("tokenizer") else None
@@ -99,6 +123,17 @@ def _vl_tokenizer(data: dict) -> Path | None:
     return default_folder(data["cache_dir"], data["default_vocab_size"]) / "tokenizer.json"
 
 
+def write_tokenizer(tokenizer: Path, vl: bool, output: Path) -> None:
+    """``tokenizer.model`` and the Hugging Face tokenizer files (AutoTokenizer gives our ids;
+    a VL run's four vision ids are added tokens); a model they cannot mirror gets only the
+    ``.model`` and a warning."""
+    tok = VLTokenizer.load(tokenizer) if vl else Tokenizer(tokenizer)
+    try:
+        tok.write_hf_tokenizer(output)
+    except ValueError as e:
+        logging.warning("%s; exported tokenizer.model without the transformers files", e)
+
+
 def normal_modes(folder: Path) -> None:
     """0755 on ``folder`` and its sub-folders, 0644 on its files."""
     folder.chmod(0o755)
@@ -109,10 +144,15 @@ def normal_modes(folder: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="RUN/checkpoints/step-N")
-    parser.add_argument("--output", required=True, help="Hugging Face folder to write")
+    parser.add_argument("--output", required=True,
+                        help="Hugging Face folder to write: new or empty (see --overwrite); "
+                             "never a run folder or a checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export in --output (a folder holding only "
+                             "files an export writes), whole")
     args = parser.parse_args(argv)
     try:
-        folder = export(args.checkpoint, args.output)
+        folder = export(args.checkpoint, args.output, args.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

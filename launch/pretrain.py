@@ -36,7 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mpcore.build import resolve_model_config
+from mpcore.build import resolved_section
 from mpcore.cli import config_help, parse_args, resolved_yaml
 from mpcore.config import load_config
 from mpcore.processes import (
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             if rank == 0:
-                print(resolved_yaml(resolve_model_config(cfg)[0]), end="")
+                print(resolved_yaml(resolved_section(cfg)), end="")
             return 0
         store = init_distributed(cfg.parallel.init_timeout_s)
         source = f"{args.config}" + (f" + {args.overrides}" if args.overrides else "")

@@ -20,12 +20,16 @@ the M-RoPE positions and vision rows), splits it over its cp ranks (zigzag when 
 model (tp-sharded; every cp rank gets the replica's whole pixel_values), gathers the per-token
 outputs back to stream order over cp, and rank 0 collects every replica's results and writes
 them in input order. CUDA when available (nccl), else CPU (gloo).
+
+The output (launch/score_output.py) is never the input file, under any name or link; one
+score.py at a time writes it (a lock beside it, ``.<name>.lock``, names the holder); and it is
+replaced whole at the end, so a killed run leaves the previous file. A blank input line is an
+error: output line i belongs to input line i.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,48 +39,14 @@ import torch
 import torch.distributed as dist
 
 from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
-from models import (
-    Transformer,
-    config_from_hf,
-    is_vl_config,
-    load_hf_model,
-    load_hf_vl_model,
-    local_vl_inputs,
-    vl_config_from_hf,
-)
-from models.hf_config import read_hf_config
-from parallel.context import ContextPlan, split_batch
-from parallel.labels import LabelShifter, position_ids
+from launch.score_output import check_paths, lock_output, write_output
+from models import family_of, family_of_hf, read_hf_config
+from mpcore.checkpoint import from_rank0
 from parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                 loss_mask: torch.Tensor | None = None, sequence_parallel: bool = False
-                 ) -> tuple[ContextPlan, dict]:
-    """The cp plan of one packed stream and this rank's model inputs (keyword arguments of
-    ``Transformer.forward`` except ``output``): labels shifted on the GLOBAL stream, then every
-    per-token tensor split together (zigzag when cp > 1; local length a multiple of tp under SP).
-
-    ``input_ids [T]`` int, ``cu_seqlens [D+1]`` int (non-empty documents), ``loss_mask [T]``
-    bool or None. Label t is ``input_ids[t+1]`` (ignored at each document's last token).
-    """
-    total = input_ids.numel()
-    labels = LabelShifter()(input_ids, cu_seqlens, loss_mask)
-    layout = "zigzag" if state.cp > 1 else "contiguous"
-    plan = ContextPlan(cu_seqlens, total, state.cp, layout,
-                       pad_multiple=state.tp if sequence_parallel else 1)
-    batch = {"input_ids": input_ids, "labels": labels,
-             "position_ids": position_ids(cu_seqlens, total).to(input_ids.device),
-             "cu_seqlens": cu_seqlens}
-    local = split_batch(batch, plan, state.cp_rank)
-    rank_layout = plan.rank_layout(state.cp_rank)
-    device = input_ids.device
-    return plan, {"input_ids": local["input_ids"], "position_ids": local["position_ids"],
-                  "doc_id": rank_layout.doc_id.to(device),
-                  "positions_in_doc": rank_layout.positions_in_doc.to(device),
-                  "cu_seqlens": local["cu_seqlens"], "labels": local["labels"]}
+EPILOG = """exit codes: 0 scored and written; 2 an input or usage error (the message names the
+file, the line or the option, and the fix; --output is left as it was)"""
 
 
 def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
@@ -85,17 +55,15 @@ def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                  image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs [T], entropy [T])`` fp32 of one packed stream, in stream order, on every rank
     of this replica's tp x cp group (collective over ``state.tp_group`` and ``state.cp_group``).
-    Position t scores ``input_ids[t+1]`` (0 at each document's last token). A ``VLModel``
-    (``model.cfg`` a ``VLConfig``) also takes the stream's ``pixel_values [N, patch_dim]`` and
-    ``image_grid_thw [I, 3]`` (every image of the stream, in placeholder order; may be None)."""
-    if isinstance(model, Transformer):
-        plan, inputs = local_inputs(state, input_ids, cu_seqlens, loss_mask,
-                                    model.sequence_parallel)
-    else:
-        plan, inputs = local_vl_inputs(state, input_ids, cu_seqlens, model.cfg,
-                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+    Position t scores ``input_ids[t+1]`` (0 at each document's last token). A vision-language
+    model also takes the stream's ``pixel_values [N, patch_dim]`` and ``image_grid_thw [I, 3]``
+    (every image of the stream, in placeholder order; may be None). The model's family
+    (``models.family_of(model.cfg)``) makes this rank's inputs."""
+    family = family_of(model.cfg)
+    plan, inputs = family.local_inputs(state, input_ids, cu_seqlens, model.cfg,
                                        loss_mask=loss_mask,
-                                       sequence_parallel=model.sequence_parallel)
+                                       sequence_parallel=model.sequence_parallel,
+                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     with torch.no_grad():
         logprobs, entropy = model(**inputs, output="logprobs", temperature=temperature)
     return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group)
@@ -146,12 +114,14 @@ def score_sequences(model, state: ParallelState, sequences: list[list[int]],
 
 def checkpoint_spec(folder: Path) -> InputSpec:
     """What the checkpoint at ``folder`` accepts, from its config.json alone (no weights):
-    a Qwen2-VL / Qwen2.5-VL checkpoint takes images, a decoder text only. ``ValueError`` for
-    architectures that neither loader supports."""
-    if is_vl_config(folder):
-        return vl_spec(vl_config_from_hf(folder), folder)
-    cfg = config_from_hf(folder)
-    archs = read_hf_config(folder).get("architectures") or ["?"]
+    a vision-language family's checkpoint takes images, a decoder's text only. ``ValueError``
+    for architectures no family supports."""
+    hf = read_hf_config(folder)
+    family = family_of_hf(hf)
+    cfg = family.config_from_hf(hf)
+    if family.modality == "image-text":
+        return vl_spec(cfg, folder)
+    archs = hf.get("architectures") or ["?"]
     return InputSpec(vocab_size=cfg.vocab_size, checkpoint=f"{folder} ({archs[0]})")
 
 
@@ -176,16 +146,34 @@ def gather_in_order(results: list[dict], mine: list[int], state: ParallelState,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-checkpoint", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--input", type=Path, required=True)
-    parser.add_argument("--output", type=Path, required=True)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EPILOG)
+    parser.add_argument("--hf-checkpoint", type=Path, required=True, metavar="DIR",
+                        help="Hugging Face checkpoint folder (config.json + *.safetensors): a "
+                             "Llama 3 / Qwen2 / Qwen3 decoder or a Qwen2-VL / Qwen2.5-VL model")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree (default 1); tp * cp must divide the "
+                             "number of processes, the rest are data-parallel replicas")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree (default 1): each packed stream is split "
+                             "over cp ranks (zigzag when cp > 1)")
+    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring",
+                        help="context-parallel attention when cp > 1 (default ring; ulysses "
+                             "needs heads divisible by cp)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="weights and compute dtype (default float32); outputs are float32")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="Megatron sequence parallelism inside the tp group (same results)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="divide the logits by this before log-softmax (default 1.0)")
+    parser.add_argument("--input", type=Path, required=True, metavar="IN.jsonl",
+                        help='one JSON object per line, {"input_ids": [...]} with optional '
+                             '"loss_mask" and images (see above); no blank lines: output line '
+                             "i belongs to input line i")
+    parser.add_argument("--output", type=Path, required=True, metavar="OUT.jsonl",
+                        help='one {"logprobs": [...], "entropy": [...]} per input line, in '
+                             "order; replaced whole when the run ends (never the input file; "
+                             "one score.py per output at a time)")
     return parser.parse_args(argv)
 
 
@@ -201,31 +189,41 @@ def setup() -> torch.device:
     return device
 
 
-def load_model(args: argparse.Namespace, spec: InputSpec, state: ParallelState,
-               device: torch.device):
-    """The ``Transformer`` or ``VLModel`` of the checkpoint, tp-sharded, in eval mode."""
-    load = load_hf_vl_model if spec.vl else load_hf_model
+def load_model(args: argparse.Namespace, state: ParallelState, device: torch.device):
+    """The checkpoint's model (its family's loader), tp-sharded, in eval mode."""
+    load = family_of_hf(args.hf_checkpoint).load_hf
     model, _ = load(args.hf_checkpoint, state, cp_mode=args.cp_mode,
                     sequence_parallel=args.sequence_parallel, device=device,
                     dtype=DTYPES[args.dtype])
     return model.eval()
 
 
-def write_output(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+def claim_output(args: argparse.Namespace, state: ParallelState):
+    """Refuse an output that is the input (every rank), lock it (rank 0; ``launch.score_output``):
+    before the model loads. Returns the lock (rank 0) or None. Collective."""
+    check_paths(args.input, args.output)
+    lock, error = None, None
+    if state.rank == 0:
+        try:
+            lock = lock_output(args.output)
+        except ValueError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error:
+        raise ValueError(error)
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = setup()
+    lock = None
     try:
         state = ParallelState.build(args.tp, args.cp)
+        lock = claim_output(args, state)
         spec = checkpoint_spec(args.hf_checkpoint)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
-        model = load_model(args, spec, state, device)
+        model = load_model(args, state, device)
         start = time.perf_counter()
         mine = list(range(state.dp_rank, len(items), state.dp))
         results = score_items(model, state, [items[i] for i in mine], device, args.temperature)
@@ -242,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        if lock is not None:
+            lock.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -115,14 +115,19 @@ class ScoreItem:
 
 
 def read_input(path: str | Path, spec: InputSpec) -> list[ScoreItem]:
-    """Every line of the JSONL file at ``path`` as a ``ScoreItem``, in order (blank lines are
-    skipped). ``ValueError`` naming ``path:line`` and the fix on the first bad line."""
+    """Every line of the JSONL file at ``path`` as a ``ScoreItem``, in order. ``ValueError``
+    naming ``path:line`` and the fix on the first bad line; a blank line is one (output line i
+    belongs to input line i, so a skipped line would shift every later output)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--input {path}: no such file; pass a JSONL file with one "
                          f'{{"input_ids": [...]}} per line')
     items, cache = [], {}
-    for _, where, row, problem in json_lines(path):
+    for _, where, row, problem in json_lines(path, skip_blank=False):
+        if problem == "a blank line":
+            raise ValueError(f"{where}: a blank line; output line i belongs to input line i, so "
+                             f"every line must be one JSON object: delete the line, or write "
+                             f'{{"input_ids": []}} for an empty sequence')
         if problem:
             raise ValueError(f"{where}: {problem}; each line must be one JSON object such as "
                              f'{{"input_ids": [1, 2, 3]}}')

@@ -1,23 +1,37 @@
-"""Decoder-only models (Llama 3, Qwen2, Qwen3 by config) and vision-language models (Qwen2-VL,
-Qwen2.5-VL) on TP/SP/CP layers; Hugging Face import/export."""
+"""Model families on TP/SP/CP layers, with Hugging Face import/export.
 
-from models.config import ModelConfig
-from models.hf import export_hf, load_hf_model, load_hf_weights
-from models.hf_config import config_from_hf, hf_config_dict
-from models.transformer import Transformer, build_model
-from models.vision import VisionConfig, VisionTower
-from models.vl import VLModel, build_vl_model
-from models.vl_config import (
+``models.common`` holds the shared blocks; each family is a folder with one registry entry
+(``models.registry``): ``llama`` (Llama 3, Qwen2, Qwen3 by config) and ``qwen2_vl``
+(Qwen2-VL, Qwen2.5-VL). The names below are the public surface.
+"""
+
+from models.common.config import ModelConfig
+from models.common.decoder import Transformer, build_model
+from models.common.family import Family
+from models.common.hf_io import read_hf_config
+from models.common.inputs import local_text_inputs
+from models.llama import config_from_hf, export_hf, hf_config_dict, load_hf_model, load_hf_weights
+from models.qwen2_vl import (
+    VisionConfig,
+    VisionTower,
     VLConfig,
+    VLModel,
+    build_vl_model,
+    export_hf_vl,
     hf_vl_config_dict,
     is_vl_config,
+    load_hf_vl_model,
+    load_hf_vl_weights,
+    local_vl_inputs,
     vl_config_from_dict,
     vl_config_from_hf,
+    vl_inputs,
 )
-from models.vl_hf import export_hf_vl, load_hf_vl_model, load_hf_vl_weights
-from models.vl_inputs import local_vl_inputs, vl_inputs
+from models.registry import FAMILIES, family_named, family_of, family_of_hf
 
 __all__ = [
+    "FAMILIES",
+    "Family",
     "ModelConfig",
     "Transformer",
     "VLConfig",
@@ -29,6 +43,9 @@ __all__ = [
     "config_from_hf",
     "export_hf",
     "export_hf_vl",
+    "family_named",
+    "family_of",
+    "family_of_hf",
     "hf_config_dict",
     "hf_vl_config_dict",
     "is_vl_config",
@@ -36,7 +53,9 @@ __all__ = [
     "load_hf_vl_model",
     "load_hf_vl_weights",
     "load_hf_weights",
+    "local_text_inputs",
     "local_vl_inputs",
+    "read_hf_config",
     "vl_config_from_dict",
     "vl_config_from_hf",
     "vl_inputs",

@@ -5,10 +5,13 @@
    weight, and a resumable loader of this dp rank's micro-batches. With
    ``data.valid_fraction = f`` the last ``ceil(f * documents)`` documents of every dataset are
    packed apart (``PackedDataset(docs=...)``) into the validation loader and never trained on.
+   :func:`data_loaders` picks them, or the image-text ones (``mpcore.vl_data``), by the model
+   family's modality.
 2. :func:`local_inputs`: one micro-batch, a packed stream of ``T = micro_batch * seq_len``
    tokens (``input_ids [T]``, ``cu_seqlens [D+1]``, ``position_ids [T]``), becomes the model's
-   keyword arguments for this cp rank. Labels are shifted ONCE on the GLOBAL stream
-   (``LabelShifter``), then a ``ContextPlan`` splits ids, labels and positions together: each
+   keyword arguments for this cp rank through its family's ``local_inputs``. Labels are shifted
+   ONCE on the GLOBAL stream (``LabelShifter``), then a ``ContextPlan`` splits ids, labels and
+   positions (and, for a VL family, M-RoPE rows and vision rows) together: each
    cp rank gets ``L`` tokens (padded so ``L`` is a multiple of tp under sequence parallelism)
    and their attention metadata (``doc_id [L]``, ``positions_in_doc [L]``, local ``cu_seqlens``).
    Every tp rank of a cp rank builds the same inputs.
@@ -17,22 +20,24 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kernels import host_checked
+from models import Family
 from mpcore.config import Config
 from mpcore.data import (
     BlendedDataset,
     DataLoader,
+    DataSummary,
     IndexedDataset,
     PackedDataset,
     Tokenizer,
     prepare_default,
 )
-from parallel import ContextPlan, LabelShifter, split_batch
+from mpcore.vl_data import build_vl_loaders
+from parallel.labels import IGNORE_INDEX
 from parallel.state import ParallelState
 
 
@@ -49,18 +54,6 @@ def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
                          f"model.vocab_size")
     tokenizer, prefix = prepare_default(data.cache_dir, data.default_vocab_size)
     return tokenizer, [prefix]
-
-
-@dataclass(frozen=True)
-class DataSummary:
-    """What the loaders read: documents, tokens (without EOS) and packed samples."""
-
-    num_docs: int
-    num_tokens: int
-    num_samples: int
-    valid_docs: int = 0
-    valid_tokens: int = 0
-    valid_samples: int = 0
 
 
 def _held_out(ds: IndexedDataset, fraction: float) -> int:
@@ -129,33 +122,36 @@ def _blend(packed: list[PackedDataset], weights: list[float], seed: int):
     return BlendedDataset(packed, weights or [1.0] * len(packed), seed)
 
 
+def data_loaders(cfg: Config, state: ParallelState, family: Family):
+    """``(train loader, validation loader or None, summary, token ids or None)`` of the data the
+    family trains on (its ``modality``): text datasets, or image-text ones blended with text
+    (``mpcore.vl_data``), whose tokenizer names the special ids the model takes."""
+    if family.modality == "image-text":
+        loader, valid, summary, tok = build_vl_loaders(cfg, state)
+        return loader, valid, summary, tok.token_ids()
+    if cfg.data.vl_paths:
+        raise ValueError(f"data.vl_paths {cfg.data.vl_paths} holds image-text data but the model "
+                         f"has no vision tower (family {family.name}); choose a vision-language "
+                         f"family (model.family, model.vision or a VL model.init_from), or "
+                         f"train a text model on data.paths")
+    return (*build_loaders(cfg, state), None)
+
+
 def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Config,
-                 device: torch.device, shifter: LabelShifter,
-                 model_cfg=None) -> dict[str, torch.Tensor]:
+                 device: torch.device, family: Family, model_cfg) -> dict[str, torch.Tensor]:
     """Model keyword arguments of this cp rank for one global micro-batch ``batch``.
 
-    Returns ``input_ids, position_ids, labels, doc_id, positions_in_doc [L]`` and local
-    ``cu_seqlens [S+1]`` on ``device`` (the module docstring says how they are made). A VL
-    micro-batch (with ``pixel_values``) goes to ``mpcore.vl_build.vl_local_inputs`` with the
-    run's ``VLConfig`` ``model_cfg``.
+    The family's ``local_inputs`` shifts labels on the GLOBAL stream and splits every
+    per-token tensor with one ``ContextPlan`` (module docstring); the results go to
+    ``device`` (``to_device``) except the family's host-side planning inputs.
     """
-    if "pixel_values" in batch:
-        from mpcore.vl_build import vl_local_inputs  # vl_build imports this module
-
-        return vl_local_inputs(batch, state, cfg, device, model_cfg)
-    ids, cu = batch["input_ids"], batch["cu_seqlens"]
-    labels = shifter(ids, cu)  # (T,) on the global stream, before any split
     sp = cfg.parallel.sequence_parallel and state.tp > 1
-    layout = cfg.parallel.cp_layout if state.cp > 1 else "contiguous"
-    plan = ContextPlan(cu, ids.numel(), state.cp, layout, pad_multiple=state.tp if sp else 1)
-    local = split_batch({"input_ids": ids, "labels": labels,
-                         "position_ids": batch["position_ids"]}, plan, state.cp_rank)
-    rank_layout = plan.rank_layout(state.cp_rank)
-    out = {"input_ids": local["input_ids"], "position_ids": local["position_ids"],
-           "labels": local["labels"], "doc_id": rank_layout.doc_id,
-           "positions_in_doc": rank_layout.positions_in_doc,
-           "cu_seqlens": rank_layout.cu_seqlens}
-    return to_device(out, device, shifter.ignore_index)
+    _, local = family.local_inputs(
+        state, batch["input_ids"], batch["cu_seqlens"], model_cfg,
+        loss_mask=batch.get("loss_mask"), sequence_parallel=sp, layout=cfg.parallel.cp_layout,
+        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"))
+    host = {k: local.pop(k) for k in family.host_inputs}
+    return {**to_device(local, device, IGNORE_INDEX), **host}
 
 
 def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,

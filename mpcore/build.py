@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import ModelConfig, build_model, config_from_hf, load_hf_model
+from models import Family, ModelConfig, family_named, family_of, family_of_hf, read_hf_config
 from mpcore.backends import resolve_linear_backend, use_te
-from mpcore.batches import DataSummary, build_loaders
+from mpcore.batches import data_loaders
 from mpcore.config import Config
-from mpcore.data import DataLoader
+from mpcore.data import DataLoader, DataSummary
 from mpcore.logical import LogicalLayout
 from mpcore.optim import GradNorm, build_optimizer
 from mpcore.train_state import TrainState
@@ -56,6 +56,7 @@ class Run:
     tracker: RNGTracker
     valid_loader: DataLoader | None = None  # held-out documents (data.valid_fraction)
     data: DataSummary | None = None  # None when the caller passed its own loader
+    family: Family | None = None  # the model's registry entry (models.registry)
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -86,21 +87,56 @@ def setup(cfg: Config, source: str = "the config") -> ParallelState:
     return ParallelState.build(tp, cp)
 
 
-def resolve_model_config(cfg: Config) -> tuple[Config, ModelConfig]:
-    """The model's config (from ``model.init_from``'s config.json when set), checked against
-    the parallel layout; returns ``cfg`` with the model section made to match (and None for
-    a vision-language run, whose config ``mpcore.vl_build`` makes)."""
+def run_family(cfg: Config) -> Family:
+    """The model family of ``cfg``: ``model.family``, or with ``auto`` the family of
+    ``model.init_from``'s config.json, else ``qwen2_vl`` when ``model.vision`` is set, else
+    ``llama``. A named family that disagrees with the checkpoint is refused."""
     m = cfg.model
-    from mpcore.vl_build import is_vl_run  # vl_build imports this module
+    found = family_of_hf(m.init_from) if m.init_from else None
+    if m.family == "auto":
+        if found is not None:
+            return found
+        return family_named("qwen2_vl" if m.vision is not None else "llama")
+    family = family_named(m.family)
+    if found is not None and found is not family:
+        raise ValueError(f"model.family={m.family} but model.init_from={m.init_from} is a "
+                         f"{found.name} checkpoint; set model.family={found.name} (or auto)")
+    return family
 
-    if is_vl_run(cfg):  # the VLConfig needs the data's token ids: mpcore.vl_build.build_vl
-        return cfg, None
+
+def _section_of(cfg: Config, model_cfg) -> Config:
+    """``cfg`` with the model section's decoder fields those of a decoder-only checkpoint's
+    config (a VL family's config is not the section's shape: the section stays)."""
+    if not isinstance(model_cfg, ModelConfig):
+        return cfg
+    fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+
+
+def resolved_section(cfg: Config) -> Config:
+    """``cfg`` as the run resolves it before any data is read (``--print-config``)."""
+    if not cfg.model.init_from:
+        return cfg
+    return _section_of(cfg, run_family(cfg).config_from_hf(read_hf_config(cfg.model.init_from)))
+
+
+def resolve_model_config(cfg: Config, family: Family | None = None,
+                         token_ids: dict | None = None) -> tuple[Config, object]:
+    """The model's config (from ``model.init_from``'s config.json when set, else from the
+    model section; ``token_ids``: the data tokenizer's special ids, which a checkpoint must
+    share), checked against the parallel layout. Returns ``cfg`` with the model section made
+    to match a decoder-only checkpoint, and the family's config."""
+    m, family = cfg.model, family or run_family(cfg)
     if m.init_from:
-        model_cfg = config_from_hf(m.init_from)
-        fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ModelConfig)}
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **fields))
+        model_cfg = family.config_from_hf(read_hf_config(m.init_from))
+        cfg = _section_of(cfg, model_cfg)
+        theirs = {k: getattr(model_cfg, k, None) for k in token_ids or {}}
+        if token_ids and theirs != token_ids:
+            raise ValueError(f"model.init_from {m.init_from} uses token ids {theirs} but the "
+                             f"data was prepared with {token_ids}; prepare the data with the "
+                             f"checkpoint's tokenizer")
     else:
-        model_cfg = ModelConfig(**m.shape_fields())
+        model_cfg = family.config_from_section(m, token_ids)
     p = cfg.parallel
     try:
         model_cfg.check_parallel(p.tp, p.cp, p.cp_mode if p.cp > 1 else "none")
@@ -144,45 +180,54 @@ def linear_kernels(cfg: Config, device: torch.device) -> tuple[str, str]:
 
 def build(cfg: Config, state: ParallelState, device: torch.device,
           loader: DataLoader | None = None) -> Run:
-    """Model, data parallelism, optimizer, loader (``loader`` overrides the config's data).
-    A vision-language run (``model.vision``, or a VL ``model.init_from``) is built by
-    ``mpcore.vl_build.build_vl`` into the same ``Run``."""
-    from mpcore.vl_build import build_vl, is_vl_run  # vl_build imports this module
-
-    if is_vl_run(cfg):
-        return build_vl(cfg, state, device, loader)
-    if cfg.data.vl_paths:
-        raise ValueError(f"data.vl_paths {cfg.data.vl_paths} holds image-text data but the model "
-                         f"has no vision tower; set model.vision (or model.init_from a Qwen2-VL "
-                         f"checkpoint), or train a text model on data.paths")
-    cfg, model_cfg = resolve_model_config(cfg)
+    """Model, data parallelism, optimizer, loader (``loader`` overrides the config's data), for
+    the run's model family (``run_family``): loaders first (data errors surface before a large
+    model is built), then the model from ``model.init_from`` or fresh from ``training.seed``."""
+    family = run_family(cfg)
+    valid_loader = summary = token_ids = None
+    if loader is None:
+        loader, valid_loader, summary, token_ids = data_loaders(cfg, state, family)
+    cfg, model_cfg = resolve_model_config(cfg, family, token_ids)
     p = cfg.parallel
     linear_backend, fp8 = linear_kernels(cfg, device)
     kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1,
                   cp_mode=p.cp_mode if state.cp > 1 else "none",
                   activation_checkpointing=p.activation_checkpointing,
                   attention_backend=cfg.model.attention_backend, fp8=fp8,
-                  device=device, dtype=torch.float32)
-    valid_loader = summary = None
-    if loader is None:  # first: data errors surface before a large model is built
-        loader, valid_loader, summary = build_loaders(cfg, state)
+                  device=device, dtype=torch.float32,
+                  **{name: getattr(cfg.model, name) for name in family.options})
     tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
     if cfg.model.init_from:
         try:
-            model, _ = load_hf_model(cfg.model.init_from, state, **kwargs)
+            model, _ = family.load_hf(cfg.model.init_from, state, **kwargs)
         except ValueError as e:
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:
-        model = build_model(model_cfg, state, seed=cfg.training.seed, **kwargs)
-    if linear_backend == "te":
-        use_te(model.layers, cfg.model.fp8)
+        model = family.build(model_cfg, state, seed=cfg.training.seed, **kwargs)
+    if linear_backend == "te":  # the decoder's linears (a vision tower stays native)
+        use_te(family.decoder(model).layers, cfg.model.fp8)
+    if cfg.model.freeze_vision:
+        freeze_vision(model, family)
     return assemble(cfg, model_cfg, state, device, model, tracker, loader, valid_loader,
-                    summary)
+                    summary, family)
+
+
+def freeze_vision(model: nn.Module, family: Family) -> int:
+    """Stop training the vision tower (``model.freeze_vision``); returns its parameter count."""
+    tower = family.vision(model)
+    if tower is None:
+        raise ValueError(f"model.freeze_vision=true but the {family.name} family has no vision "
+                         f"tower; set it false")
+    count = 0
+    for param in tower.parameters():
+        param.requires_grad_(False)
+        count += param.numel()
+    return count
 
 
 def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
              model: nn.Module, tracker: RNGTracker, loader, valid_loader=None,
-             summary=None) -> Run:
+             summary=None, family: Family | None = None) -> Run:
     """The ``Run`` around a built ``model`` (decoder or VL): data-parallel wrapping, optimizer
     over the parameters that train, the true global grad norm, the checkpointed train state."""
     layout = LogicalLayout(model_cfg, state.tp, state.tp_rank)
@@ -193,4 +238,4 @@ def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
     grad_norm = GradNorm(model, names, layout, state.tp_group, fsdp, device)
     train_state = TrainState(model, optimizer, layout, state, tracker, device)
     return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,
-               train_state, tracker, valid_loader, summary)
+               train_state, tracker, valid_loader, summary, family or family_of(model_cfg))

@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from mpcore import atomic
+
 DTYPES = ("bfloat16", "float32")
 # parallel.attention.backends.BACKENDS, kernels.fp8_linear.RECIPES + parallel.te.TE_RECIPES and
 # parallel.te.LINEAR_BACKENDS (tests check they agree).
@@ -40,6 +42,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl")  # models.registry.FAMILIES (a test checks they agree)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -88,8 +91,13 @@ class ModelSection:
     max_position_embeddings: int = 8192
     """Longest position the model is meant for (exported to Hugging Face)."""
     init_from: str | None = None
-    """A Hugging Face checkpoint folder to start from (its config.json replaces the shape
-    fields above), or null for a fresh initialisation from training.seed."""
+    """A Hugging Face checkpoint folder (not a file in it) to start from (its config.json
+    replaces the shape fields above), or null for a fresh initialisation from training.seed."""
+    family: str = "auto"
+    """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
+    qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision) or qwen3_vl (Qwen3-VL: needs vision,
+    qk_norm, mrope_interleaved); auto: the family of init_from's config.json, else qwen2_vl
+    when vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
@@ -108,9 +116,12 @@ class ModelSection:
     mrope_section: list[int] | None = None
     """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
     position rows, summing to head_dim / 2; null for plain RoPE."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL's interleaved M-RoPE (models.ModelConfig.mrope_interleaved); needs
+    mrope_section."""
     vision: dict | None = None
     """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
-    models.vision.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
+    models.qwen2_vl.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
     patch_size, ...; out_hidden_size defaults to hidden_size); needs mrope_section. Null: a
     decoder-only model, unless init_from is a Qwen2-VL / Qwen2.5-VL checkpoint."""
     freeze_vision: bool = False
@@ -134,9 +145,14 @@ class ModelSection:
             raise ValueError("model.fp8=tensorwise is mpcore's own kernel (linear_backend "
                              "native); with linear_backend=te use fp8=te_current or te_delayed")
         _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
+        _choice("model", "family", self.family, ("auto", *FAMILIES))
         if self.vision is not None and not isinstance(self.vision, dict):
             raise ValueError(f"model.vision must be a mapping of VisionConfig fields or null, "
                              f"got {self.vision!r}")
+        if self.init_from and Path(self.init_from).is_file():
+            raise ValueError(f"model.init_from={self.init_from} is a file, not a folder; pass the "
+                             f"Hugging Face checkpoint folder that holds config.json and the "
+                             f"weights (here perhaps {Path(self.init_from).parent})")
         if self.vision is not None and self.mrope_section is None and not self.init_from:
             raise ValueError("model.vision is set but model.mrope_section is not; a VL decoder "
                              "uses M-RoPE (e.g. mrope_section: [2, 3, 3] for head_dim 16)")
@@ -144,10 +160,10 @@ class ModelSection:
     def shape_fields(self) -> dict:
         """The keyword arguments of ``models.ModelConfig``: every field but ``init_from``, the
         kernel choices (``attention_backend``, ``fp8``, ``linear_backend``; ``mpcore.build``),
-        and the vision fields (``mpcore.vl_build``)."""
+        and the family's own fields (``model.family``; the vision ones are qwen2_vl's)."""
         out = dataclasses.asdict(self)
-        for name in ("init_from", "attention_backend", "fp8", "linear_backend", "vision",
-                     "freeze_vision", "vision_cp"):
+        for name in ("init_from", "family", "attention_backend", "fp8", "linear_backend",
+                     "vision", "freeze_vision", "vision_cp"):
             del out[name]
         return out
 
@@ -207,7 +223,7 @@ class DataSection:
     """Blend weights, one per path; empty means equal weights."""
     tokenizer: str | None = None
     """The SentencePiece .model that wrote the datasets (its eos id ends each document);
-    required with paths."""
+    required with paths, refused without them (the default corpus uses its own)."""
     cache_dir: str = "runs/data"
     """Where the default corpus is prepared (tokenizer + dataset) on first use."""
     default_vocab_size: int = 2048
@@ -243,6 +259,19 @@ class DataSection:
         if self.paths and not self.tokenizer and not self.vl_paths:
             raise ValueError("data.paths is set but data.tokenizer is not; set data.tokenizer to "
                              "the SentencePiece .model that wrote the datasets")
+        if self.tokenizer and not self.paths and self.vl_paths:
+            raise ValueError(f"data.tokenizer={self.tokenizer} is set with data.vl_paths only; a "
+                             f"VL run uses the tokenizer its datasets were prepared with "
+                             f"(tokenizer.json in each folder), so drop data.tokenizer")
+        if self.tokenizer and not self.paths:
+            # The default corpus is tokenized by the model trained on it (its cache is keyed
+            # by that); a tokenizer given alone would be silently ignored.
+            raise ValueError(
+                f"data.tokenizer={self.tokenizer} is set but data.paths is empty, and the default "
+                f"corpus uses its own tokenizer; to train on the default corpus with yours, "
+                f"prepare it first: python launch/prepare_data.py --input "
+                f"launch/data/default_corpus.jsonl --output-prefix runs/data/mine --tokenizer "
+                f"{self.tokenizer}, then set data.paths=[runs/data/mine]; or drop data.tokenizer")
 
 
 @dataclass(frozen=True)
@@ -621,6 +650,4 @@ def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved ``cfg`` as YAML (every field), atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    atomic.write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,8 +1,8 @@
 """Layout-independent (logical) form of the model's tensors, and per-element norm weights.
 
-A parameter of ``models.Transformer`` (or ``models.VLModel``: ``models.vl_hf.vl_shard_map``) on
-tp rank r is a concatenation, along one dim, of pieces of
-Hugging Face tensors (``models.hf.shard_map``): ``wqkv`` holds rows of q_proj, k_proj and v_proj,
+A parameter of a family's model (its registry entry's ``shard_map``; the decoder's is
+``models.common.decoder_hf.shard_map``) on tp rank r is a concatenation, along one dim, of
+pieces of Hugging Face tensors: ``wqkv`` holds rows of q_proj, k_proj and v_proj,
 ``w13`` rows of gate_proj and up_proj, ``wo``/``w2`` columns of o_proj/down_proj, the embedding
 and untied head rows of a vocab shard padded with zero rows, norms the whole vector. The LOGICAL
 form of a parameter (or of an optimizer state shaped like it) is those HF tensors, full-size,
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from models.config import ModelConfig
-from models.hf import Piece, shard_map
-from models.vl_config import VLConfig
-from models.vl_hf import vl_shard_map
+from models import family_of
+from models.common.hf_io import Piece
 from parallel.collectives import all_gather
 from parallel.state import ProcessGroup
 
@@ -40,9 +38,9 @@ class LogicalLayout:
     ``owners``: our parameter name -> the HF names its pieces come from (in piece order).
     """
 
-    def __init__(self, cfg: ModelConfig | VLConfig, tp: int, tp_rank: int):
+    def __init__(self, cfg, tp: int, tp_rank: int):
         self.cfg, self.tp, self.tp_rank = cfg, tp, tp_rank
-        table = vl_shard_map if isinstance(cfg, VLConfig) else shard_map
+        table = family_of(cfg).shard_map  # the family's HF pieces per tp rank
         self.maps = [table(cfg, tp, r) for r in range(tp)]
         self.hf_shapes: dict[str, tuple[int, ...]] = {}
         self.owners: dict[str, list[str]] = {}

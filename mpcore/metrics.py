@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
-from models.vision import VisionTower
-from models.vl_config import VLConfig
+from models import family_of
 
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -43,36 +41,17 @@ TENSORBOARD_HINT = ('pip install -e ".[tensorboard]" (or pip install tensorboard
                     "logging.tensorboard=false")
 
 
-def num_params(cfg: ModelConfig | VLConfig) -> dict[str, int]:
-    """Logical parameter counts (independent of tp): ``total``, ``embedding``, ``head``; for a
-    vision-language config also ``vision`` (the tower, included in ``total``)."""
-    if isinstance(cfg, VLConfig):
-        with torch.device("meta"):
-            vision = sum(p.numel() for p in VisionTower(cfg.vision).parameters())
-        counts = num_params(cfg.text)
-        return {**counts, "total": counts["total"] + vision, "vision": vision}
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
-    if cfg.qkv_bias:
-        attn += cfg.q_size + 2 * cfg.kv_size
-    if cfg.qk_norm:
-        attn += 2 * d
-    layer = attn + 3 * h * inter + 2 * h
-    embedding = cfg.vocab_size * h
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
-    total = embedding + cfg.num_layers * layer + h + head
-    return {"total": total, "embedding": embedding, "head": head or embedding}
+def num_params(cfg) -> dict[str, int]:
+    """Logical parameter counts (independent of tp) of a family's config: ``total``,
+    ``embedding``, ``head``, and for a vision-language family ``vision`` (in ``total``)."""
+    return family_of(cfg).num_params(cfg)
 
 
-def flops_per_token(cfg: ModelConfig | VLConfig, seq_len: int) -> float:
+def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward; module docstring). For a vision-language
     config, the decoder's only: the tower's work depends on each batch's share of image
     tokens, so TFLOP/s and MFU of VL runs leave it out (they are lower bounds)."""
-    if isinstance(cfg, VLConfig):
-        cfg = cfg.text
-    counts = num_params(cfg)
-    dense = counts["total"] - (counts["embedding"] if not cfg.tie_embeddings else 0)
-    return 6.0 * dense + 12.0 * cfg.num_layers * cfg.q_size * seq_len
+    return family_of(cfg).flops_per_token(cfg, seq_len)
 
 
 def peak_flops(device: torch.device, dtype: str) -> float | None:

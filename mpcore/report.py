@@ -21,7 +21,7 @@ from torch import nn
 from mpcore.batches import local_inputs
 from mpcore.build import Run
 from mpcore.metrics import num_params
-from parallel import LabelShifter, global_valid_count
+from parallel import global_valid_count
 from parallel.loss import sum_over_group
 
 
@@ -98,13 +98,13 @@ class Clock:
 
 
 @torch.no_grad()
-def validation_loss(run: Run, shifter: LabelShifter) -> float:
+def validation_loss(run: Run) -> float:
     """Global mean validation loss (module docstring); call it on every rank."""
     loader, s = run.valid_loader, run.state
     position = loader.state_dict()
     loader.load_state_dict({**position, "epoch": 0, "consumed": 0})
     num = min(run.cfg.training.eval_batches, loader.steps_per_epoch)  # each sample once
-    inputs = [local_inputs(next(loader), s, run.cfg, run.device, shifter, run.model_cfg)
+    inputs = [local_inputs(next(loader), s, run.cfg, run.device, run.family, run.model_cfg)
               for _ in range(num)]
     count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,

@@ -15,8 +15,9 @@ Refused (they change the data order or what a step means), listed as ``key: save
                                  decay, min_lr_ratio
     model.*                      the model (the vision tower and freeze_vision included), but
                                  for choices of kernels or layout that compute the same model:
-                                 init_from, max_position_embeddings, attention_backend, fp8,
-                                 linear_backend, vision_cp
+                                 init_from, family (auto or the name it resolves to: the
+                                 fields say what the model is), max_position_embeddings,
+                                 attention_backend, fp8, linear_backend, vision_cp
 A key named in ``checkpoint.accept_changes`` is accepted instead (logged).
 
 Allowed and logged: everything else (logging.*, checkpoint.every / keep_last, the parallel
@@ -40,7 +41,7 @@ from mpcore.config import Config, to_dict
 
 _WHOLE_BELOW = 8 << 20
 _BLOCKS, _BLOCK = 64, 64 << 10
-_EXEMPT_MODEL = ("init_from", "max_position_embeddings", "attention_backend", "fp8",
+_EXEMPT_MODEL = ("init_from", "family", "max_position_embeddings", "attention_backend", "fp8",
                  "linear_backend", "vision_cp")
 REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction",
            "data.vl_drop_long", "training.seed", "schedule.warmup_steps", "schedule.decay",
@@ -69,14 +70,15 @@ def data_fingerprint(cfg: Config) -> dict:
     ``mpcore.data.vl_dataset.folder_fingerprint``) and its tokenizer is the first folder's."""
     # The data layer, imported only when fingerprinting (it imports the model side).
     from mpcore.batches import dataset_sources
+    from mpcore.build import run_family
     from mpcore.data.vl_dataset import folder_fingerprint
-    from mpcore.vl_build import is_vl_run, vl_sources
+    from mpcore.vl_data import vl_sources
 
     def text(prefixes):
         return [f"{file_fingerprint(f'{p}.bin')}; idx {file_fingerprint(f'{p}.idx')}"
                 for p in prefixes]
 
-    if is_vl_run(cfg):
+    if run_family(cfg).modality == "image-text":
         folders, prefixes, _ = vl_sources(cfg)
         return {"tokenizer": file_fingerprint(folders[0] / "tokenizer.json"),
                 "datasets": text(prefixes),

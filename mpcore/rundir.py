@@ -1,38 +1,40 @@
 """One run per run directory, and a ``metrics.jsonl`` that matches the checkpoint resumed.
 
-:class:`RunLock`: rank 0 holds ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<run_dir>/.lock`` (and on
-``<checkpoint dir>/.lock`` when the checkpoints live elsewhere) for the whole run; the file holds
-the holder's pid and host. A second run on the same folder refuses, naming them. The kernel
-drops the lock when the holder exits, however it exits (kill -9 included), so a stale lock file
-never blocks a rerun. flock works on local filesystems and NFSv4; where the filesystem does not
-support it (Lustre without ``-o flock``) the run warns once and goes on unprotected.
+:class:`RunLock`: rank 0 holds an exclusive lock (``mpcore.lockfile``) on ``<run_dir>/.lock``
+(and on ``<checkpoint dir>/.lock`` when the checkpoints live elsewhere) for the whole run; the
+file holds the holder's pid and host. A second run on the same folder refuses, naming them.
 
 :func:`claim_run_dir` also applies the start-over policy: a run that will not resume
 (``checkpoint.resume=false``) in a folder that holds checkpoints refuses, unless
-``checkpoint.overwrite=true``, which deletes them and ``metrics.jsonl`` first.
+``checkpoint.overwrite=true``, which deletes them and ``metrics.jsonl`` first. So does a run
+whose checkpoint dir holds no checkpoint while the run folder shows an earlier run that saved
+some (:func:`_earlier_run`: its ``config.yaml`` names another checkpoint dir that holds them,
+``<run_dir>/checkpoints`` holds them, or ``metrics.jsonl`` has rows past a save point): starting
+at step 0 there would cut that run's ``metrics.jsonl`` back, so it is refused, not done.
 
 :func:`rewrite_metrics`: after a resume at step S, rows with ``step > S`` (steps that will be
-run again) and any torn last line are dropped, by writing a new file and renaming it over the
-old one, so each step appears once.
+run again) are dropped, by writing a new file and renaming it over the old one, so each step
+appears once. A line that is not a row (a torn last line after a crash, or a line damaged in
+the middle) is never dropped unseen: it moves, byte for byte, to ``metrics.jsonl.corrupt-N``
+and a warning names its line number and that file; the rows after it stay.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
-import os
 import shutil
-import socket
 from pathlib import Path
 
-from mpcore import atomic
+import yaml
+
+from mpcore import atomic, lockfile
 from mpcore.checkpoint import LATEST, from_rank0, step_folders
 from mpcore.config import Config
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
+METRICS = "metrics.jsonl"
 
 
 class RunLock:
@@ -50,26 +52,14 @@ class RunLock:
     def _take(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / LOCK
-        f = open(path, "a+")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                f.close()
-                log.warning("cannot lock %s (%s): this filesystem lacks flock, so nothing stops "
-                            "a second run on this folder", path, e)
-                return
-            f.seek(0)
-            holder = f.read().strip() or "unknown pid"
-            f.close()
-            raise ValueError(f"{folder} is in use by another run ({holder}, lock {path}); wait "
+            f = lockfile.take(path)
+        except lockfile.LockBusy as e:
+            raise ValueError(f"{folder} is in use by another run ({e.holder}, lock {path}); wait "
                              f"for it to finish or stop it, or give this run its own folder "
                              f"(logging.run_dir=... / checkpoint.dir=...)") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-        f.flush()
-        self.files.append(f)
+        if f is not None:
+            self.files.append(f)
 
     def release(self) -> None:
         """Unlock (the file stays: deleting it would race with a run taking it)."""
@@ -98,13 +88,61 @@ def _start_over(cfg: Config) -> None:
                 "metrics.jsonl; training starts at step 0", root)
 
 
+def _saved_config(run_dir: Path) -> dict:
+    """The earlier run's ``config.yaml`` as a dict ({} when absent or unreadable)."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _proven_save(rows: list[dict], every: int) -> int | None:
+    """A step whose checkpoint must have been saved, going by the metrics rows: saves run every
+    ``every`` steps, synchronously, so a row past step k proves the save at k finished unless a
+    non-finite streak skipped it (row k has a null loss or grad norm)."""
+    if every <= 0 or not rows:
+        return None
+    by_step = {row["step"]: row for row in rows}
+    for k in range(every, max(by_step), every):
+        row = by_step.get(k)
+        if row is None or (row.get("loss") is not None and row.get("grad_norm") is not None):
+            return k
+    return None
+
+
+def _earlier_run(cfg: Config) -> str | None:
+    """Why ``cfg``'s run folder holds an earlier run whose checkpoints are not in the checkpoint
+    dir (None when the checkpoint dir has step folders, or there is no such evidence)."""
+    run_dir, root = Path(cfg.logging.run_dir), cfg.checkpoint_dir
+    if step_folders(root):
+        return None
+    if (root / LATEST).exists():
+        return f"{root / LATEST} names a checkpoint that is gone"
+    saved = _saved_config(run_dir)
+    section = saved.get("checkpoint") if isinstance(saved.get("checkpoint"), dict) else {}
+    places = [run_dir / "checkpoints"] + ([Path(section["dir"])] if section.get("dir") else [])
+    for place in places:
+        if place.resolve() != root.resolve() and step_folders(place):
+            return (f"its checkpoints are in {place} (resume them with "
+                    f"checkpoint.dir={place})")
+    rows = [row for _, row in _parse_metrics(run_dir / METRICS)[0]]
+    every = section.get("every", cfg.checkpoint.every)
+    step = _proven_save(rows, every if isinstance(every, int) else 0)
+    if step is not None:
+        return (f"{run_dir / METRICS} has rows up to step {max(r['step'] for r in rows)}, so "
+                f"a checkpoint was saved at step {step} or later, and {root} holds none")
+    return None
+
+
 def _claim(cfg: Config) -> RunLock:
     run_dir, root = Path(cfg.logging.run_dir).resolve(), cfg.checkpoint_dir.resolve()
     lock = RunLock([run_dir] if root.is_relative_to(run_dir) else [run_dir, root])
     try:
         old = holds_checkpoints(cfg.checkpoint_dir)
+        earlier = _earlier_run(cfg)
         if cfg.checkpoint.overwrite:
-            if old:
+            if old or earlier:
                 _start_over(cfg)
         elif old and not cfg.checkpoint.resume:
             raise ValueError(
@@ -112,6 +150,13 @@ def _claim(cfg: Config) -> RunLock:
                 f"earlier run; resume it (checkpoint.resume=true), give this run its own folder "
                 f"(logging.run_dir=...), or delete them and start over with "
                 f"checkpoint.overwrite=true")
+        elif earlier:
+            raise ValueError(
+                f"{cfg.checkpoint_dir} holds no checkpoint, but {cfg.logging.run_dir} holds an "
+                f"earlier run: {earlier}. This run would start at step 0 and cut that run's "
+                f"{METRICS} back; point checkpoint.dir at its checkpoints, give this run its own "
+                f"folder (logging.run_dir=...), or start over in this folder with "
+                f"checkpoint.resume=false checkpoint.overwrite=true")
     except BaseException:
         lock.release()
         raise
@@ -133,23 +178,63 @@ def claim_run_dir(cfg: Config, rank: int) -> RunLock | None:
     return lock
 
 
-def rewrite_metrics(path: Path, step: int) -> int:
-    """Keep the rows of ``path`` with ``step <= step`` (atomically); returns how many were
-    dropped (later steps and torn lines)."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+def _parse_metrics(path: Path) -> tuple[list[tuple[bytes, dict]], list[tuple[int, bytes]], bool]:
+    """``(rows, bad, unterminated)`` of the metrics file at ``path``: each good line (its bytes
+    and its row, an object with an int ``step``), each line that is not one (1-based number,
+    bytes), and whether the last line lacks its newline (a write cut short)."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return [], [], False
+    lines = data.split(b"\n")
+    unterminated = lines[-1] != b""
+    if not unterminated:
+        lines.pop()  # the file ends with a newline, as every whole row does
+    rows, bad = [], []
+    for number, raw in enumerate(lines, 1):
         try:
-            row = json.loads(line)
-            keep = int(row["step"]) <= step
-        except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        atomic.write_text(path, "".join(line + "\n" for line in kept))
+            row = json.loads(raw.decode("utf-8"))
+            ok = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(
+                row["step"], bool)
+        except (UnicodeDecodeError, ValueError):
+            ok = False
+        if ok:
+            rows.append((raw, row))
+        elif raw.strip():
+            bad.append((number, raw))
+    return rows, bad, unterminated and bool(bad) and bad[-1][0] == len(lines)
+
+
+def _keep_aside(path: Path, bad: list[tuple[int, bytes]], torn: bool) -> Path:
+    """Write the ``bad`` lines to ``path.corrupt-N`` (the first N free) and warn, naming it."""
+    n = 1
+    while path.with_name(f"{path.name}.corrupt-{n}").exists():
+        n += 1
+    aside = path.with_name(f"{path.name}.corrupt-{n}")
+    atomic.write_bytes(aside, b"".join(raw + b"\n" for _, raw in bad))
+    numbers = ", ".join(str(number) for number, _ in bad)
+    middle = bad[:-1] if torn else bad
+    if middle:
+        log.warning("%s: line(s) %s are not whole JSON rows (damaged in place); the rows around "
+                    "them are kept, and these lines were moved, byte for byte, to %s", path,
+                    numbers, aside)
+    else:
+        log.warning("%s: the last line (%d) was cut short, as when the process dies while "
+                    "writing it; removed from %s and kept in %s", path, bad[-1][0], path.name,
+                    aside)
+    return aside
+
+
+def rewrite_metrics(path: Path, step: int) -> int:
+    """Keep the rows of ``path`` with ``step <= step`` (atomically); returns how many later
+    rows were dropped. Lines that are not rows (a torn last line, a line damaged in place) are
+    moved to ``path.corrupt-N`` with a warning that names them, never dropped unseen."""
+    path = Path(path)
+    rows, bad, torn = _parse_metrics(path)
+    kept = [raw for raw, row in rows if row["step"] <= step]
+    dropped = len(rows) - len(kept)
+    if bad:
+        _keep_aside(path, bad, torn)
+    if dropped or bad or (path.is_file() and not path.read_bytes().endswith(b"\n")):
+        atomic.write_bytes(path, b"".join(raw + b"\n" for raw in kept))
     return dropped

@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.vl_config import VLConfig
 from mpcore.backends import forward_region
 from mpcore.batches import local_inputs
 from mpcore.build import Run, build, resolve_device, setup
@@ -62,7 +61,7 @@ from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import claim_run_dir, rewrite_metrics
 from mpcore.watchdog import StepWatchdog
-from parallel import LabelShifter, global_valid_count
+from parallel import global_valid_count
 from parallel.loss import sum_over_group
 
 log = logging.getLogger(__name__)
@@ -111,7 +110,6 @@ class Trainer:
         self.stop_requested = False
         self.stop_signal: str | None = None  # the first stop signal received here
         self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
-        self.shifter = LabelShifter()
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
         self.ddp = s.dp_cp > 1 and self.cfg.parallel.data_parallel == "ddp"
@@ -121,8 +119,8 @@ class Trainer:
         self.peak = peak_flops(run.device, self.cfg.training.dtype)
         # VL runs also report image tokens/s: placeholders counted on the host per step
         # (the loader's tensors are on the CPU: no sync), summed over dp at each log line.
-        self.placeholders = (torch.tensor(run.model_cfg.placeholder_ids)
-                             if isinstance(run.model_cfg, VLConfig) else None)
+        ids = run.family.placeholder_ids(run.model_cfg)
+        self.placeholders = torch.tensor(ids) if ids else None
         self.image_tokens = self.window_steps = 0
         # TransformerEngine layers: one te.autocast region per forward (parallel.te).
         self.te_region = forward_region(run.model)
@@ -136,6 +134,7 @@ class Trainer:
                            "data_parallel": self.cfg.parallel.data_parallel},
                 "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                 "group_steps": [g.get("step") for g in self.run.optimizer.param_groups],
+                "model_family": self.run.family.name,
                 "model_config": dataclasses.asdict(self.run.model_cfg),
                 "config": to_dict(self.cfg), "data_fingerprint": self.fingerprint()}
 
@@ -211,7 +210,7 @@ class Trainer:
             self.image_tokens += sum(int(torch.isin(b["input_ids"], self.placeholders).sum())
                                      for b in batches)
             self.window_steps += 1
-        inputs = [local_inputs(b, s, self.cfg, run.device, self.shifter, run.model_cfg)
+        inputs = [local_inputs(b, s, self.cfg, run.device, run.family, run.model_cfg)
                   for b in batches]
         count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
         total = torch.zeros((), dtype=torch.float32, device=run.device)
@@ -345,7 +344,7 @@ class Trainer:
                 if eval_every and run.valid_loader is not None and (
                         self.step % eval_every == 0 or done):
                     self.watchdog.beat(self.step, "validation")
-                    valid = validation_loss(run, self.shifter)
+                    valid = validation_loss(run)
                     self.watchdog.beat(self.step, "step end")
                 if (self.step % cfg.logging.log_every == 0 or done or self.step == 1
                         or valid is not None):

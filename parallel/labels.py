@@ -36,6 +36,8 @@ from kernels import host_checked
 
 __all__ = ["LabelShifter", "PackedBatch", "check_cu_seqlens", "pack_padded", "position_ids"]
 
+IGNORE_INDEX = -100  # the label of positions without a target (LabelShifter's default)
+
 
 def _check_ids(ids, name: str, ndim: int) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
@@ -178,7 +180,7 @@ class LabelShifter:
     ``ignore_token_ids``: token ids never used as targets (image placeholders, pad ids).
     """
 
-    def __init__(self, ignore_index: int = -100, ignore_token_ids: Iterable[int] = ()):
+    def __init__(self, ignore_index: int = IGNORE_INDEX, ignore_token_ids: Iterable[int] = ()):
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
         ids = tuple(ignore_token_ids)

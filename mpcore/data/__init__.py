@@ -20,6 +20,7 @@ from mpcore.data.corpus import prepare_default
 from mpcore.data.indexed import IndexedDataset, IndexedWriter
 from mpcore.data.loader import DataLoader, collate
 from mpcore.data.packing import PackedDataset, PackedSample
+from mpcore.data.summary import DataSummary
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
 from mpcore.data.vl_dataset import VLDataset, VLSample, prepare_vl_dataset
 from mpcore.data.vl_default import prepare_vl_default
@@ -34,6 +35,7 @@ from mpcore.data.vl_packing import (
 from mpcore.data.vl_tokenizer import VLTokenizer
 
 __all__ = [
+    "DataSummary",
     "BlendedDataset",
     "DataLoader",
     "IndexedDataset",

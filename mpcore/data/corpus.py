@@ -11,7 +11,9 @@ writes the indexed dataset, into ``data_dir``:
 
 A later call reuses the files when the fingerprint matches AND each file still has the sha256
 recorded for it (a few MB read, about 10 ms): a cache damaged since (a truncated .bin, a
-tokenizer replaced by hand) is rebuilt, with a warning naming the file, instead of trained on. Deterministic: the same corpus bytes
+tokenizer replaced by hand) is rebuilt, with a warning naming the file, instead of trained on.
+A call that builds them prints one line saying so and how long it took. Deterministic: the same
+corpus bytes
 and settings give the same tokenizer and dataset on every machine. Ranks that call it at the
 same time (torchrun) serialise on a file lock in ``data_dir``; the first prepares, the rest
 find the cache.
@@ -23,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 from mpcore.atomic import write_text
@@ -133,9 +136,15 @@ def prepare_default(
         if problem:
             log.warning("the prepared default corpus in %s is damaged (%s); preparing it "
                         "again", data_dir, problem)
+        why = "its cache there did not match, rebuilt" if stamp.is_file() else "first use"
         stamp.unlink(missing_ok=True)
+        start = time.perf_counter()
         tok = train_tokenizer(iter_documents([corpus]), model_path, vocab_size, TOKENIZER_SEED)
-        tokenize_to_indexed(tok, [corpus], prefix, progress=False)
+        num_docs = tokenize_to_indexed(tok, [corpus], prefix, progress=False)
         write_text(stamp, json.dumps({"fingerprint": want,
                                       "files": {p.name: _sha256(p) for p in files}}))
+        # One line, from the one process that prepared (the others found the cache).
+        print(f"prepared the default corpus in {data_dir} ({why}): tokenizer "
+              f"{model_path.name} and {num_docs} documents in "
+              f"{time.perf_counter() - start:.1f} s; later runs reuse it", flush=True)
     return model_path, prefix

@@ -1,6 +1,7 @@
 """Images -> vision-tower input rows, the Qwen2-VL way (what its Hugging Face processor returns).
 
-    load_image(path)                 -> PIL RGB image (PNG or JPEG only)
+    load_image(path)                 -> PIL RGB image (PNG or JPEG only), as transformers
+                                        converts it (EXIF orientation, alpha, palette, CMYK)
     smart_resize(h, w, ...)          -> (h', w'): multiples of patch*merge, pixel count in range
     process_image(image, ...)        -> (pixel_values [N, C*T*P*P] float32, (t, h, w))
     num_placeholders(grid_thw, m)    -> how many placeholder tokens the image takes in the text
@@ -17,6 +18,7 @@ transformers Qwen2-VL processor (PIL backend) produces; tests/unit/test_images.p
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -30,6 +32,7 @@ MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
 MAX_ASPECT_RATIO = 200  # the Qwen2-VL processor refuses thinner images
 FORMATS = ("PNG", "JPEG")
+logger = logging.getLogger(__name__)
 
 
 def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int = MIN_PIXELS,
@@ -85,10 +88,13 @@ def check_image_size(height: int, width: int, *, factor: int = 28,
 
 
 def load_image(path: str | Path):
-    """The PNG or JPEG file at ``path`` as a PIL RGB image, decoded now (transparency composited
-    onto white, grey levels copied to three channels). ``ValueError`` naming the path when the
-    file is missing, unreadable or of another format."""
-    from PIL import Image, UnidentifiedImageError
+    """The PNG or JPEG file at ``path`` as a PIL RGB image, decoded now, converted as
+    transformers converts it: the EXIF orientation applied (``transformers.image_utils.
+    load_image`` does), transparency composited onto white and palettes, grey levels and CMYK
+    turned into RGB (its processors do). 16-bit grey levels are scaled to 8 bits (module
+    ``to_8bit``). ``ValueError`` naming the path when the file is missing, unreadable,
+    truncated, too large to decode safely, or of another format."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     path = Path(path)
     if not path.is_file():
@@ -100,17 +106,52 @@ def load_image(path: str | Path):
                 raise ValueError(f"{path}: image format {image.format}, expected PNG or JPEG; "
                                  f"convert it (e.g. PIL: Image.open(p).save('x.png'))")
             image.load()
-            return to_rgb(image)
-    except (OSError, UnidentifiedImageError) as e:
-        raise ValueError(f"{path}: cannot read the image ({e}); is it a valid PNG or JPEG?"
-                         ) from e
+            return to_rgb(ImageOps.exif_transpose(image), path)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{path}: {e}; shrink the image before using it") from None
+    except (OSError, UnidentifiedImageError, SyntaxError) as e:
+        # SyntaxError: what Pillow raises for some malformed PNG chunks
+        raise ValueError(f"{path}: cannot read the image ({e}); is it a valid PNG or JPEG "
+                         f"(a truncated or damaged file fails here)?") from e
 
 
-def to_rgb(image):
-    """A PIL image in mode RGB; an alpha channel (or a palette transparency) is composited onto
-    white, as the Hugging Face processors do, rather than dropped."""
+_warned_16bit = False
+
+
+def to_8bit(image, path: str | Path = "image"):
+    """``image`` with 16-bit grey levels (Pillow modes ``I;16*`` / ``I``) scaled to 8 bits (the
+    high byte, as Pillow itself reads 16-bit RGB PNGs); other images unchanged.
+
+    Pillow's own ``convert("RGB")`` clips such values at 255, so nearly every pixel of a
+    16-bit PNG turns white; transformers' loader and processors convert that way, so the first
+    such file gets a warning that it will look different there."""
+    global _warned_16bit
     from PIL import Image
 
+    if image.mode not in ("I;16", "I;16L", "I;16B", "I"):
+        return image
+    values = np.asarray(image).astype(np.int64)  # (H, W)
+    grey = Image.fromarray((values.clip(0, 65535) >> 8).astype(np.uint8), "L")
+    transparent = image.info.get("transparency")
+    if transparent is not None:  # a tRNS grey value: those pixels become transparent
+        alpha = Image.fromarray(np.where(values == transparent, 0, 255).astype(np.uint8), "L")
+        grey = Image.merge("LA", (grey, alpha))
+    if not _warned_16bit:
+        _warned_16bit = True
+        logger.warning("%s: a 16-bit greyscale image, scaled to 8 bits here; transformers' "
+                       "image loading clips it at 255 instead (nearly all white), so a model "
+                       "fed by transformers sees it differently: save it as 8-bit to agree "
+                       "(warned once)", path)
+    return grey
+
+
+def to_rgb(image, name: str | Path = "image"):
+    """A PIL image in mode RGB, as transformers' processors convert one: an alpha channel (or
+    a palette's transparency) composited onto white rather than dropped, 16-bit grey levels
+    scaled first (``to_8bit``; ``name`` goes into its warning)."""
+    from PIL import Image
+
+    image = to_8bit(image, name)
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -140,7 +181,7 @@ def process_image(image, *, patch_size: int = 14, temporal_patch_size: int = 2,
     if len(mean) != 3 or len(std) != 3:
         raise ValueError(f"{name}: mean and std need one value per RGB channel, got "
                          f"{len(mean)} and {len(std)}")
-    image = to_rgb(image)
+    image = to_rgb(image, name)
     factor = patch_size * merge_size
     width, height = image.size  # PIL sizes are (width, height)
     if resize:

@@ -14,20 +14,25 @@
 Document ``d`` is ``bin[offsets[d]:offsets[d + 1]]``.
 
 :class:`IndexedWriter` streams: tokens go straight to disk, offsets too (the header is filled in
-at the end), so corpora larger than RAM work. Both files are written under temporary names and
-renamed when complete, so a killed preparation never leaves a dataset that looks valid.
+at the end), so corpora larger than RAM work. Both files are written under temporary names
+(``mpcore.atomic``) and renamed when complete and synced, ``.bin`` first and ``.idx`` last,
+after the old ``.idx`` is removed: a dataset exists once its ``.idx`` does, so a preparation
+killed while writing leaves the previous dataset as it was, and one killed between the two
+renames leaves none (never a new ``.bin`` read through an old ``.idx``).
 :class:`IndexedDataset` memory-maps both files with numpy and validates them.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import struct
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from mpcore import atomic
 
 MAGIC = b"MPCIDX\0\0"
 VERSION = 1
@@ -79,10 +84,10 @@ class IndexedWriter:
         self.max_token_id = -1
         self.progress = Progress(f"writing {self.prefix}") if progress else None
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        self._bin_tmp = Path(f"{self.prefix}.bin.tmp")
-        self._idx_tmp = Path(f"{self.prefix}.idx.tmp")
-        self._bin = open(self._bin_tmp, "wb")
-        self._idx = open(self._idx_tmp, "wb")
+        # Exit order (last in, first out): .bin is renamed into place before .idx.
+        self._files = contextlib.ExitStack()
+        self._idx = self._files.enter_context(atomic.atomic_open(f"{self.prefix}.idx", "wb"))
+        self._bin = self._files.enter_context(atomic.atomic_open(f"{self.prefix}.bin", "wb"))
         self._idx.write(b"\0" * _HEADER.size)
         self._idx.write(np.zeros(1, np.int64).tobytes())
 
@@ -120,19 +125,17 @@ class IndexedWriter:
                 self.max_token_id,
             )
         )
-        for f in (self._bin, self._idx):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        self._bin_tmp.replace(f"{self.prefix}.bin")
-        self._idx_tmp.replace(f"{self.prefix}.idx")  # last: a dataset exists once .idx does
+        # The old .idx goes first: between the renames there is no dataset, not a mixed one.
+        Path(f"{self.prefix}.idx").unlink(missing_ok=True)
+        self._files.close()  # sync and rename .bin, then .idx (mpcore.atomic)
         if self.progress:
             self.progress.update(self.num_docs, self.num_tokens, force=True)
 
-    def abort(self) -> None:
-        for f, path in ((self._bin, self._bin_tmp), (self._idx, self._idx_tmp)):
-            f.close()
-            path.unlink(missing_ok=True)
+    def abort(self, error: BaseException | None = None) -> None:
+        """Remove the temporary files; the previous dataset (if any) stays."""
+        error = error or RuntimeError("IndexedWriter aborted")
+        with contextlib.suppress(type(error)):
+            self._files.__exit__(type(error), error, error.__traceback__)
 
     def __enter__(self) -> IndexedWriter:
         return self
@@ -141,7 +144,7 @@ class IndexedWriter:
         if exc_type is None:
             self.close()
         else:
-            self.abort()
+            self.abort(exc)
 
 
 class IndexedDataset:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from mpcore import atomic
+from mpcore.data.hf_tokenizer import write_hf_tokenizer
 from mpcore.data.jsonl import json_lines
 
 TRAIN_COMMAND = (
@@ -125,6 +127,23 @@ class Tokenizer:
         """Text of ``ids``; ``decode(encode(t)) == t`` for any text (byte fallback)."""
         return self._sp.decode([int(i) for i in ids])
 
+    def write_hf_tokenizer(self, folder: str | Path) -> list[Path]:
+        """Write this model as ``tokenizer.model`` plus the Hugging Face tokenizer files
+        (``mpcore.data.hf_tokenizer``) into ``folder``, so ``AutoTokenizer.from_pretrained``
+        gives :meth:`encode`'s ids; returns the paths. ``ValueError`` when the model's
+        behaviour cannot be mirrored (then only ``tokenizer.model`` is written)."""
+        return write_hf_files(self.path, Path(folder), self.bos_id, self.eos_id, ())
+
+
+def write_hf_files(model: Path, folder: Path, bos_id: int, eos_id: int,
+              extra_tokens: tuple[str, ...]) -> list[Path]:
+    """``tokenizer.model`` (a copy of ``model``) and the HF files, all through mpcore.atomic."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "tokenizer.model"
+    if not target.exists() or not target.samefile(model):
+        atomic.write_bytes(target, model.read_bytes())
+    return [target, *write_hf_tokenizer(model, folder, bos_id, eos_id, extra_tokens)]
+
 
 def _training_sentences(documents: Iterable[str]) -> Iterator[str]:
     # SentencePiece learns from lines; "\n" is added back as a user-defined piece.
@@ -164,8 +183,7 @@ def train_tokenizer(
             "plain text: paragraphs separated by blank lines); pass files that contain text"
         )
     spm.set_random_generator_seed(seed)
-    tmp = model_path.with_name(model_path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic.atomic_open(model_path, "wb") as f:
         try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=itertools.chain([first], sentences),
@@ -179,5 +197,4 @@ def train_tokenizer(
                 "the vocabulary needs a smaller --vocab-size; one with many distinct "
                 "characters a larger one)"
             ) from None
-    tmp.replace(model_path)
     return Tokenizer(model_path)

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mpcore.atomic import fsync_dir
 from mpcore.data.images import load_image, num_placeholders, process_image
 from mpcore.data.indexed import IndexedDataset, IndexedWriter
 from mpcore.data.vl_manifest import (
@@ -178,6 +179,7 @@ def prepare_vl_dataset(
             "fingerprint": summary.fingerprint,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        _sync_folder(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -234,14 +236,27 @@ def _write(
     }
 
 
+def _sync_folder(folder: Path) -> None:
+    """fsync every file of ``folder`` and the folder itself: the rename that publishes it must
+    not reach the disk before its contents (a power cut would leave a dataset that looks
+    whole)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(folder)
+
+
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
     """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first and removed
-    after, so there is always either the old or the new complete dataset."""
+    after, so there is always either the old or the new complete dataset (or, killed between
+    the two renames, none at ``out_dir`` and the old one in ``.<name>.old-<pid>``)."""
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         out_dir.rename(old)
     tmp.rename(out_dir)
+    fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

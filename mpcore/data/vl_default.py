@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -76,5 +77,8 @@ def prepare_vl_default(
         except ValueError:
             ready = False
         if not ready:
+            start = time.perf_counter()
             prepare_vl_dataset(manifest, out, model_path, settings, overwrite=True, progress=False)
+            print(f"prepared the default image set in {out} (first use, or its cache did not "
+                  f"match): {time.perf_counter() - start:.1f} s; later runs reuse it", flush=True)
     return VLDefault(out, out / "tokenizer.json", text_prefix)

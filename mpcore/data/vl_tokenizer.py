@@ -22,7 +22,7 @@ so the folder is self-contained), which training and export read::
      "image_token_id": V, "video_token_id": V + 1, "vision_start_token_id": V + 2,
      "vision_end_token_id": V + 3}
 
-The four ``*_token_id`` keys are ``models.vl_config.VLConfig``'s field names.
+The four ``*_token_id`` keys are ``models.qwen2_vl.config.VLConfig``'s field names.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from mpcore.data.tokenizer import Tokenizer
+from mpcore.data.tokenizer import Tokenizer, write_hf_files
 from mpcore.manifest import file_entry
 
 FORMAT, VERSION = "mpcore.vl_tokenizer", 1
@@ -110,6 +110,13 @@ class VLTokenizer:
             out.append(f"<|{SPECIAL_NAMES[k]}|>")
         out.append(self.text.decode(run))
         return "".join(out)
+
+    def write_hf_tokenizer(self, folder: str | Path) -> list[Path]:
+        """The Hugging Face tokenizer files (``Tokenizer.write_hf_tokenizer``) with the four
+        special ids as added tokens ``<|image_pad|>`` etc. at the ids above; returns the
+        paths. Qwen2-VL's processor writes these names into the text it tokenizes."""
+        extra = tuple(f"<|{name}|>" for name in SPECIAL_NAMES)
+        return write_hf_files(self.path, Path(folder), self.bos_id, self.eos_id, extra)
 
     def to_json(self, sp_model: str = "tokenizer.model") -> dict:
         return {

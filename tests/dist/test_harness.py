@@ -34,6 +34,7 @@ def test_exception_propagates_with_traceback():
         run_distributed(_fail_on_one, 2, timeout=60)
 
 
+@pytest.mark.slow
 def test_hung_collective_times_out():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_distributed(_hang, 2, timeout=8)

@@ -5,6 +5,7 @@ std 0.02, from a generator with the same seed), then put into plain ``nn.Linear`
 ``nn.Embedding`` / ``F.cross_entropy``; nothing of ours is in the reference path.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
@@ -154,5 +155,6 @@ def test_layers_tp2_tp4():
         assert all(run_distributed(_layers, tp))
 
 
+@pytest.mark.slow
 def test_uneven_vocab_1000_tp3():
     assert all(run_distributed(_uneven_vocab, 3))

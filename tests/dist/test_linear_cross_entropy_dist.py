@@ -7,6 +7,7 @@ shard, so the test all-reduces it before comparing (the TP layer's f mapping doe
 model). Vocab sizes leave padding rows, and at tp=4 one case leaves the last shard all padding.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -94,5 +95,6 @@ def _run(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_vocab_parallel_matches_unsharded():
     assert run_distributed(_run, 4) == [True] * 4

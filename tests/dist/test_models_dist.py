@@ -35,9 +35,11 @@ from hf_tiny import (
     save_hf_model,
 )
 
-from launch.score import gather_in_order, local_inputs, score_sequences, score_stream
-from models.hf import config_from_hf, export_hf, load_hf_model, shard_map
-from models.transformer import build_model
+from launch.score import gather_in_order, score_sequences, score_stream
+from models import local_text_inputs
+from models.common.decoder_hf import shard_map
+from models.llama.hf import config_from_hf, export_hf, load_hf_model
+from models.common.decoder import build_model
 from parallel.state import ParallelState
 from parallel.collectives import gather_last_dim
 
@@ -66,7 +68,7 @@ def _expected_shard(full: dict, pieces) -> torch.Tensor:
 
 def _loss_and_grads(model, state, ids, cu):
     """Global mean loss and gradient shards (summed over cp) of one packed stream."""
-    _, inputs = local_inputs(state, ids, cu, sequence_parallel=model.sequence_parallel)
+    _, inputs = local_text_inputs(state, ids, cu, sequence_parallel=model.sequence_parallel)
     count = int(cu[-1]) - (cu.numel() - 1)  # every token but each document's last
     per_token = model(**inputs, output="loss")
     (per_token.sum() / count).backward()
@@ -173,7 +175,7 @@ def _init_case(folder, states, ids, cu):
     for key in ((1, 1), (2, 1)):
         state = states[key]
         model = build_model(cfg, state, seed=7)
-        _, inputs = local_inputs(state, ids, cu)
+        _, inputs = local_text_inputs(state, ids, cu)
         with torch.no_grad():
             out = model(**inputs, output="logits")
         logits.append(gather_last_dim(out, state.tp_group)[:, :VOCAB])
@@ -194,6 +196,7 @@ def checkpoints(tmp_path_factory):
     return folders, refs, states, ids, cu, root
 
 
+@pytest.mark.slow
 def test_models_match_transformers_at_every_layout(checkpoints):
     folders, refs, hf_states, ids, cu, root = checkpoints
     export_dir = root / "export"
@@ -221,6 +224,7 @@ def test_models_match_transformers_at_every_layout(checkpoints):
             assert torch.equal(exported(ids[None]).logits, original(ids[None]).logits), family
 
 
+@pytest.mark.slow
 def test_score_script_under_torchrun(checkpoints, tmp_path):
     folders, refs, _, ids, cu, _ = checkpoints
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))

@@ -24,6 +24,7 @@ def _layout(rank, world, tp, cp):
     return {name: _members(s.groups[name]) for name in ("tp", "cp", "dp", "dp_cp", "tp_cp")}
 
 
+@pytest.mark.slow
 def test_groups_tp2_cp2_dp2():
     got = run_distributed(_layout, 8, 2, 2)
     # rank = tp_rank + 2 * (cp_rank + 2 * dp_rank)
@@ -43,6 +44,7 @@ def _bad_degrees(rank, world):
     return msgs
 
 
+@pytest.mark.slow
 def test_bad_degrees_raise_with_fix():
     msgs = run_distributed(_bad_degrees, 4)[0]
     assert len(msgs) == 3

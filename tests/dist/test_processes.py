@@ -121,6 +121,7 @@ def test_user_error_under_torchrun_is_printed_once(tmp_path, small):
     assert f'File "{PRETRAIN}"' not in text  # no worker traceback (torchrun prints its own)
 
 
+@pytest.mark.slow
 def test_worker_sigkill_restarts_and_resumes_then_launcher_sigkill_stops_workers(tmp_path,
                                                                                   small):
     run_dir = tmp_path / "run"

@@ -157,6 +157,7 @@ def run_score(folder: Path, tp: str, cp: str, mode: str, out: Path) -> str:
 
 
 @pytest.mark.parametrize("tp, cp, mode", LAYOUTS)
+@pytest.mark.slow
 def test_score_vl_under_torchrun(case, tmp_path, tp, cp, mode):
     folder, rows, refs, want = case
     stdout = run_score(folder, tp, cp, mode, tmp_path / "out.jsonl")
@@ -195,8 +196,8 @@ def test_images_on_a_text_only_checkpoint_fail_before_loading(tmp_path, capsys):
 
 
 def test_the_wrong_loader_says_which_to_use(case):
-    from models.hf import load_hf_model
-    from models.vl_hf import load_hf_vl_model
+    from models.llama.hf import load_hf_model
+    from models.qwen2_vl.hf import load_hf_vl_model
     from parallel.state import ParallelState
 
     folder = case[0]

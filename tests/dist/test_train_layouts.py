@@ -19,6 +19,8 @@ from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import train
 
+pytestmark = pytest.mark.slow  # training in every layout (a 55 s module fixture)
+
 STEPS = 8
 SAVE_AT = 4
 # name -> overrides; the global batch is 4 samples of 64 tokens (2 micro-batches of 2).

@@ -21,7 +21,7 @@ import torch
 from harness import run_distributed
 from safetensors.torch import load_file
 
-from models.vision import (
+from models.qwen2_vl import (
     build_vision_tower,
     export_vision_weights,
     load_vision_tower,
@@ -29,6 +29,8 @@ from models.vision import (
     vision_hf_tensors,
 )
 from parallel.state import ParallelState
+
+pytestmark = pytest.mark.slow  # the vision tower at every tp
 
 TEXT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=32,

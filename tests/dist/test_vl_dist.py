@@ -13,14 +13,17 @@ parameter's gradient (summed over cp, as the dp x cp reduction does) vs transfor
 
 from __future__ import annotations
 
+import pytest
 import torch
 from harness import run_distributed
 from hf_vl_tiny import reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 from test_vl_model import rel, score_and_grads
 
-from models.hf import gather_full
-from models.vl_hf import load_hf_vl_model, vl_shard_map
+from models.common.hf_io import gather_full
+from models.qwen2_vl.hf import load_hf_vl_model, vl_shard_map
 from parallel.state import ParallelState
+
+pytestmark = pytest.mark.slow  # every VL layout against transformers
 
 # (tp, cp, cp_mode, sequence_parallel, activation_checkpointing, vision_cp)
 LAYOUTS = [(1, 1, "none", False, False, "split"), (2, 1, "none", False, False, "split"),

@@ -26,6 +26,8 @@ from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
 from mpcore.train import train
 
+pytestmark = pytest.mark.slow  # VL training in several layouts (a 30 s module fixture)
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "vl_tiny.yaml"
 STEPS = 8
@@ -160,15 +162,23 @@ def test_export_loads_in_transformers(runs):
     import transformers
 
     from models import load_hf_vl_model
+    from mpcore.data.vl_tokenizer import VLTokenizer
     from parallel.state import ParallelState
+
+    ours_tok = VLTokenizer(out / "tokenizer.model")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok("a red square\n  x")["input_ids"] == ours_tok.encode("a red square\n  x")
+    assert hf_tok.convert_tokens_to_ids(["<|image_pad|>", "<|vision_end|>"]) == [
+        ours_tok.image_pad_id, ours_tok.vision_end_id]
 
     hf = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
     ours, cfg = load_hf_vl_model(out, ParallelState.build())
+    assert hf_tok.convert_tokens_to_ids("<|image_pad|>") == cfg.image_token_id
     ids = torch.tensor([5, 7, cfg.vision_start_token_id, *[cfg.image_token_id] * 4,
                         cfg.vision_end_token_id, 9, 11])
     pixels = torch.randn(16, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
     grid = torch.tensor([[1, 4, 4]])
-    from models.vl_inputs import local_vl_inputs
+    from models.qwen2_vl.inputs import local_vl_inputs
 
     _, inputs = local_vl_inputs(ParallelState.build(), ids, torch.tensor([0, ids.numel()]), cfg,
                                 pixel_values=pixels, image_grid_thw=grid)

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch.score import local_inputs, score_stream
-from models.hf import load_hf_model
+from launch.score import score_stream
+from models import local_text_inputs
+from models.llama.hf import load_hf_model
 from parallel.state import ParallelState
 
 pytestmark = pytest.mark.gpu
@@ -98,7 +99,7 @@ def test_grads_on_cuda_fp32(setup):
     grads = []
     for device in ("cpu", "cuda"):
         model, _ = load_hf_model(folder, ParallelState(), device=device)
-        _, inputs = local_inputs(ParallelState(), ids.to(device), cu.to(device))
+        _, inputs = local_text_inputs(ParallelState(), ids.to(device), cu.to(device))
         loss = model(**inputs, output="loss").sum() / (ids.numel() - len(LENGTHS))
         loss.backward()
         grads.append({n: p.grad.double().cpu() for n, p in model.named_parameters()})

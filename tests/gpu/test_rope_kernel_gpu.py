@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.rope import rope, rope_reference
-from models.rope import RotaryEmbedding
+from models.common.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 

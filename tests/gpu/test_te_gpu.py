@@ -29,7 +29,7 @@ from parallel.te import TEGemm, forward_region, use_te
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="TransformerEngine needs CUDA")]
 pytest.importorskip("transformer_engine.pytorch",
-                    reason="TransformerEngine is not installed (../shared/notes/TE.md)")
+                    reason="TransformerEngine is not installed (pip install -e \".[te]\")")
 fp8_gpu = pytest.mark.skipif(torch.cuda.is_available() and
                              torch.cuda.get_device_capability() < (8, 9),
                              reason="FP8 GEMMs need compute capability >= 8.9")

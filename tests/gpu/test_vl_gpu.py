@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 from hf_vl_tiny import _load, reference_scores, save_hf_vl_model, vl_stream  # noqa: E402
 
-from models.vl_hf import load_hf_vl_model  # noqa: E402
-from models.vl_inputs import local_vl_inputs  # noqa: E402
+from models.qwen2_vl.hf import load_hf_vl_model  # noqa: E402
+from models.qwen2_vl.inputs import local_vl_inputs  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ Cases, 16384 query tokens each:
   document's queries over half as many keys, the planned call): flash only of the two torch
   backends (the dense path cannot take them); and the ragged cuDNN forward
   (``aten._cudnn_attention_forward`` with cu_seqlens) timed alone, to check
-  ../shared/notes/GPU.md's 60 ms.
+  the 60 ms measured for it on the H200 before.
 Every case also times ``te_fused`` (TransformerEngine's THD fused attention) when TE is
 importable; a te_fused failure is recorded in ``te_fused_errors`` and leaves the other columns.
 Median of ``triton.testing.do_bench``. ``parallel/attention/backends.py``'s

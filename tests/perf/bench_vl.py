@@ -1,7 +1,8 @@
-"""Benchmark: training steps of the Qwen2-VL-2B shape on real images, mpcore vs transformers.
+"""Benchmark: training steps of a VL family's 2B shape on real images, mpcore vs transformers.
 
 Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
-    python tests/perf/bench_vl.py [OUT.json] [--config 2b|tiny] [--steps 10] [--warmup 3]
+    python tests/perf/bench_vl.py [OUT.json] [--family qwen2_vl|qwen3_vl] [--config 2b|tiny]
+        [--steps 10] [--warmup 3]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
         [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
         [--data prepared|synthetic]
@@ -12,12 +13,16 @@ ranks or replicated on each (which to keep at this shape is what the run decides
     Gradients are summed over cp by one all-reduce per tensor after backward; tokens/s is per
     GPU (the step's tokens over cp GPUs).
 
-Model (``--config 2b``): Qwen2-VL-2B's shape, built here (no download): vision depth 32, width
-1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 patch merger into 1536; text hidden 1536, 28 layers,
-12 heads, 2 KV heads, MLP 8960, vocab 151936, tied embeddings, QKV biases, M-RoPE sections
-[16, 24, 24], rope theta 1e6. Special ids of the real Qwen2-VL vocabulary: image 151655, video
-151656, vision start 151652, vision end 151653 (``--data prepared`` replaces them by its
-tokenizer's, 2048-2051). Both sides start from fresh random weights.
+Model (``--family qwen2_vl --config 2b``, the default): Qwen2-VL-2B's shape, built here (no
+download): vision depth 32, width 1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 patch merger into
+1536; text hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, vocab 151936, tied
+embeddings, QKV biases, M-RoPE sections [16, 24, 24], rope theta 1e6. ``--family qwen3_vl``:
+Qwen3-VL-2B's config.json (``models.qwen3_vl.presets.QWEN3_VL_2B``: vision depth 24, width
+1024, patch 16, DeepStack after blocks 5, 11, 17; text hidden 2048, 28 layers, 16 heads, 8 KV
+heads, head_dim 128, q/k norm, interleaved M-RoPE [24, 20, 20]). Special ids of the real Qwen
+vocabulary: image 151655, video 151656, vision start 151652, vision end 151653 (``--data
+prepared`` replaces them by its tokenizer's, 2048-2051). Both sides start from fresh random
+weights; the family's registry entry builds ours and makes its inputs.
 
 Data (tests/perf/vl_batches.py): every sample is ONE document of exactly ``--seq`` tokens, made
 of the shipped real images (launch/data/images, cycled in captions.jsonl order) each as
@@ -43,11 +48,13 @@ optimizer step on every side. Each side's step starts from the raw sample alread
 (ids, pixel rows, grids, loss mask) and includes its own input preparation: mpcore's labels,
 M-RoPE positions and vision rows (``models.local_vl_inputs``, host work with one sync),
 transformers' labels and ``mm_token_type_ids`` (its M-RoPE index is computed inside its forward).
-Sides: mpcore (``build_vl_model``, loss = ``output="loss_sum"`` / valid-label count);
-transformers ``Qwen2VLForConditionalGeneration`` (``hf_vl_config_dict`` of the same config,
-SDPA; flash_attention_2 as a further side only when it imports); the same with liger-kernel's
-Qwen2-VL patches (``apply_liger_kernel_to_qwen2_vl`` before the model is built), each patch
-reported as applied or not (its RoPE patch targets a function transformers 5.x no longer has).
+Sides: mpcore (the family's ``build``, loss = ``output="loss_sum"`` / valid-label count);
+transformers' model of the family (``Qwen2VLForConditionalGeneration`` /
+``Qwen3VLForConditionalGeneration`` of the family's ``hf_config_dict``, SDPA; flash_attention_2
+as a further side only when it imports); the same with liger-kernel's patches for the family
+(``apply_liger_kernel_to_qwen2_vl`` / ``_qwen3_vl`` before the model is built, where liger has
+them), each patch reported as applied or not (Qwen2-VL's RoPE patch targets a function
+transformers 5.x no longer has).
 
 Reported per side: median step time after warmup, tokens/s (all tokens) and text tokens/s
 (non-placeholder tokens), peak allocated GiB (reset between sides, everything freed between
@@ -83,15 +90,10 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from models import (  # noqa: E402
-    ModelConfig,
-    VisionConfig,
-    VLConfig,
-    VLModel,
-    build_vl_model,
-    hf_vl_config_dict,
-    local_vl_inputs,
-)
+from models import ModelConfig, VisionConfig, VLConfig, family_of  # noqa: E402
+from models.qwen3_vl import config_from_hf as qwen3_vl_from_hf  # noqa: E402
+from models.qwen3_vl import config_from_section as qwen3_vl_from_section  # noqa: E402
+from models.qwen3_vl.presets import QWEN3_VL_2B, TINY  # noqa: E402
 from mpcore.processes import init_distributed  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
@@ -128,10 +130,28 @@ def tiny() -> VLConfig:
                     vision_start_token_id=302, vision_end_token_id=303)
 
 
-# name -> (config, default seq, merged tokens per image (cycled with the images), text vocab of
-# the prepared path's tokenizer)
-PRESETS = {"2b": (qwen2_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
-           "tiny": (tiny, 256, (9, 16, 6), 512)}
+def qwen3_vl_2b():
+    """Qwen3-VL-2B's shape (its config.json) with the real special-token ids."""
+    return qwen3_vl_from_hf(QWEN3_VL_2B)
+
+
+def qwen3_vl_tiny():
+    """A CPU-sized Qwen3-VL (patch 14, so the shipped images feed it as they are)."""
+    ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,
+               vision_end_token_id=303)
+    return qwen3_vl_from_section({**TINY, "vocab_size": 516}, ids)
+
+
+# family -> name -> (config, default seq, merged tokens per image (cycled with the images),
+# text vocab of the prepared path's tokenizer)
+PRESETS = {
+    "qwen2_vl": {"2b": (qwen2_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
+                 "tiny": (tiny, 256, (9, 16, 6), 512)},
+    "qwen3_vl": {"2b": (qwen3_vl_2b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
+                 "tiny": (qwen3_vl_tiny, 256, (9, 16, 6), 512)},
+}
+HF_CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+              "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
 
 
 def _train_step(model, optimizer, args, loss_fn, group=None):
@@ -170,14 +190,15 @@ def _rates(result: dict, batches: list[Batch], image_id: int, gpus: int = 1) -> 
     return result
 
 
-def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
+def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
     cuda = device.type == "cuda"
     state = ParallelState.build(1, args.cp)
-    model = build_vl_model(cfg, state, device=device, dtype=torch.float32,
-                           activation_checkpointing=args.activation_checkpointing,
-                           vision_attention=args.vision_attention,
-                           cp_mode=args.cp_mode if args.cp > 1 else "none",
-                           vision_cp=args.vision_cp)
+    family = family_of(cfg)
+    model = family.build(cfg, state, device=device, dtype=torch.float32,
+                         activation_checkpointing=args.activation_checkpointing,
+                         vision_attention=args.vision_attention,
+                         cp_mode=args.cp_mode if args.cp > 1 else "none",
+                         vision_cp=args.vision_cp)
     model.train()
     optimizer = _optimizer(model, cuda)
     on_device = [b.to(device) for b in batches]
@@ -185,9 +206,9 @@ def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
     def inputs(i: int) -> dict:
         b = on_device[i % len(on_device)]
         mask = None if b.loss_mask is None else b.loss_mask.view(-1)
-        _, kwargs = local_vl_inputs(state, b.ids.view(-1), b.cu_seqlens, cfg,
-                                    pixel_values=b.pixels, image_grid_thw=b.grid,
-                                    loss_mask=mask)
+        _, kwargs = family.local_inputs(state, b.ids.view(-1), b.cu_seqlens, cfg,
+                                        pixel_values=b.pixels, image_grid_thw=b.grid,
+                                        loss_mask=mask)
         return kwargs
 
     def loss_fn(i: int) -> torch.Tensor:
@@ -219,39 +240,53 @@ def bench_mpcore(args, cfg: VLConfig, batches: list[Batch], device) -> dict:
     return result
 
 
-def hf_config(cfg: VLConfig):
-    """transformers' ``Qwen2VLConfig`` of ``cfg`` (the config.json our export writes)."""
-    from transformers import Qwen2VLConfig
+def _hf_classes(cfg):
+    import transformers
 
-    fields = hf_vl_config_dict(cfg)
+    config_cls, model_cls = HF_CLASSES[family_of(cfg).name]
+    return getattr(transformers, config_cls), getattr(transformers, model_cls)
+
+
+def hf_config(cfg):
+    """transformers' config of ``cfg`` (the config.json our export writes)."""
+    config_cls, _ = _hf_classes(cfg)
+    fields = family_of(cfg).hf_config_dict(cfg)
     fields.pop("model_type")
     fields["text_config"] = {**fields["text_config"], "use_cache": False}
-    return Qwen2VLConfig(**fields)
+    return config_cls(**fields)
 
 
-def _hf_model(cfg: VLConfig, attn: str, device):
-    from transformers import Qwen2VLForConditionalGeneration
-
+def _hf_model(cfg, attn: str, device):
+    _, model_cls = _hf_classes(cfg)
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: a 2B CPU init takes a while
-        model = Qwen2VLForConditionalGeneration._from_config(hf_config(cfg),
-                                                             attn_implementation=attn)
+        model = model_cls._from_config(hf_config(cfg), attn_implementation=attn)
     return model.to(device)
 
 
-def apply_liger() -> dict:
-    """Apply liger-kernel's Qwen2-VL patches (class level, before the model is built); which
-    of them can take effect on the installed transformers."""
-    from liger_kernel.transformers import apply_liger_kernel_to_qwen2_vl
-    from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+def apply_liger(family: str) -> dict:
+    """Apply liger-kernel's patches for ``family`` (class level, before the model is built);
+    which of them can take effect on the installed transformers. ``ImportError`` when liger
+    has none for the family."""
+    import importlib
 
-    found = {"rope": hasattr(m, "apply_multimodal_rotary_pos_emb"),
-             "rms_norm": hasattr(m, "Qwen2VLRMSNorm") or hasattr(m, "Qwen2RMSNorm"),
-             "layer_norm": hasattr(m, "LayerNorm"), "swiglu": hasattr(m, "Qwen2MLP"),
+    import liger_kernel.transformers as liger
+
+    apply = getattr(liger, f"apply_liger_kernel_to_{family}", None)
+    if apply is None:
+        raise ImportError(f"liger-kernel {getattr(liger, '__version__', '')} has no "
+                          f"apply_liger_kernel_to_{family}")
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    names = [n for n in dir(m) if n.endswith("RMSNorm")]
+    found = {"rope": hasattr(m, "apply_multimodal_rotary_pos_emb"), "rms_norm": bool(names),
+             "layer_norm": hasattr(m, "LayerNorm"),
+             "swiglu": any(n.endswith("MLP") for n in dir(m)),
              "fused_linear_cross_entropy": True}
-    apply_liger_kernel_to_qwen2_vl(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
-                                   fused_linear_cross_entropy=True)
-    return found
+    wanted = dict(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
+                  fused_linear_cross_entropy=True)
+    accepted = inspect.signature(apply).parameters
+    apply(**{k: v for k, v in wanted.items() if k in accepted})
+    return {k: v for k, v in found.items() if k in accepted}
 
 
 def liger_modules(model) -> dict:
@@ -267,10 +302,10 @@ def liger_modules(model) -> dict:
     return counts
 
 
-def bench_hf(args, cfg: VLConfig, batches: list[Batch], device, attn: str = "sdpa",
+def bench_hf(args, cfg, batches: list[Batch], device, attn: str = "sdpa",
              liger: bool = False) -> dict:
     cuda = device.type == "cuda"
-    patches = apply_liger() if liger else None
+    patches = apply_liger(family_of(cfg).name) if liger else None
     model = _hf_model(cfg, attn, device)
     model.train()
     if args.activation_checkpointing:
@@ -303,15 +338,13 @@ def bench_hf(args, cfg: VLConfig, batches: list[Batch], device, attn: str = "sdp
     return result
 
 
-def count_params(cfg: VLConfig) -> dict:
-    """Parameter counts of our model and transformers', both built on the meta device."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    state = ParallelState.build()
+def count_params(cfg) -> dict:
+    """Parameter counts of our model (the family's logical count) and transformers' (built on
+    the meta device)."""
+    _, model_cls = _hf_classes(cfg)
     with torch.device("meta"):
-        ours = VLModel(cfg, state)
-        theirs = Qwen2VLForConditionalGeneration._from_config(hf_config(cfg))
-    return {"mpcore": sum(p.numel() for p in ours.parameters()),
+        theirs = model_cls._from_config(hf_config(cfg))
+    return {"mpcore": family_of(cfg).num_params(cfg)["total"],
             "transformers": sum(p.numel() for p in theirs.parameters())}
 
 
@@ -337,7 +370,7 @@ def _guarded(name: str, fn, *args, **kwargs) -> dict:
     return result
 
 
-def run_baselines(args, cfg: VLConfig, batches: list[Batch], device, report: dict) -> None:
+def run_baselines(args, cfg, batches: list[Batch], device, report: dict) -> None:
     import transformers
     from transformers.utils import is_flash_attn_2_available
 
@@ -409,7 +442,9 @@ def table(report: dict) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
-    parser.add_argument("--config", default="2b", choices=sorted(PRESETS))
+    parser.add_argument("--family", default="qwen2_vl", choices=sorted(PRESETS),
+                        help="the model family (its 2B shape or a tiny one, --config)")
+    parser.add_argument("--config", default="2b", choices=["2b", "tiny"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seq", type=int, default=None,
@@ -431,9 +466,9 @@ def parse_args(argv):
                              "mpcore only)")
     parser.add_argument("--cp-mode", default="ring", choices=["ring", "ulysses"])
     parser.add_argument("--vision-cp", default="split", choices=["split", "replicate"],
-                        help="how the cp ranks share the tower's work (models.vl_vision)")
+                        help="how the cp ranks share the tower's work (models.common.vision_cp)")
     parser.add_argument("--vision-attention", default="auto", choices=["auto", "flash", "cudnn"],
-                        help="mpcore's vision attention kernel on CUDA (models.vision.attention)")
+                        help="mpcore's vision attention kernel on CUDA (models.common.vision_attention)")
     parser.add_argument("--count-params", action="store_true",
                         help="print both models' parameter counts (meta device) and exit")
     args = parser.parse_args(argv)
@@ -447,7 +482,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    make_config, default_seq, image_tokens, text_vocab = PRESETS[args.config]
+    make_config, default_seq, image_tokens, text_vocab = PRESETS[args.family][args.config]
     cfg = make_config()
     params = count_params(cfg)
     print(f"parameters (meta device): mpcore {params['mpcore']:,}, transformers "
@@ -467,7 +502,8 @@ def main(argv=None) -> int:
     cfg, batches, data = build_batches(args.data, cfg, seq, image_tokens, args.image_fraction,
                                        args.micro_batch, args.distinct_batches, text_vocab)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "config": args.config, "seq": seq,
+              "torch": torch.__version__, "family": args.family, "config": args.config,
+              "seq": seq,
               "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup,
               "activation_checkpointing": args.activation_checkpointing,
               "vision_attention": args.vision_attention, "cp": args.cp,

@@ -4,7 +4,7 @@
 #   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
 #   bash tests/perf/run_device.sh te | te_bench | te_train | te2   # with TransformerEngine (TE.md)
-# Carry .whl (../shared/scripts/fetch-peer-wheels) for the liger-kernel baseline. JSON and logs
+# Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,7 +27,7 @@ if [ "${1:-}" = tests ]; then
   run gpu_tests 540 python3 -m pytest -q tests/gpu
   tail -5 "$out/gpu_tests.log"
 elif [ "${1:-}" = te ]; then
-  # After ../shared/notes/TE.md's install on this machine (TE on PYTHONPATH); carry .whl.
+  # After TransformerEngine is installed on this machine (TE on PYTHONPATH); carry .whl.
   # New GPU tests first, then the TE FP8 step's profile, the attention backends (TE's fused
   # attention beside flash and cuDNN) and the loss heads. te_train: the 4096 x 4 rows side by
   # side in one run (native and TE, bf16 and FP8, beside one run of transformers and liger).

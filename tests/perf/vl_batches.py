@@ -20,8 +20,8 @@ of ``seq`` tokens) and ``VLDataLoader`` (micro-batches of ``collate_vl``), as pr
   ``process_image``'s of the original file.
 - byte-level text: the store's ids come from the project's VL tokenizer, here the default
   corpus's SentencePiece model (``prepare_default``, vocab ``text_vocab``) plus the four VL ids,
-  and the model takes its special ids from it (as ``vl_build.vl_model_config`` does). Each text
-  item is encoded on its own (as prepare does), so the tail is the longest prefix of the
+  and the model takes its special ids from it (as the qwen2_vl family's
+  ``config_from_section`` does). Each text item is encoded on its own (as prepare does), so the tail is the longest prefix of the
   captions that fits and one-token words fill the rest: every sample is ``seq`` tokens with its
   EOS, so budgets hold one sample and no padding.
 - targets: the store's loss mask (captions, tail and EOS; never ``<vs> <pad>* <ve>``).

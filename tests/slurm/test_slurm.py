@@ -131,6 +131,7 @@ def test_outside_slurm_fails_with_a_clear_message(script):
 # ----------------------------------------------------------------------------- the cluster
 
 
+@pytest.mark.slow
 def test_rendezvous_spans_both_nodes(cluster):
     """A stand-in entry point (tests/slurm/allreduce_probe.py) under the real sbatch script:
     world 4, two workers on each node, neighbouring ranks (a tp=2 group) on one node."""
@@ -155,6 +156,7 @@ def test_rendezvous_spans_both_nodes(cluster):
     assert f"rendezvous {cluster.nodes[0]}:" in job.output(), job.report()  # the first node
 
 
+@pytest.mark.slow
 def test_unreachable_rendezvous_fails_within_the_timeout(cluster):
     cluster.wait_queue_empty()
     env = job_env(cluster, MASTER_ADDR="192.0.2.1", RDZV_TIMEOUT="5")  # TEST-NET-1: no host
@@ -182,6 +184,7 @@ def reference_run(cluster):
     return run_dir, job, read_metrics(run_dir)
 
 
+@pytest.mark.slow
 def test_pretrain_trains_then_a_second_submission_resumes(cluster, reference_run):
     run_dir, job, metrics = reference_run
     assert [m["step"] for m in metrics] == list(range(1, NUM_STEPS + 1)), job.report()
@@ -205,6 +208,7 @@ def test_pretrain_trains_then_a_second_submission_resumes(cluster, reference_run
     assert f"done at step {more}" in resumed.output()
 
 
+@pytest.mark.slow
 def test_preempted_run_continues_with_the_same_losses(cluster, reference_run):
     """SIGTERM twice: from ``scancel --signal=TERM`` (then a resubmission), and from Slurm
     preempting the job for one in a higher-priority partition (PreemptMode=REQUEUE: the same
@@ -246,6 +250,7 @@ def test_preempted_run_continues_with_the_same_losses(cluster, reference_run):
         assert max(diffs) <= tol, (key, diffs)
 
 
+@pytest.mark.slow
 def test_score_matches_transformers(cluster):
     """score.sbatch with tp=2 x cp=2 over both nodes vs transformers in float64, per sequence."""
     import torch

@@ -9,6 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from kernels._triton import HAVE_TRITON
+
 
 def run_under_interpreter(path: str, marker: str, timeout: float = 600) -> None:
     """Run ``python path`` with ``TRITON_INTERPRET=1``; fail unless it exits 0 and prints
@@ -18,3 +22,8 @@ def run_under_interpreter(path: str, marker: str, timeout: float = 600) -> None:
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker in proc.stdout, proc.stdout + proc.stderr
+
+
+needs_triton = pytest.mark.skipif(
+    not HAVE_TRITON, reason="triton is not installed (a CPU-only install without the dev extra): "
+    "these checks run the Triton kernels under its CPU interpreter")

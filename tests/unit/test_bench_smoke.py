@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # benchmark smoke runs (torchrun layouts, HF baselines)
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "launch/configs/tiny.yaml"
 VOCAB = yaml.safe_load((REPO / CONFIG).read_text())["model"]["vocab_size"]

@@ -35,14 +35,17 @@ sys.path.insert(0, str(REPO / "tests" / "perf"))
 import bench_vl  # noqa: E402
 import vl_batches  # noqa: E402
 
+pytestmark = pytest.mark.slow  # benchmark smoke runs (torchrun layouts, HF baselines)
+
 SEQ, MICRO_BATCH, STEPS, WARMUP = 256, 2, 1, 1
 DISTINCT = 4  # bench_vl's --distinct-batches default
 VOCAB = 516  # bench_vl.tiny()
 TIMEOUT = 300  # seconds; about 20 s on 2 busy cores
 
 
-def _run(out: Path, data: str) -> dict:
-    cmd = [sys.executable, "tests/perf/bench_vl.py", str(out), "--config", "tiny", "--seq",
+def _run(out: Path, data: str, family: str = "qwen2_vl") -> dict:
+    cmd = [sys.executable, "tests/perf/bench_vl.py", str(out), "--family", family,
+           "--config", "tiny", "--seq",
            str(SEQ), "--micro-batch", str(MICRO_BATCH), "--steps", str(STEPS), "--warmup",
            str(WARMUP), "--data", data]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -136,6 +139,20 @@ def test_synthetic_data_path(synthetic):
     assert synthetic["data_path"] == "synthetic" and "store" not in synthetic["data"]
     _check_data(synthetic["data"])
     _check_sides(synthetic)
+
+
+def test_qwen3_vl_family_side_by_side(tmp_path):
+    """The Qwen3-VL family through the same benchmark: its registry entry builds our side,
+    transformers' Qwen3VLForConditionalGeneration the baseline, on the same batches."""
+    report = _run(tmp_path / "qwen3_vl.json", "prepared", "qwen3_vl")
+    assert report["family"] == "qwen3_vl"
+    params = report["num_params"]
+    assert params["mpcore"] == params["transformers"] > 0
+    _check_data(report["data"])
+    for key in ("mpcore", "hf"):
+        _check_side(report[key], report["data"])
+    assert report["speedup_vs_best_baseline"] == pytest.approx(
+        report["mpcore"]["tokens_per_s_per_gpu"] / report["hf"]["tokens_per_s_per_gpu"])
 
 
 def test_prepared_store_is_the_upscaled_images(tmp_path):

@@ -261,8 +261,9 @@ def test_metrics_after_resume_hold_each_step_once(copy, data_dir, base):
 def test_rewrite_metrics_drops_later_and_torn_rows(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo')
-    assert rewrite_metrics(path, 2) == 2
+    assert rewrite_metrics(path, 2) == 1  # step 3; the torn line is kept aside, not counted
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (tmp_path / "metrics.jsonl.corrupt-1").read_text() == '{"step": 4, "lo\n'
 
 
 def test_finished_run_says_so(copy, data_dir, caplog):
@@ -359,6 +360,7 @@ def _child(script: Path, overrides: list[str], kill_at: tuple[int, str] | None,
         proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_resumes_the_same_curve(tmp_path, data_dir):
     """A training process SIGKILLed at random points of its saves (after a random save stage,
     plus up to 30 ms), again and again: each rerun resumes, and metrics.jsonl ends up with the

@@ -105,3 +105,39 @@ def test_tensorboard_is_an_extra(tmp_path):
     with pytest.raises(ValueError, match=r'needs the tensorboard package .*pip install -e '
                                          r'"\.\[tensorboard\]"'):
         MetricsWriter(tmp_path, True, tensorboard=True)
+
+
+@pytest.mark.slow
+def test_init_from_a_file_is_named_before_any_work(tmp_path):
+    """model.init_from pointing at config.json (or the weights) instead of their folder: one
+    message that says so, exit 2, no data prepared and no run folder. Before, a config.json
+    was read as if it were the folder and the weights then failed far from the cause."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    for target in (hf / "config.json", hf / "model.safetensors"):
+        target.touch()
+        out = _pretrain(f"model.init_from={target}", f"logging.run_dir={tmp_path / 'run'}",
+                        cwd=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith(f"error: model.init_from={target} is a file, not a folder; "
+                                     f"pass the Hugging Face checkpoint folder"), out.stderr
+        assert f"(here perhaps {hf})" in out.stderr
+        assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_tokenizer_without_paths_is_refused_not_ignored(tmp_path):
+    """data.tokenizer alone used to be ignored (the default corpus trains its own tokenizer):
+    a run would train and export with another vocabulary than the user named."""
+    out = _pretrain(f"data.tokenizer={tmp_path / 'mine.model'}",
+                    f"logging.run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    first = out.stderr.splitlines()[0]
+    assert first.startswith(f"error: data.tokenizer={tmp_path / 'mine.model'} is set but "
+                            f"data.paths is empty"), out.stderr
+    assert "python launch/prepare_data.py --input launch/data/default_corpus.jsonl" in first
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+    with pytest.raises(ValueError, match="a VL run uses the tokenizer its datasets were "
+                                         "prepared with"):
+        load_config(None, ["data.tokenizer=t.model", "data.vl_paths=[vl]"])
+    assert load_config(None, ["data.tokenizer=t.model", "data.paths=[x]"]).data.tokenizer

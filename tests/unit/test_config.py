@@ -68,8 +68,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_model_section_mirrors_model_config():
-    kernels = {"init_from", "attention_backend", "fp8", "linear_backend", "vision", "freeze_vision",
-               "vision_cp"}
+    kernels = {"init_from", "family", "attention_backend", "fp8", "linear_backend", "vision",
+               "freeze_vision", "vision_cp"}
     ours = {f.name for f in dataclasses.fields(ModelSection)} - kernels
     assert ours == {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(ModelSection().shape_fields()) == ours
@@ -84,6 +84,9 @@ def test_kernel_choices_mirror_the_library():
 
     assert config.ATTENTION_BACKENDS == BACKENDS and config.FP8_RECIPES == RECIPES + TE_RECIPES
     assert config.LINEAR_BACKENDS == LINEAR_BACKENDS
+    from models import FAMILIES
+
+    assert config.FAMILIES == tuple(FAMILIES)
     cfg = load_config(None, ["model.attention_backend=sdpa_cudnn", "model.fp8=tensorwise"])
     assert (cfg.model.attention_backend, cfg.model.fp8) == ("sdpa_cudnn", "tensorwise")
     with pytest.raises(ValueError, match="attention_backend"):
@@ -107,14 +110,11 @@ def test_shipped_shapes():
 
 
 def test_shipped_vl_shape_matches_qwen2_vl_2b():
-    from types import SimpleNamespace
-
-    from mpcore.vl_build import vl_model_config
+    from models.qwen2_vl import FAMILY
 
     ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                vision_end_token_id=151653)
-    tok = SimpleNamespace(vocab_size=151936, token_ids=lambda: ids)
-    cfg = vl_model_config(load_config(CONFIGS / "vl_2b.yaml"), tok)
+    cfg = FAMILY.config_from_section(load_config(CONFIGS / "vl_2b.yaml").model, ids)
     import torch
     import transformers
 

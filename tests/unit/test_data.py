@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -386,6 +387,20 @@ def test_prepare_default_works_and_is_cached(tmp_path, monkeypatch):
     assert prepare_default(tmp_path, vocab_size=512) == (model, prefix)  # rebuilt, same bytes
     assert model.read_bytes() == model_bytes
     assert (tmp_path / "default_v512.fingerprint").read_text() == stamp
+
+
+def test_preparing_the_default_corpus_says_so_once_with_its_time(tmp_path, capsys):
+    prepare_default(tmp_path, vocab_size=512)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1, said
+    want = (rf"prepared the default corpus in {re.escape(str(tmp_path))} \(first use\): "
+            rf"tokenizer default_v512.model and \d+ documents in \d+\.\d s; later runs reuse it")
+    assert re.fullmatch(want, said[0]), said[0]
+    prepare_default(tmp_path, vocab_size=512)
+    assert capsys.readouterr().out == ""  # the cache: nothing to say
+    (tmp_path / "default_v512.fingerprint").write_text("stale")
+    prepare_default(tmp_path, vocab_size=512)
+    assert "(its cache there did not match, rebuilt)" in capsys.readouterr().out
 
 
 def test_prepare_data_cli(tmp_path, capsys):

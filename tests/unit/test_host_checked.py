@@ -85,16 +85,16 @@ def test_value_range_and_host_values_fall_back_to_the_tensor():
 
 
 def test_local_inputs_record_every_tensor():
+    from models.llama import FAMILY
     from mpcore.batches import local_inputs
     from mpcore.config import load_config
-    from parallel import LabelShifter
     from parallel.state import ParallelState
 
     cfg = load_config(None, [])
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     batch = {"input_ids": torch.arange(12) % 7, "cu_seqlens": cu,
              "position_ids": torch.cat([torch.arange(5), torch.arange(7)])}
-    inputs = local_inputs(batch, ParallelState(), cfg, torch.device("cpu"), LabelShifter())
+    inputs = local_inputs(batch, ParallelState(), cfg, torch.device("cpu"), FAMILY, None)
     assert host_checked.known_range(inputs["input_ids"]) == (0, 6)
     assert host_checked.known_range(inputs["position_ids"]) == (0, 6)
     lo, hi = host_checked.known_range(inputs["labels"], -100)

@@ -158,3 +158,83 @@ def test_load_image_errors_name_the_path(tmp_path):
     assert image.mode == "RGB"
     array = np.asarray(image)
     assert (array[..., 0] == array[..., 2]).all()
+
+
+def _random(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("mode", ["P", "P+transparency", "L", "LA", "1", "CMYK", "RGBA"])
+def test_modes_convert_as_transformers_converts_them(tmp_path, mode):
+    base = Image.fromarray(_random((61, 83, 3)))
+    if mode == "P":
+        image, suffix = base.quantize(64), "png"
+    elif mode == "P+transparency":
+        image, suffix = base.quantize(64), "png"
+        image.info["transparency"] = 5  # palette entry 5 is see-through
+    elif mode == "CMYK":
+        image, suffix = Image.fromarray(_random((61, 83, 4)), "CMYK"), "jpg"
+    elif mode == "RGBA":
+        image, suffix = Image.fromarray(_random((61, 83, 4)), "RGBA"), "png"
+    else:
+        image, suffix = base.convert(mode), "png"
+    path = tmp_path / f"x.{suffix}"
+    image.save(path, **({"transparency": 5} if mode == "P+transparency" else {}))
+    with Image.open(path) as raw:
+        assert raw.mode == mode.split("+")[0]
+    assert_same(path)
+
+
+def test_exif_orientation_is_applied_as_transformers_load_image_does(tmp_path):
+    image_utils = pytest.importorskip("transformers.image_utils")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display": the camera was held upright
+    Image.fromarray(_random((56, 112, 3))).save(tmp_path / "rot.jpg", exif=exif, quality=95)
+    rows, grid = ours(tmp_path / "rot.jpg")
+    want_rows, want_grid = hf_process(image_utils.load_image(str(tmp_path / "rot.jpg")))
+    assert load_image(tmp_path / "rot.jpg").size == (56, 112)  # shown upright: taller than wide
+    assert grid == want_grid and float((rows - want_rows).abs().max()) <= TOL
+
+
+def test_16bit_grey_png_is_scaled_not_saturated_and_warns_once(tmp_path, caplog, monkeypatch):
+    from mpcore.data import images
+
+    monkeypatch.setattr(images, "_warned_16bit", False)
+    values = np.random.default_rng(3).integers(0, 65536, (60, 80), dtype=np.uint16)
+    Image.fromarray(values).save(tmp_path / "a.png")
+    Image.fromarray(values[::-1].copy()).save(tmp_path / "b.png")
+    with Image.open(tmp_path / "a.png") as raw:
+        assert raw.mode == "I;16"
+        # what transformers' conversion gives: nearly everything clipped to white
+        assert (np.asarray(raw.convert("RGB")) == 255).mean() > 0.98
+    with caplog.at_level("WARNING", logger="mpcore.data.images"):
+        image = load_image(tmp_path / "a.png")
+        load_image(tmp_path / "b.png")
+    pixels = np.asarray(image)
+    assert (pixels == (values >> 8).astype(np.uint8)[..., None]).all()
+    assert 100 < pixels.mean() < 155  # the picture is there, not white
+    warnings = [r.getMessage() for r in caplog.records if "16-bit" in r.getMessage()]
+    assert len(warnings) == 1 and "a.png" in warnings[0] and "transformers" in warnings[0]
+
+
+@pytest.mark.parametrize("kind", ["truncated png", "truncated jpeg", "flipped png"])
+def test_damaged_files_name_the_file(tmp_path, kind):
+    suffix = "jpg" if "jpeg" in kind else "png"
+    good = tmp_path / f"good.{suffix}"
+    Image.fromarray(_random((64, 64, 3))).save(good)
+    data = bytearray(good.read_bytes())
+    if kind.startswith("truncated"):
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / f"bad.{suffix}"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"bad\.{suffix}: cannot read the image"):
+        load_image(bad)
+
+
+def test_an_image_too_large_to_decode_safely_names_the_file(tmp_path, monkeypatch):
+    Image.new("RGB", (200, 100)).save(tmp_path / "huge.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow refuses over twice this
+    with pytest.raises(ValueError, match=r"huge\.png: .*decompression bomb"):
+        load_image(tmp_path / "huge.png")

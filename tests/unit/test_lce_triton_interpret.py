@@ -7,10 +7,9 @@ kernel object is an ``InterpretedFunction``. fp32 and fp16 only: bf16 ``tl.dot``
 the interpreter (DESIGN.md); these kernels have no dot, but bf16 is left to the GPU tests.
 """
 
-import sys
 
 import pytest
-from interpret import run_under_interpreter
+from interpret import needs_triton, run_under_interpreter
 
 
 def _close(actual, expected, rel):
@@ -133,7 +132,8 @@ def _main():
     print("INTERPRETED-OK")
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton is only installed on Linux")
+@needs_triton
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__, "INTERPRETED-OK")
 

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models import ModelConfig, build_model, config_from_hf, hf_config_dict, load_hf_model
-from models.rope import inverse_frequencies
+from models.common.rope import inverse_frequencies
 from parallel.state import ParallelState
 
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from interpret import needs_triton
 
 from kernels.rmsnorm import (
     MAX_HIDDEN,
@@ -107,6 +108,7 @@ def test_triton_rejects_rows_wider_than_the_kernel():
         rms_norm_triton(torch.randn(1, hidden), torch.randn(hidden))
 
 
+@needs_triton
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(

@@ -6,14 +6,13 @@ defined). The interpreter checks are fp32 and fp16: its float32 -> bfloat16 cast
 instead of rounding to nearest, so bf16 is left to tests/gpu/test_rope_kernel_gpu.py."""
 
 import os
-import sys
 
 import pytest
 import torch
-from interpret import run_under_interpreter
+from interpret import needs_triton, run_under_interpreter
 
 from kernels.rope import rope, rope_reference, rope_triton
-from models.rope import RotaryEmbedding, apply_rope
+from models.common.rope import RotaryEmbedding, apply_rope
 
 # Norm-wise relative tolerance per rounded dtype: one rounding of an fp32 (or exact) value.
 _TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.float64: 1e-12}
@@ -214,7 +213,8 @@ def test_torch_compile_fullgraph_matches_eager():
     _check_compiles(rope)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton is only installed on Linux")
+@needs_triton
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
 

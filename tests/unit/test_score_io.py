@@ -40,8 +40,8 @@ def pixels(grid):
     return torch.randn(rows, WIDTH).tolist()
 
 
-def test_text_lines_parse_with_loss_masks_and_blank_lines(tmp_path):
-    path = write(tmp_path, [{"input_ids": [1, 2, 3], "loss_mask": [1, 0, True]}, "",
+def test_text_lines_parse_with_loss_masks(tmp_path):
+    path = write(tmp_path, [{"input_ids": [1, 2, 3], "loss_mask": [1, 0, True]},
                             {"input_ids": [], "extra": "kept out"}])
     items = read_input(path, TEXT)
     assert [i.input_ids for i in items] == [[1, 2, 3], []]
@@ -80,6 +80,13 @@ def test_same_image_twice_is_processed_once(tmp_path):
     load_image(IMAGES / "camera.png").save(tmp_path / "camera.png")
     a, b = read_input(path, VL)
     assert a.pixel_values is b.pixel_values  # the cache: one decode per distinct path
+
+
+def test_blank_lines_are_errors(tmp_path):
+    """Output line i belongs to input line i: a skipped blank line would shift the rest."""
+    fails(tmp_path, [{"input_ids": [1]}, "", {"input_ids": [2]}], "a blank line; output line "
+          "i belongs to input line i", spec=TEXT, line=2)
+    fails(tmp_path, [{"input_ids": [1]}, "  \t"], "a blank line", spec=TEXT, line=2)
 
 
 def test_missing_input_file(tmp_path):

@@ -5,12 +5,11 @@ when the kernels are defined). The interpreter checks are fp32 and fp16: its flo
 casts truncate instead of rounding to nearest, so bf16 is left to tests/gpu/test_swiglu_gpu.py."""
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from interpret import run_under_interpreter
+from interpret import needs_triton, run_under_interpreter
 
 from kernels.swiglu import swiglu, swiglu_reference, swiglu_triton
 
@@ -175,7 +174,8 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton is only installed on Linux")
+@needs_triton
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
 

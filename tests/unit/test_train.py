@@ -23,6 +23,7 @@ from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
 from mpcore.config import load_config
 from mpcore.data import prepare_default
+from mpcore.data.tokenizer import Tokenizer
 from mpcore.metrics import KEYS
 from mpcore.train import Trainer, TrainingDiverged, train
 from parallel.state import ParallelState
@@ -167,7 +168,14 @@ def test_export_hf_roundtrip(tmp_path, data_dir):
         data_dir / "default_v512.model").read_bytes()
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()} == {
-        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.model": 0o644}
+        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.model": 0o644,
+        "tokenizer.json": 0o644, "tokenizer_config.json": 0o644,
+        "special_tokens_map.json": 0o644}
+    import transformers
+
+    text = "Exported: the same ids, 42 of them?\n  indented"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok(text)["input_ids"] == Tokenizer(data_dir / "default_v512.model").encode(text)
     exported, _ = load_hf_model(tmp_path / "hf", ParallelState())
     trained = build(cfg, setup(cfg), resolve_device(cfg))
     Trainer(trained).resume()
@@ -175,6 +183,7 @@ def test_export_hf_roundtrip(tmp_path, data_dir):
         assert torch.equal(param, dict(exported.named_parameters())[name]), name
 
 
+@pytest.mark.slow
 def test_default_command_trains_and_resumes(tmp_path):
     """``torchrun launch/pretrain.py`` with nothing but a step count: the tiny model on the
     shipped corpus; the loss falls; a second launch resumes from the saved checkpoint."""

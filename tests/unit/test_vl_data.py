@@ -248,10 +248,15 @@ def test_cli(tmp_path, tok, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
-def test_default_dataset(data_dir, tok):
+def test_default_dataset(data_dir, tok, capsys):
+    capsys.readouterr()
     first = prepare_vl_default(data_dir)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith(f"prepared the default image set in "
+                                                 f"{first.dataset} (first use")
     stamp = (first.dataset / "meta.json").stat().st_mtime_ns
     again = prepare_vl_default(data_dir)
+    assert capsys.readouterr().out == ""  # found in the cache: nothing to say
     assert again == first and (first.dataset / "meta.json").stat().st_mtime_ns == stamp
     ds = VLDataset(first.dataset)
     captions = [json.loads(x)["caption"] for x in DEFAULT_MANIFEST.read_text().splitlines()]
@@ -434,10 +439,10 @@ def test_blend_with_text_only(prepared, data_dir, tok):
 
 
 def test_batches_feed_the_vl_model_inputs(prepared, tok):
-    from models.config import ModelConfig
-    from models.vision.config import VisionConfig
-    from models.vl_config import VLConfig
-    from models.vl_inputs import vl_inputs
+    from models.common.config import ModelConfig
+    from models.qwen2_vl.config import VLConfig
+    from models.qwen2_vl.inputs import vl_inputs
+    from models.qwen2_vl.vision_config import VisionConfig
 
     vl = VLDataset(prepared[1])
     packed = VLPackedDataset(vl, 64, 0, pad_id=tok.eos_id)

@@ -1,0 +1,201 @@
+"""Hugging Face safetensors I/O shared by every family: pieces, lazy slice reads, export.
+
+A family describes its parameters with a table (``shard_map(cfg, tp, rank)``): for every local
+parameter of tp rank r, which pieces (:class:`Piece`: rows or columns of one HF tensor) it holds,
+concatenated along one dim. This module runs any such table:
+
+- loading reads each piece with safetensors ``get_slice`` from the file that holds it (single
+  file or a sharded ``model.safetensors.index.json``), so a rank never reads more than its shards
+  (norms and replicated kv heads whole);
+- export runs the table backwards: the tp group of global rank 0 all-gathers each parameter and
+  rank 0 writes ``config.json`` + ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from parallel.collectives import all_gather
+from parallel.state import ParallelState, ProcessGroup
+
+
+def read_hf_config(source: str | Path | dict) -> dict:
+    """The raw dict of ``config.json`` (``source``: a checkpoint folder, the file, or a dict)."""
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json at {path}; pass a Hugging Face checkpoint folder")
+    return json.loads(path.read_text())
+
+
+class Piece(NamedTuple):
+    """Rows (dim 0) or columns (dim 1) ``[start, stop)`` of HF tensor ``name`` of ``shape``.
+    Rows past ``shape[0]`` are zero padding (the padded vocab)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+
+
+def whole(name: str, shape: tuple[int, ...]) -> list[Piece]:
+    return [Piece(name, shape, 0, 0, shape[0])]
+
+
+def chunk(name: str, shape: tuple[int, ...], dim: int, tp: int, rank: int) -> Piece:
+    size = -(-shape[dim] // tp)  # ceil: only the vocab is not divisible, and is padded
+    return Piece(name, shape, dim, rank * size, (rank + 1) * size)
+
+
+def part_rows(name: str, shape: tuple[int, ...], tp: int, rank: int, part: int = 0,
+          parts: int = 1) -> Piece:
+    """Rows of tp rank ``rank`` inside logical part ``part`` of ``parts`` equal row parts."""
+    size = shape[0] // parts
+    local = size // tp
+    start = part * size + rank * local
+    return Piece(name, shape, 0, start, start + local)
+
+
+def column_pieces(name: str, shape: tuple[int, int], tp: int, rank: int) -> list[Piece]:
+    """Columns (dim 1) of tp rank ``rank``: its equal share."""
+    local = shape[1] // tp
+    return [Piece(name, shape, 1, rank * local, (rank + 1) * local)]
+
+
+def column_linear(out: dict, ours: str, hf: list[str], width_in: int, width_out: int, tp: int,
+            rank: int) -> None:
+    """``out[ours.weight/bias]``: a column-parallel layer (with bias) fused from the ``hf``
+    tensors of ``width_out`` rows each; tp rank ``rank``'s rows of each."""
+    for kind in ("weight", "bias"):
+        tail = (width_in,) if kind == "weight" else ()
+        out[f"{ours}.{kind}"] = [part_rows(f"{name}.{kind}", (width_out, *tail), tp, rank)
+                                 for name in hf]
+
+
+def row_linear(out: dict, ours: str, hf: str, width_in: int, width_out: int, tp: int,
+         rank: int) -> None:
+    """``out[ours.weight/bias]``: a row-parallel layer (columns of tp rank ``rank``; the bias
+    whole, added once after the reduction)."""
+    out[f"{ours}.weight"] = column_pieces(f"{hf}.weight", (width_out, width_in), tp, rank)
+    out[f"{ours}.bias"] = whole(f"{hf}.bias", (width_out,))
+
+
+def _safe_open(path: Path):
+    """``safe_open(path)``; a truncated or corrupt file raises ``ValueError`` naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}): it is truncated or "
+                         f"corrupt; download or export it again") from None
+
+
+class Checkpoint:
+    """Lazy ``safe_open`` handles of one checkpoint folder, by tensor name."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: folder / file for name, file in weight_map.items()}
+        elif (folder / "model.safetensors").is_file():
+            with _safe_open(folder / "model.safetensors") as f:
+                self.files = {name: folder / "model.safetensors" for name in f.keys()}
+        else:
+            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        self.folder, self._open = folder, {}
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        """The piece's slice; rows past the tensor's end come back as zeros."""
+        if piece.name not in self.files:
+            raise ValueError(f"tensor {piece.name} is missing from the checkpoint {self.folder}")
+        path = self.files[piece.name]
+        if path not in self._open:
+            self._open[path] = _safe_open(path)
+        view = self._open[path].get_slice(piece.name)
+        shape = tuple(view.get_shape())
+        if shape != piece.shape:
+            raise ValueError(f"tensor {piece.name} has shape {shape} in the checkpoint but the "
+                             f"config implies {piece.shape}; check config.json against the "
+                             f"weights")
+        stop = min(piece.stop, shape[piece.dim])
+        start = min(piece.start, stop)
+        part = view[start:stop] if piece.dim == 0 else view[:, start:stop]
+        if stop - start < piece.stop - piece.start:  # padded vocab rows
+            pad = piece.stop - piece.start - (stop - start)
+            part = torch.cat([part, part.new_zeros(pad, *shape[1:])])
+        return part
+
+
+@torch.no_grad()
+def fill_from_table(model: nn.Module, ckpt: Checkpoint, table: dict[str, list[Piece]]) -> None:
+    """Copy into each parameter of ``model`` its pieces (``table``) read from ``ckpt``."""
+    params = dict(model.named_parameters())
+    if set(params) != set(table):
+        raise AssertionError(f"shard map and model disagree: {sorted(set(params) ^ set(table))}")
+    for name, pieces in table.items():
+        param = params[name]
+        local = torch.cat([ckpt.read(p) for p in pieces], dim=pieces[0].dim)
+        assert local.shape == param.shape, (name, local.shape, param.shape)
+        param.copy_(local.to(param.dtype))
+
+
+@torch.no_grad()
+def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dict: dict,
+             maps: list[dict[str, list[Piece]]], progress=None) -> None:
+    """Gather every parameter of ``model`` into its full HF tensors (``maps[r]``: tp rank r's
+    shard map) on the tp group of global rank 0; rank 0 writes ``config.json`` (``hf_dict``)
+    and ``model.safetensors``; then a barrier. Collective over the world."""
+    if state.cp_rank == 0 and state.dp_rank == 0:
+        full = gather_full(dict(model.named_parameters()), maps, state.tp_group, progress)
+        if state.rank == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(hf_dict, indent=2) + "\n")
+            save_file({k: v.contiguous() for k, v in full.items()}, out / "model.safetensors",
+                      metadata={"format": "pt"})
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
+def gather_full(local: dict[str, torch.Tensor], maps: list[dict[str, list[Piece]]],
+                group: ProcessGroup | None, progress=None) -> dict[str, torch.Tensor]:
+    """Full HF tensors (CPU, by HF name) from this tp rank's local tensors by our name (the
+    parameters, or their gradients); ``maps[r]``: tp rank r's shard map. Collective over the
+    tp ``group`` (tensors every rank holds whole are not gathered); ``progress(done, total)``
+    after each tensor."""
+    full: dict[str, torch.Tensor] = {}
+    for i, (name, tensor) in enumerate(local.items()):
+        tensor = tensor.detach()
+        if all(m[name] == maps[0][name] for m in maps):  # replicated: every rank holds it all
+            _scatter_back(tensor.cpu(), maps[0][name], full)
+        else:
+            shards = all_gather(tensor, 0, group).cpu().chunk(len(maps))
+            for rank, shard in enumerate(shards):
+                _scatter_back(shard, maps[rank][name], full)
+        if progress is not None:
+            progress(i + 1, len(local))
+    return full
+
+
+def _scatter_back(shard: torch.Tensor, pieces: list[Piece], full: dict) -> None:
+    """Write the pieces of one rank's ``shard`` into the full HF tensors (padding dropped)."""
+    dim = pieces[0].dim
+    sizes = [p.stop - p.start for p in pieces]
+    for piece, part in zip(pieces, shard.split(sizes, dim=dim), strict=True):
+        target = full.setdefault(piece.name, part.new_empty(piece.shape))
+        keep = min(piece.stop, piece.shape[dim]) - piece.start
+        if keep > 0:
+            target.narrow(dim, piece.start, keep).copy_(part.narrow(dim, 0, keep))

@@ -1,0 +1,62 @@
+"""The Qwen2-VL / Qwen2.5-VL family: a vision tower feeding the shared M-RoPE decoder."""
+
+from __future__ import annotations
+
+import torch
+
+from models.common import counts
+from models.common.config import ModelConfig
+from models.common.family import Family
+from models.qwen2_vl.config import VL_ARCHS, VLConfig, hf_vl_config_dict, vl_config_from_dict
+from models.qwen2_vl.config import vl_config_from_hf as _from_hf
+from models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
+from models.qwen2_vl.inputs import local_vl_inputs
+from models.qwen2_vl.model import build_vl_model
+from models.qwen2_vl.tower import VisionTower
+from models.qwen2_vl.vision_config import VisionConfig
+
+
+def config_from_section(section, token_ids: dict | None) -> VLConfig:
+    """The ``VLConfig`` of our YAML model section: the decoder's shape fields, ``vision`` (the
+    tower's ``VisionConfig`` fields; ``out_hidden_size`` defaults to ``hidden_size``) and the
+    data tokenizer's four special ids."""
+    if token_ids is None:
+        raise ValueError("a VL model from scratch takes its token ids from the data's tokenizer")
+    if section.vocab_size < max(token_ids.values()) + 1:
+        raise ValueError(f"model.vocab_size = {section.vocab_size} is smaller than the VL "
+                         f"tokenizer's {max(token_ids.values()) + 1} ids (text vocab + 4 vision "
+                         f"ids); raise it")
+    vision = dict(section.vision or {})
+    vision.setdefault("out_hidden_size", section.hidden_size)
+    try:
+        vision_cfg = VisionConfig(**vision)
+    except TypeError as e:
+        raise ValueError(f"model.vision: {e}; its keys are models.qwen2_vl.VisionConfig's "
+                         f"fields") from None
+    return VLConfig(text=ModelConfig(**section.shape_fields()), vision=vision_cfg, **token_ids)
+
+
+def num_params(cfg: VLConfig) -> dict[str, int]:
+    """The decoder's counts plus ``vision`` (the tower, included in ``total``)."""
+    with torch.device("meta"):
+        vision = sum(p.numel() for p in VisionTower(cfg.vision).parameters())
+    text = counts.num_params(cfg.text)
+    return {**text, "total": text["total"] + vision, "vision": vision}
+
+
+def flops_per_token(cfg: VLConfig, seq_len: int) -> float:
+    """The decoder's only: the tower's work depends on each batch's share of image tokens, so
+    TFLOP/s and MFU of VL runs leave it out (they are lower bounds)."""
+    return counts.flops_per_token(cfg.text, seq_len)
+
+
+FAMILY = Family(
+    name="qwen2_vl", config_type=VLConfig, hf_architectures=tuple(VL_ARCHS),
+    hf_model_types=tuple(VL_ARCHS.values()),
+    config_from_hf=_from_hf, hf_config_dict=hf_vl_config_dict,
+    config_from_dict=vl_config_from_dict, config_from_section=config_from_section,
+    build=build_vl_model, load_hf=load_hf_vl_model, export_hf=export_hf_vl, shard_map=vl_shard_map,
+    local_inputs=local_vl_inputs, num_params=num_params, flops_per_token=flops_per_token,
+    decoder=lambda model: model.text, vision=lambda model: model.visual,
+    placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
+    options=("vision_cp",), host_inputs=("grid_thw",))

@@ -1,0 +1,145 @@
+"""Per-token inputs of a Qwen3-VL packed stream, computed on the GLOBAL stream, then split.
+
+Layout: ``input_ids [T]`` holds documents end to end (``cu_seqlens [D+1]``). An image is one
+run of ``t * h * w / m^2`` placeholder ids (``image_token_id``) between vision start/end tokens.
+A video is laid out frame by frame, as the Qwen3-VL processor writes it: each temporal patch
+``i < t`` is a text timestamp (``<0.5 seconds>``), vision start, a run of ``h * w / m^2``
+``video_token_id`` ids, vision end. ``image_grid_thw [I, 3]`` / ``video_grid_thw [V, 3]`` give
+each item's patch grid in stream order. ``mm_token_type_ids`` (0 text, 1 image, 2 video) is what
+transformers groups runs by; here it follows from the ids, and when given it must agree.
+
+Positions (transformers' ``Qwen3VLModel.get_rope_index``, per document, restarting at 0): a
+text token takes the current position p on all three rows and advances p by 1; a placeholder
+run starting at p with merged grid ``(t', h', w')`` (a video frame: ``t' = 1``) takes rows
+``p + i_t``, ``p + i_h``, ``p + i_w`` over its grid (row-major), then p advances by
+``max(h', w')``. So frames are separate items in time: the timestamps between them carry the
+temporal order, not the temporal row.
+
+Vision rows: the tower runs on ``cat(image pixels, video pixels)`` with ``cat(image_grid_thw,
+video_grid_thw)``; placeholder k of the stream takes the k-th merged row of its kind, images'
+rows first. The results, ``position_ids [3, T]``, ``vision_rows [T]`` (-1 for text) and
+``labels [T]`` (``LabelShifter`` with both placeholder ids ignored), are then split together
+by one ``ContextPlan``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
+from models.qwen3_vl.config import Qwen3VLConfig
+from parallel.context import ContextPlan
+from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
+from parallel.state import ParallelState
+
+NAMES = {1: "image", 2: "video"}
+
+
+def _kinds(ids: torch.Tensor, cfg: Qwen3VLConfig, mm_token_type_ids) -> torch.Tensor:
+    kinds = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
+    if mm_token_type_ids is not None:
+        given = torch.as_tensor(mm_token_type_ids).detach().cpu().long().view(-1)
+        if given.shape != kinds.shape or not torch.equal(given, kinds):
+            bad = (given != kinds).nonzero().view(-1)[:1].tolist() if given.shape == \
+                kinds.shape else "shape"
+            raise ValueError(f"mm_token_type_ids disagrees with input_ids (first at {bad}): it "
+                             f"must be 1 exactly at image_token_id, 2 at video_token_id, 0 "
+                             f"elsewhere, one entry per token")
+    return kinds
+
+
+def _items(cfg: Qwen3VLConfig, image_grid_thw, video_grid_thw):
+    """Runs the stream must hold, per kind: ``(name, (t, h, w))`` with videos split into their
+    frames, and the first vision row of each."""
+    merge = cfg.vision.spatial_merge_size
+    images = check_grid(image_grid_thw, "image_grid_thw", merge)
+    videos = check_grid(video_grid_thw, "video_grid_thw", merge)
+    items, row = {1: [], 2: []}, 0
+    for k, (t, h, w) in enumerate(images):
+        items[1].append((f"image {k} (grid {[t, h, w]})", (t, h, w), row))
+        row += t * h * w // merge ** 2
+    for k, (t, h, w) in enumerate(videos):
+        for f in range(t):
+            items[2].append((f"video {k} frame {f} (grid {[t, h, w]})", (1, h, w), row))
+            row += h * w // merge ** 2
+    return items
+
+
+def position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig, image_grid_thw=None,
+                 video_grid_thw=None, mm_token_type_ids=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids [3, T], vision_rows [T])`` int64 of a packed stream (module docstring).
+
+    Raises ``ValueError`` before any compute when a run's length is not its item's (an image's
+    ``t*h*w / m^2``, a video frame's ``h*w / m^2``), when runs and grids differ in number, or
+    when ``mm_token_type_ids`` disagrees with the ids.
+    """
+    total = input_ids.numel()
+    cu = check_cu_seqlens(cu_seqlens, total).cpu().tolist()
+    merge = cfg.vision.spatial_merge_size
+    ids = input_ids.detach().cpu().long()
+    kinds = _kinds(ids, cfg, mm_token_type_ids)
+    items, used = _items(cfg, image_grid_thw, video_grid_thw), {1: 0, 2: 0}
+    positions = torch.empty(3, total, dtype=torch.int64)
+    vision_rows = torch.full((total,), -1, dtype=torch.int64)
+    doc_starts, p = set(cu[:-1]), 0
+    for start, stop, kind in placeholder_runs(ids, kinds, cu) if total else []:
+        if start in doc_starts:
+            p = 0  # positions restart in every document
+        length = stop - start
+        if kind == 0:
+            positions[:, start:stop] = torch.arange(p, p + length)
+            p += length
+            continue
+        if used[kind] >= len(items[kind]):
+            raise ValueError(f"the stream has more {NAMES[kind]} placeholder runs than "
+                             f"{NAMES[kind]}_grid_thw provides (videos count one run per "
+                             f"frame); the extra run starts at token {start}")
+        name, (t, h, w), row = items[kind][used[kind]]
+        expected = t * h * w // merge ** 2
+        if length != expected:
+            raise ValueError(f"{name} needs {expected} placeholder tokens but its run at token "
+                             f"{start} has {length}; each image, and each video frame, is one "
+                             f"run of its own (between vision start/end tokens)")
+        gt, gh, gw = torch.meshgrid(torch.arange(t), torch.arange(h // merge),
+                                    torch.arange(w // merge), indexing="ij")
+        positions[:, start:stop] = p + torch.stack([gt, gh, gw]).reshape(3, -1)
+        vision_rows[start:stop] = row + torch.arange(length)
+        used[kind] += 1
+        p += max(h, w) // merge
+    for kind in (1, 2):
+        if used[kind] != len(items[kind]):
+            raise ValueError(f"{NAMES[kind]}_grid_thw implies {len(items[kind])} placeholder "
+                             f"runs (one per image, one per video frame) but the stream has "
+                             f"{used[kind]}; give one grid row per item, in stream order")
+    return positions.to(input_ids.device), vision_rows.to(input_ids.device)
+
+
+def global_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig, *,
+                  image_grid_thw=None, video_grid_thw=None, loss_mask=None,
+                  mm_token_type_ids=None) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "labels", "position_ids" [3, T], "vision_rows"}`` of the GLOBAL stream
+    (module docstring), ready for ``split_batch`` (pad ``vision_rows`` with -1)."""
+    positions, rows = position_ids(input_ids, cu_seqlens, cfg, image_grid_thw, video_grid_thw,
+                                   mm_token_type_ids)
+    labels = LabelShifter(IGNORE_INDEX, cfg.placeholder_ids)(input_ids, cu_seqlens, loss_mask)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions,
+            "vision_rows": rows}
+
+
+def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig,
+                 *, pixel_values: torch.Tensor | None = None, image_grid_thw=None,
+                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw=None,
+                 loss_mask=None, sequence_parallel: bool = False, mm_token_type_ids=None,
+                 layout: str | None = None) -> tuple[ContextPlan, dict]:
+    """The cp plan of one packed stream and this rank's ``Qwen3VLModel.forward`` keyword
+    arguments (all but ``output``): the per-token tensors of the GLOBAL stream split together
+    by one ``ContextPlan`` (zigzag when cp > 1; a multiple of tp under SP), the vision input
+    (images then videos) whole on every rank (``models.common.vl_split``). Signature of
+    ``models.qwen2_vl.inputs.local_vl_inputs`` (plus ``mm_token_type_ids``)."""
+    batch = global_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
+                          video_grid_thw=video_grid_thw, loss_mask=loss_mask,
+                          mm_token_type_ids=mm_token_type_ids)
+    return split_vl_stream(state, batch, cu_seqlens, pixels=[pixel_values, pixel_values_videos],
+                           grids=[image_grid_thw, video_grid_thw],
+                           sequence_parallel=sequence_parallel, layout=layout)

@@ -1,0 +1,52 @@
+"""Exclusive advisory locks on a small file that names its holder (``fcntl.flock``).
+
+:func:`take` locks ``path`` with ``LOCK_EX | LOCK_NB`` and writes ``pid N on host H`` into it;
+a second taker gets :class:`LockBusy` with that text, so its message can name the holder. The
+kernel drops the lock when the holder exits, however it exits (kill -9 included), so a stale
+lock file never blocks a rerun; the file itself stays (deleting it would race with a process
+taking it). Where the filesystem has no flock (Lustre without ``-o flock``) :func:`take` warns
+once and returns None: the caller goes on unprotected.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+class LockBusy(Exception):
+    """Another process holds the lock; ``holder`` is what it wrote (``pid N on host H``)."""
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path} is held by {holder}")
+        self.path, self.holder = path, holder
+
+
+def take(path: str | os.PathLike) -> IO | None:
+    """Lock ``path`` (created if needed); the returned file holds the lock until closed."""
+    path = Path(path)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            f.close()
+            log.warning("cannot lock %s (%s): this filesystem lacks flock, so nothing stops a "
+                        "second process on it", path, e)
+            return None
+        f.seek(0)
+        holder = f.read().strip() or "unknown pid"
+        f.close()
+        raise LockBusy(path, holder) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    return f

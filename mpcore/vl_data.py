@@ -1,0 +1,108 @@
+"""The image-text loaders of a vision-language run (a family whose modality is image-text).
+
+Data (``data.vl_paths``: folders made by ``launch/prepare_vl_data.py``; empty: the shipped image
+set, ``mpcore.data.prepare_vl_default``), each packed into budgets of ``data.seq_len`` tokens of
+whole samples (an image never crosses a micro-batch), blended by ``data.weights`` with the text
+datasets of ``data.paths`` (or, for the shipped default, the default text corpus); weights list
+the VL datasets first, then the text ones. A micro-batch (``collate_vl``) is one packed stream
+with ``loss_mask`` (targets) and the images' ``pixel_values`` / ``image_grid_thw``.
+
+Token ids: the datasets' VL tokenizer (a SentencePiece model with the placeholder and vision
+start/end ids after its vocab) names them; the model takes them from it (or, from a checkpoint,
+must agree: ``mpcore.build``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mpcore.config import Config
+from mpcore.data import (
+    BlendedDataset,
+    DataSummary,
+    IndexedDataset,
+    PackedDataset,
+    TextAsVL,
+    VLDataLoader,
+    VLDataset,
+    VLPackedDataset,
+    VLTokenizer,
+    prepare_vl_default,
+)
+from parallel.state import ParallelState
+
+log = logging.getLogger(__name__)
+
+
+def vl_sources(cfg: Config) -> tuple[list[Path], list[Path], VLTokenizer]:
+    """``(VL dataset folders, text dataset prefixes, tokenizer)`` of ``cfg.data``; prepares the
+    shipped default (with the default text corpus) when ``data.vl_paths`` is empty."""
+    d = cfg.data
+    if d.vl_paths:
+        folders = [Path(p) for p in d.vl_paths]
+        tok = VLDataset(folders[0]).tokenizer
+        return folders, [Path(p) for p in d.paths], tok
+    default = prepare_vl_default(d.cache_dir, d.default_vocab_size)
+    text = [Path(p) for p in d.paths] if d.paths else [default.text_prefix]
+    return [default.dataset], text, VLDataset(default.dataset).tokenizer
+
+
+def _check_tokenizer(tok: VLTokenizer, other: VLTokenizer, where: Path) -> None:
+    if tok.token_ids() != other.token_ids() or tok.vocab_size != other.vocab_size:
+        raise ValueError(f"{where} was prepared with another VL tokenizer ({other.token_ids()}, "
+                         f"vocab {other.vocab_size}) than the first dataset ({tok.token_ids()}, "
+                         f"vocab {tok.vocab_size}); prepare every dataset with one tokenizer")
+
+
+def build_vl_loaders(cfg: Config, state: ParallelState):
+    """``(train loader, validation loader or None, summary, tokenizer)`` of a VL run (this dp
+    rank's; validation holds out the last ``data.valid_fraction`` of each VL dataset's
+    samples). Raises ``ValueError`` naming the folder and the fix for mismatched data, or a
+    model vocabulary (from scratch) too small for the tokenizer's ids."""
+    d = cfg.data
+    folders, text, tok = vl_sources(cfg)
+    if not cfg.model.init_from and cfg.model.vocab_size < tok.vocab_size:
+        raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the VL "
+                         f"tokenizer's {tok.vocab_size} ids (text vocab + 4 vision ids); raise "
+                         f"it")
+    train, valid, patch_dim = [], [], None
+    for folder in folders:
+        ds = VLDataset(folder)
+        _check_tokenizer(tok, ds.tokenizer, folder)
+        if patch_dim is not None and ds.patch_dim != patch_dim:
+            raise ValueError(f"{folder} has pixel rows of {ds.patch_dim} values, the first VL "
+                             f"dataset {patch_dim}; prepare them with the same image settings")
+        patch_dim = ds.patch_dim
+        held = int(len(ds) * d.valid_fraction)
+        train.append(VLPackedDataset(ds, d.seq_len, d.seed, tok.eos_id, d.vl_drop_long,
+                                     samples=(0, len(ds) - held)))
+        if held:
+            valid.append(VLPackedDataset(ds, d.seq_len, d.seed, tok.eos_id, d.vl_drop_long,
+                                         samples=(len(ds) - held, len(ds))))
+    for prefix in text:
+        ds = IndexedDataset(prefix)
+        if ds.vocab_size != tok.text_vocab_size:
+            raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} "
+                             f"but the VL tokenizer's SentencePiece model has "
+                             f"{tok.text_vocab_size}; tokenize text with that model")
+        train.append(TextAsVL(PackedDataset(ds, d.seq_len, tok.eos_id), patch_dim))
+    weights = d.weights or [1.0] * len(train)
+    if len(weights) != len(train):
+        raise ValueError(f"data.weights has {len(weights)} entries for {len(train)} datasets "
+                         f"({len(folders)} VL, then {len(text)} text); give one per dataset")
+    samples = train[0] if len(train) == 1 else BlendedDataset(train, weights, d.seed)
+    loader = VLDataLoader(samples, d.micro_batch, d.grad_accum, state.dp, state.dp_rank, d.seed)
+    valid_loader = None
+    if valid:
+        held = valid[0] if len(valid) == 1 else BlendedDataset(valid, [1.0] * len(valid), d.seed)
+        valid_loader = VLDataLoader(held, d.micro_batch, 1, state.dp, state.dp_rank, d.seed)
+    dropped = sum(p.num_dropped for p in train if isinstance(p, VLPackedDataset))
+    summary = DataSummary(sum(p.num_docs for p in train), sum(p.num_tokens for p in train),
+                          loader.num_samples,
+                          sum(p.num_docs for p in valid), sum(p.num_tokens for p in valid),
+                          0 if valid_loader is None else valid_loader.num_samples)
+    if dropped and state.rank == 0:
+        log.warning("data: %d VL samples longer than data.seq_len=%d were dropped "
+                    "(data.vl_drop_long)", dropped, d.seq_len)
+    return loader, valid_loader, summary, tok

@@ -1,0 +1,70 @@
+"""Qwen3-VL on CUDA (the tower's and decoder's flash attention in bf16, Triton kernels) vs
+transformers: fp32 against transformers in float64 on the CPU (the numerics policy), bf16 judged
+against transformers' own bf16 run on the GPU (our error vs float64 at most twice theirs, plus a
+small floor). The tiny model and the packed stream (images of several grids, a video, text-only
+documents) are those of the CPU tests (tests/dist/hf_qwen3_vl_tiny.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+from hf_qwen3_vl_tiny import (  # noqa: E402
+    IMAGE,
+    VIDEO,
+    doc_inputs,
+    load,
+    reference_scores,
+    save_hf_model,
+    stream,
+)
+
+from models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
+from parallel.state import ParallelState  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+VISION = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def _ours(folder, dtype, s: dict) -> torch.Tensor:
+    state = ParallelState.build()
+    model, cfg = load_hf_model(folder, state, device="cuda")
+    cuda = {k: (v.cuda() if k.startswith("pixel") and v is not None else v)
+            for k, v in s.items() if k in VISION}
+    _, inputs = local_inputs(state, s["input_ids"].cuda(), s["cu_seqlens"].cuda(), cfg, **cuda)
+    with torch.no_grad(), torch.autocast("cuda", dtype, enabled=dtype != torch.float32):
+        logprobs, _ = model(**inputs, output="logprobs")
+    return logprobs.double().cpu()
+
+
+def _hf_bf16(folder, s: dict) -> torch.Tensor:
+    model = load(folder, torch.bfloat16).to("cuda")
+    out = torch.zeros(s["input_ids"].numel(), dtype=torch.float64)
+    with torch.no_grad():
+        for d in range(len(s["per_doc"])):
+            kwargs, a, b = doc_inputs(s, d, torch.bfloat16)
+            doc = kwargs["input_ids"][0]
+            kwargs = {k: v.cuda() for k, v in kwargs.items()}
+            logp = F.log_softmax(model(**kwargs).logits[0].double(), -1).cpu()
+            target = logp[:-1].gather(1, doc[1:, None])[:, 0]
+            placeholder = (doc[1:] == IMAGE) | (doc[1:] == VIDEO)
+            out[a:b - 1] = torch.where(placeholder, 0.0, target)
+    return out
+
+
+def test_qwen3_vl_on_cuda(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    save_hf_model(seed=0, folder=tmp_path)
+    s = stream(seed=1)
+    ref, _ = reference_scores(tmp_path, s)
+    fp32 = _ours(tmp_path, torch.float32, s)
+    assert float((fp32 - ref).abs().max()) <= 1e-4
+    ours = float((_ours(tmp_path, torch.bfloat16, s) - ref).abs().max())
+    theirs = float((_hf_bf16(tmp_path, s) - ref).abs().max())
+    assert ours <= 2 * theirs + 2e-2, (ours, theirs)
