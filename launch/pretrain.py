@@ -11,7 +11,8 @@ Under torchrun the process group uses NCCL on CUDA and gloo on CPU. Resumes from
 from its last checkpoint.
 
 Ctrl-C (SIGINT), SIGTERM and SIGUSR1 (``sbatch --signal=USR1@120``) stop the run at the next
-step boundary after saving a checkpoint (a second Ctrl-C stops at once, without saving). Under
+step boundary after saving a checkpoint (a second Ctrl-C, 2 s or more after the first, stops at
+once, without saving). Under
 torchrun a worker whose launcher dies gets SIGTERM too (``mpcore.processes``), and errors are
 printed once, not once per rank. ``python -m mpcore.torchrun`` (torchrun's arguments) prints
 nothing of its own after a worker's message and exits with the worker's code.

@@ -11,8 +11,9 @@ writes the indexed dataset, into ``data_dir``:
 
 A later call reuses the files when the fingerprint matches AND each file still has the sha256
 recorded for it (a few MB read, about 10 ms): a cache damaged since (a truncated .bin, a
-tokenizer replaced by hand) is rebuilt, with a warning naming the file, instead of trained on;
-a call that builds them prints one line saying so and how long it took. Deterministic: the same corpus bytes
+tokenizer replaced by hand) is rebuilt, with a warning naming the file, instead of trained on.
+A call that builds them prints one line saying so and how long it took. Deterministic: the same
+corpus bytes
 and settings give the same tokenizer and dataset on every machine. Ranks that call it at the
 same time (torchrun) serialise on a file lock in ``data_dir``; the first prepares, the rest
 find the cache.

@@ -53,12 +53,13 @@ def metrics(run_dir) -> list[dict]:
 def test_hung_rank_stops_the_run_by_name_and_the_rerun_resumes(tmp_path, small):  # noqa: F811
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    args = [*small, "training.max_steps=8", "checkpoint.every=2", "parallel.step_timeout_s=3"]
+    args = [*small, "training.max_steps=8", "checkpoint.every=2"]
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     done, _ = run_child(script, [*args, f"logging.run_dir={reference}"], None)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    hung, took = run_child(script, [*args, f"logging.run_dir={run_dir}"], [1, 5])
+    hung, took = run_child(script, [*args, f"logging.run_dir={run_dir}",
+                                    "parallel.step_timeout_s=3"], [1, 5])
     assert hung.returncode == EXIT_STUCK, hung.stderr[-3000:]
     assert "hanging at step 5" in hung.stdout
     errors = [line for line in hung.stderr.splitlines() if line.startswith("error")]

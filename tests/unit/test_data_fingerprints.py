@@ -86,6 +86,7 @@ def _text_tiny(run_dir: Path, cache: Path):
         "checkpoint.every=0", f"logging.run_dir={run_dir}"])
 
 
+@pytest.mark.slow  # two short trainings per case
 @pytest.mark.parametrize("damage", ["flipped .bin", "truncated .idx", "other tokenizer"])
 def test_damaged_text_cache_is_rebuilt_before_a_fresh_run(tmp_path, cache, caplog, damage):
     """The stamp matches, the files are there, but their bytes changed since they were prepared:

@@ -149,6 +149,7 @@ def _rewrite_manifest(folder: Path, drop: str) -> None:
     (folder / "manifest.json").write_text(json.dumps(body))
 
 
+@pytest.mark.slow  # behind the 8-step base run, or processes
 def test_lost_manifest_is_damage_not_a_checkpoint_from_before_manifests(copy, data_dir, base,
                                                                         caplog):
     step8 = copy / "checkpoints" / "step-8"
@@ -162,6 +163,7 @@ def test_lost_manifest_is_damage_not_a_checkpoint_from_before_manifests(copy, da
         caplog.text)
 
 
+@pytest.mark.slow  # behind the 8-step base run
 @pytest.mark.parametrize("how", ["unlisted and damaged", "unlisted and gone"])
 def test_a_file_loading_reads_must_be_in_the_manifest(copy, data_dir, base, caplog,
                                                       how):
@@ -200,6 +202,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.slow  # behind the 8-step base run, or processes
 def test_unreadable_file_stops_the_run_and_keeps_the_checkpoint(copy, data_dir, base,
                                                                 tmp_path):
     """A real EACCES: a root-owned file with mode 000, read by a process without root's
@@ -226,6 +229,7 @@ def test_unreadable_file_stops_the_run_and_keeps_the_checkpoint(copy, data_dir, 
     assert result.step == 10 and len(result.losses) == 2  # resumed from step-8
 
 
+@pytest.mark.slow  # behind the 8-step base run, or processes
 def test_read_error_while_loading_stops_and_keeps_the_checkpoint(copy):
     """Injected (a load callable that raises EIO, as dcp.load does when the storage fails after
     the manifest verified): the run stops naming the file; nothing is moved to bad-step-N."""
@@ -242,6 +246,7 @@ def test_read_error_while_loading_stops_and_keeps_the_checkpoint(copy):
 
 
 # ---------------------------------------------------------------- checkpoint.async_save
+@pytest.mark.slow  # behind the 8-step base run, or processes
 def test_async_saves_verify_rotate_and_resume_bit_identical(tmp_path, data_dir, base, caplog):
     """Background saves every 2 steps: the same curve as blocking saves, every checkpoint
     verifies with a full manifest, rotation keeps the newest two, and resuming from one
@@ -263,6 +268,7 @@ def test_async_saves_verify_rotate_and_resume_bit_identical(tmp_path, data_dir, 
     assert again.losses == base[1][6:]
 
 
+@pytest.mark.slow  # behind the 8-step base run, or processes
 def test_kill_9_during_background_writes_resumes_the_same_curve(tmp_path, data_dir):
     """SIGKILL while a background write is in flight (just after its folder was made, plus up
     to 30 ms) or at a stage of its commit, again and again: nothing that looks whole is left
