@@ -4,8 +4,9 @@
     "reference"  ``models.qwen3_5.deltanet`` (any device, any float dtype; what CPU tests use)
     "fla"        fla-core's Triton ops with ``cu_seqlens`` (CUDA, bf16/fp16 operands); a
                  ``ValueError`` with the install line when fla-core is missing or off CUDA
-    "auto"       fla where it can run (CUDA, half-precision operands, fla installed), else the
-                 reference, with one warning when CUDA lacks fla-core
+    "auto"       fla where it can run (CUDA, half-precision operands, fla installed, and a
+                 tiny forward + backward once per device passes: ``fla_refusal``), else the
+                 reference, with one warning saying why
 This module is the ONE place that looks for fla-core. Both kernels take the same packed layout
 (``deltanet.py``'s docstring): segments never share a convolution window or a state.
 """
@@ -35,6 +36,33 @@ def fla_ops():
     return chunk_gated_delta_rule, causal_conv1d
 
 
+@functools.cache
+def fla_refusal(device_index: int) -> str | None:
+    """Why fla-core cannot run the gated delta rule forward AND backward on this CUDA device,
+    or None when it can. Measured once per device by a tiny call (a Triton compile, seconds):
+    fla refuses some Triton/GPU pairs at run time (0.6.0 raises in the gated backward on Hopper
+    with Triton >= 3.4, < 3.7.1 unless tilelang is installed), which a version table here
+    would go stale on."""
+    chunk_rule = fla_ops()[0]
+    bf = dict(device=torch.device("cuda", device_index), dtype=torch.bfloat16)
+    q, k, v = (torch.randn(1, 16, 1, 16, **bf, requires_grad=True) for _ in range(3))
+    g = torch.zeros(1, 16, 1, device=bf["device"], requires_grad=True)
+    beta = torch.rand(1, 16, 1, **bf, requires_grad=True)
+    try:
+        out, _ = chunk_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                            cu_seqlens=torch.tensor([0, 16], device=bf["device"]))
+        out.float().sum().backward()
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # fla's own refusals
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@functools.cache
+def _warn_fla_refused(reason: str) -> None:
+    warnings.warn(f"fla-core cannot run the gated delta rule here ({reason}); Gated DeltaNet "
+                  f"layers run the PyTorch reference (slow)", stacklevel=3)
+
+
 def check_kernel(name: str) -> str:
     if name not in GDN_KERNELS:
         raise ValueError(f"gdn_kernel must be one of {GDN_KERNELS}, got {name!r}")
@@ -59,6 +87,10 @@ def check_available(name: str, device: torch.device | str) -> None:
     if fla_ops() is None:
         raise ValueError(f"gdn_kernel='fla' but fla-core is not installed; {INSTALL_HINT}"
                          f" (or use gdn_kernel='auto' to fall back to the reference)")
+    refusal = fla_refusal(torch.device(device).index or 0)
+    if refusal is not None:
+        raise ValueError(f"gdn_kernel='fla' but fla-core refuses this GPU and Triton: "
+                         f"{refusal}; use gdn_kernel='auto' (the reference) or do what it says")
 
 
 def resolve(name: str, x: torch.Tensor) -> str:
@@ -79,6 +111,10 @@ def resolve(name: str, x: torch.Tensor) -> str:
         return "reference"
     if fla_ops() is None:
         _warn_no_fla()
+        return "reference"
+    refusal = fla_refusal(x.device.index or 0)
+    if refusal is not None:
+        _warn_fla_refused(refusal)
         return "reference"
     return "fla"
 

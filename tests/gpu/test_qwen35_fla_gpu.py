@@ -16,6 +16,28 @@ from parallel.state import ParallelState
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(kernels.fla_ops() is None,
                                  reason=f"fla-core not installed ({kernels.INSTALL_HINT})")]
+
+
+def _fla_rule_or_skip():
+    """fla refuses some GPU / Triton pairs at run time (``kernels.fla_refusal``): then there is
+    no fla delta rule to compare, and ``auto`` runs the reference (the test below)."""
+    refusal = kernels.fla_refusal(torch.cuda.current_device())
+    if refusal is not None:
+        pytest.skip(f"fla-core refuses this GPU and Triton: {refusal}")
+
+
+def test_auto_falls_back_where_fla_refuses():
+    """Where fla cannot run the backward, ``auto`` picks the reference (and ``fla``, named,
+    is refused at build time with fla's reason); where it can, ``auto`` picks fla."""
+    x = torch.zeros(4, 2, 8, device="cuda", dtype=torch.bfloat16)
+    refusal = kernels.fla_refusal(torch.cuda.current_device())
+    if refusal is None:
+        assert kernels.resolve("auto", x) == "fla"
+        return
+    with pytest.warns(UserWarning, match="cannot run the gated delta rule"):
+        assert kernels.resolve("auto", x) == "reference"
+    with pytest.raises(ValueError, match="refuses this GPU and Triton"):
+        kernels.check_available("fla", "cuda")
 LENGTHS = [1, 2, 3, 77, 1000, 333, 5]
 
 
@@ -48,6 +70,7 @@ def test_conv_fla_matches_reference_forward_backward():
 
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4)])
 def test_delta_rule_fla_matches_reference_forward_backward(heads):
+    _fla_rule_or_skip()
     torch.manual_seed(1)
     hk, hv = heads
     cu = _cu()
@@ -70,6 +93,7 @@ def test_delta_rule_fla_matches_reference_forward_backward(heads):
 def test_model_fla_matches_reference_under_bf16_autocast():
     """The whole tiny decoder (3 DeltaNet layers, 1 gated attention) with each kernel, on a
     packed stream: loss and every gradient agree."""
+    _fla_rule_or_skip()
     cfg = Qwen35Config(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
                        num_kv_heads=2, head_dim=64, intermediate_size=512,
                        linear_num_key_heads=2, linear_num_value_heads=4,
