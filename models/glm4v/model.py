@@ -1,7 +1,7 @@
 """The GLM-4V model: its vision tower feeding the shared decoder with GLM's sandwich-norm block.
 
-Layout and forward are those of ``models.qwen2_vl.model.VLModel`` (the per-token inputs from
-``models.glm4v.inputs``, split by one ``ContextPlan``; the tower's rows scattered into this
+Layout and forward are those of ``models.common.vl_model.VisionLanguageModel`` (the per-token
+inputs from ``models.glm4v.inputs``, split by one ``ContextPlan``; the tower's rows scattered into this
 rank's placeholders, the tower's work spread over cp by ``models.common.vision_cp``); what
 differs is the tower (``models.glm4v.tower``) and the decoder block, four RMSNorms per layer:
 
@@ -21,14 +21,13 @@ import torch
 from torch import nn
 
 from models.common.attention import Attention
-from models.common.decoder import Transformer, _autocast_dtype, init_weights
+from models.common.decoder import _autocast_dtype, init_weights
 from models.common.mlp import FeedForward
 from models.common.norm import RMSNorm
-from models.common.vision_cp import MODES
+from models.common.vl_model import VisionLanguageModel
 from models.glm4v.config import Glm4vConfig, config_from_hf
 from models.glm4v.hf import load_hf_weights
 from models.glm4v.tower import Glm4vVisionTower
-from models.qwen2_vl.model import VLModel
 from parallel.state import ParallelState
 
 
@@ -62,28 +61,12 @@ class Glm4vDecoderLayer(nn.Module):
         return h, self.ffn_out_norm(self.feed_forward(x), dtype)
 
 
-class Glm4vModel(VLModel):
-    """GLM-4V (module docstring): ``VLModel``'s forward, checks and FSDP units over GLM's
-    decoder block and tower. ``vision_attention``: the tower's attention kernel on CUDA;
-    ``decoder_options``: further ``Transformer`` keyword arguments (kernel choices)."""
+class Glm4vModel(VisionLanguageModel):
+    """GLM-4V (module docstring): the shared vision-language model over GLM's decoder block
+    and tower."""
 
-    def __init__(self, cfg: Glm4vConfig, state: ParallelState, *,
-                 sequence_parallel: bool = False, cp_mode: str = "none",
-                 activation_checkpointing: bool = False, vision_cp: str = "split",
-                 vision_attention: str = "auto", dtype=None, **decoder_options):
-        nn.Module.__init__(self)  # VLModel's own constructor builds the Qwen2-VL parts
-        cfg.check_parallel(state.tp, state.cp, cp_mode)
-        if vision_cp not in MODES:
-            raise ValueError(f"vision_cp must be one of {MODES}, got {vision_cp!r}")
-        self.cfg, self.vision_cp = cfg, vision_cp
-        self.tp, self.tp_rank, self.tp_group = state.tp, state.tp_rank, state.tp_group
-        self.cp_group = state.cp_group
-        self.text = Transformer(cfg.text, state, sequence_parallel=sequence_parallel,
-                                cp_mode=cp_mode, activation_checkpointing=activation_checkpointing,
-                                dtype=dtype, layer=Glm4vDecoderLayer, **decoder_options)
-        self.visual = Glm4vVisionTower(cfg.vision, state,
-                                       activation_checkpointing=activation_checkpointing,
-                                       attention_kernel=vision_attention, dtype=dtype)
+    tower_cls = Glm4vVisionTower
+    decoder_layer = Glm4vDecoderLayer
 
 
 def materialise(model: nn.Module, device, seed: int) -> None:
