@@ -24,6 +24,7 @@ from pathlib import Path
 
 from models.common.config import ModelConfig
 from models.common.hf_io import read_hf_config
+from models.common.vision_geometry import VisionGeometry, check_tp_widths
 
 ARCH = "Glm4vForConditionalGeneration"
 MODEL_TYPE = "glm4v"
@@ -40,7 +41,7 @@ _META = {"model_type", "initializer_range", "torch_dtype", "dtype", "transformer
 
 
 @dataclass(frozen=True)
-class Glm4vVisionConfig:
+class Glm4vVisionConfig(VisionGeometry):
     """Shape of a GLM-4V vision tower (transformers' ``Glm4vVisionConfig`` names)."""
 
     depth: int
@@ -98,32 +99,15 @@ class Glm4vVisionConfig:
             raise ValueError("vision rms_norm_eps and rope_theta must be > 0")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Width of one row of ``pixel_values``: ``in_channels * temporal_patch_size *
-        patch_size ** 2``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
-
-    @property
     def grid_side(self) -> int:
         """Side of the learned position grid: ``image_size // patch_size``."""
         return self.image_size // self.patch_size
 
     def check_parallel(self, tp: int) -> None:
         """Raise ``ValueError`` naming the fix when tp does not divide a sharded width."""
-        for what, n in (("num_heads", self.num_heads),
-                        ("out_hidden_size (the blocks' MLP width)", self.out_hidden_size),
-                        ("intermediate_size (the merger's MLP width)", self.intermediate_size)):
-            if n % tp:
-                raise ValueError(f"vision tower: {what} = {n} is not divisible by tp = {tp}; "
-                                 f"choose a tp that divides {n}")
+        check_tp_widths(tp, (("num_heads", self.num_heads),
+                            ("out_hidden_size (the blocks' MLP width)", self.out_hidden_size),
+                            ("intermediate_size (the merger's MLP width)", self.intermediate_size)))
 
 
 @dataclass(frozen=True)

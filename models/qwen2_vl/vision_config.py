@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.vision_geometry import VisionGeometry, check_tp_widths
+
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}
 MODEL_TYPES = {"qwen2_vl": "qwen2_vl_vision", "qwen2_5_vl": "qwen2_5_vl_vision"}
@@ -33,7 +35,7 @@ _IGNORED = {"model_type", "initializer_range", "tokens_per_second", "torch_dtype
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(VisionGeometry):
     """Shape and variant of a Qwen2-VL / Qwen2.5-VL vision tower."""
 
     arch: str
@@ -111,21 +113,6 @@ class VisionConfig:
             raise ValueError(f"VisionConfig.rope_theta must be > 0, got {self.rope_theta!r}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Width of one row of ``pixel_values``: ``in_channels * temporal_patch_size *
-        patch_size ** 2``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output token: ``spatial_merge_size ** 2``."""
-        return self.spatial_merge_size ** 2
-
-    @property
     def window_units(self) -> int:
         """Side of a Qwen2.5-VL attention window in merged units."""
         return self.window_size // self.spatial_merge_size // self.patch_size
@@ -133,13 +120,10 @@ class VisionConfig:
     def check_parallel(self, tp: int) -> None:
         """Raise ``ValueError`` naming the fix when tp does not divide the sharded widths:
         attention heads, the MLP width and the merger's width (``hidden_size * merge_unit``)."""
-        for what, n in (("num_heads", self.num_heads),
-                        ("intermediate_size", self.intermediate_size),
-                        ("hidden_size * spatial_merge_size**2 (the merger width)",
-                         self.hidden_size * self.merge_unit)):
-            if n % tp:
-                raise ValueError(f"vision tower: {what} = {n} is not divisible by tp = {tp}; "
-                                 f"choose a tp that divides {n}")
+        check_tp_widths(tp, (("num_heads", self.num_heads),
+                            ("intermediate_size", self.intermediate_size),
+                            ("hidden_size * spatial_merge_size**2 (the merger width)",
+                             self.hidden_size * self.merge_unit)))
 
 
 def _rope_theta(d: dict) -> float:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from models.common.config import ModelConfig
 from models.common.hf_io import read_hf_config
+from models.common.vision_geometry import VisionGeometry, check_tp_widths
 from models.llama.hf_config import config_from_hf as text_config_from_hf
 from models.llama.hf_config import hf_config_dict as text_hf_config_dict
 
@@ -44,7 +45,7 @@ def _positive(owner: str, name: str, value) -> None:
 
 
 @dataclass(frozen=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(VisionGeometry):
     """Shape of a Qwen3-VL vision tower."""
 
     depth: int
@@ -109,34 +110,16 @@ class Qwen3VisionConfig:
     arch = "qwen3_vl"  # for models.qwen2_vl.vision_plan.plan_vision: per-frame attention, no windows
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Width of one ``pixel_values`` row: ``in_channels * temporal_patch_size *
-        patch_size ** 2``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output row: ``spatial_merge_size ** 2``."""
-        return self.spatial_merge_size ** 2
-
-    @property
     def grid_side(self) -> int:
         """Side of the learned position grid."""
         return math.isqrt(self.num_position_embeddings)
 
     def check_parallel(self, tp: int) -> None:
         """Raise ``ValueError`` naming the fix when tp does not divide a sharded width."""
-        for what, n in (("num_heads", self.num_heads),
-                        ("intermediate_size", self.intermediate_size),
-                        ("hidden_size * spatial_merge_size**2 (the merger width)",
-                         self.hidden_size * self.merge_unit)):
-            if n % tp:
-                raise ValueError(f"vision tower: {what} = {n} is not divisible by tp = {tp}; "
-                                 f"choose a tp that divides {n}")
+        check_tp_widths(tp, (("num_heads", self.num_heads),
+                            ("intermediate_size", self.intermediate_size),
+                            ("hidden_size * spatial_merge_size**2 (the merger width)",
+                             self.hidden_size * self.merge_unit)))
 
 
 @dataclass(frozen=True)
