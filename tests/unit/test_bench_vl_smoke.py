@@ -160,7 +160,7 @@ def test_prepared_store_is_the_upscaled_images(tmp_path):
     """Every image of the store: process_image's own upscale of the original file, bit for bit;
     placeholder runs as long as the grids say, never a target; the loader's batches are the
     store's samples, each once."""
-    make_config, _, image_tokens, text_vocab = bench_vl.PRESETS["tiny"]
+    make_config, _, image_tokens, text_vocab = bench_vl.PRESETS["qwen2_vl"]["tiny"]
     cfg, batches, store = vl_batches.prepared_batches(make_config(), SEQ, image_tokens, 0.6,
                                                       MICRO_BATCH, 2, text_vocab, tmp_path)
     ds = VLDataset(tmp_path / "store")
