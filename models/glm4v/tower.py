@@ -32,13 +32,14 @@ from torch.utils.checkpoint import checkpoint
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
 from models.common.norm import RMSNorm
-from models.common.vision_attention import KERNELS, Segments, VisionAttention, rotary_tables
+from models.common.tower import TowerBase
+from models.common.vision_attention import Segments, VisionAttention, rotary_tables
 from models.glm4v.config import Glm4vVisionConfig
 from models.qwen2_vl.tower import LayerNorm
 from models.qwen2_vl.vision_plan import check_grid
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
-from parallel.state import ParallelState, ProcessGroup, group_rank, group_size
+from parallel.state import ParallelState, ProcessGroup
 
 
 class Replicated(nn.Module):
@@ -141,7 +142,7 @@ def resample_positions(weight: torch.Tensor, positions: torch.Tensor,
     return out[0, :, :, 0].t().to(weight.dtype)  # (N, C)
 
 
-class Glm4vVisionTower(nn.Module):
+class Glm4vVisionTower(TowerBase):
     """The GLM-4V vision tower (module docstring). ``state_or_tp_group``: a ``ParallelState``
     (its tp group), a tp ``ProcessGroup`` or None. Build it with :func:`build_vision_tower`."""
 
@@ -149,16 +150,8 @@ class Glm4vVisionTower(nn.Module):
                  state_or_tp_group: ParallelState | ProcessGroup | None = None, *,
                  activation_checkpointing: bool = False, attention_kernel: str = "auto",
                  dtype=None):
-        super().__init__()
-        if attention_kernel not in KERNELS:
-            raise ValueError(f"attention_kernel must be one of {KERNELS}, got "
-                             f"{attention_kernel!r}")
-        group = (state_or_tp_group.tp_group if isinstance(state_or_tp_group, ParallelState)
-                 else state_or_tp_group)
-        self.cfg, self.tp_group = cfg, group
-        self.tp, self.tp_rank = group_size(group), group_rank(group)
-        cfg.check_parallel(self.tp)
-        self.activation_checkpointing = activation_checkpointing
+        super().__init__(cfg, state_or_tp_group, activation_checkpointing, attention_kernel)
+        group = self.tp_group
         m = cfg.spatial_merge_size
         self.patch_embed = Replicated((cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size,
                                        cfg.patch_size, cfg.patch_size), bias=True, dtype=dtype)

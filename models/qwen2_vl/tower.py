@@ -31,12 +31,13 @@ from torch.utils.checkpoint import checkpoint
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
 from models.common.norm import RMSNorm
-from models.common.vision_attention import KERNELS, Segments, VisionAttention, rotary_tables
+from models.common.tower import TowerBase
+from models.common.vision_attention import Segments, VisionAttention, rotary_tables
 from models.qwen2_vl.vision_config import VisionConfig
 from models.qwen2_vl.vision_plan import VisionPlan, plan_vision
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
-from parallel.state import ParallelState, ProcessGroup, group_rank, group_size
+from parallel.state import ParallelState, ProcessGroup
 
 
 class PatchEmbed(nn.Module):
@@ -148,7 +149,7 @@ class PatchMerger(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
-class VisionTower(nn.Module):
+class VisionTower(TowerBase):
     """The vision tower (module docstring). ``state_or_tp_group``: a ``ParallelState`` (its tp
     group is used), a tp ``ProcessGroup``, or None (one process). Build it with
     :func:`build_vision_tower` or load it with ``models.qwen2_vl.vision_hf``."""
@@ -157,16 +158,8 @@ class VisionTower(nn.Module):
                  state_or_tp_group: ParallelState | ProcessGroup | None = None, *,
                  activation_checkpointing: bool = False, attention_kernel: str = "auto",
                  dtype=None):
-        super().__init__()
-        if attention_kernel not in KERNELS:
-            raise ValueError(f"attention_kernel must be one of {KERNELS}, got "
-                             f"{attention_kernel!r}")
-        group = (state_or_tp_group.tp_group if isinstance(state_or_tp_group, ParallelState)
-                 else state_or_tp_group)
-        self.cfg, self.tp_group = cfg, group
-        self.tp, self.tp_rank = group_size(group), group_rank(group)
-        cfg.check_parallel(self.tp)
-        self.activation_checkpointing = activation_checkpointing
+        super().__init__(cfg, state_or_tp_group, activation_checkpointing, attention_kernel)
+        group = self.tp_group
         self.patch_embed = PatchEmbed(cfg, dtype=dtype)
         self.layers = nn.ModuleList(VisionBlock(cfg, group, dtype=dtype)
                                     for _ in range(cfg.depth))

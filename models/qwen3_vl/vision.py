@@ -30,13 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.common.vision_attention import KERNELS, Segments, VisionAttention, rotary_tables
+from models.common.tower import TowerBase
+from models.common.vision_attention import Segments, VisionAttention, rotary_tables
 from models.qwen2_vl.tower import LayerNorm
 from models.qwen2_vl.vision_plan import VisionPlan, plan_vision
 from models.qwen3_vl.config import Qwen3VisionConfig
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
-from parallel.state import ParallelState, ProcessGroup, group_rank, group_size
+from parallel.state import ParallelState, ProcessGroup
 
 
 class PatchEmbed(nn.Module):
@@ -154,7 +155,7 @@ class PatchMerger(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(TowerBase):
     """The tower (module docstring). ``state_or_tp_group``: a ``ParallelState`` (its tp group),
     a tp ``ProcessGroup`` or None (one process)."""
 
@@ -162,16 +163,8 @@ class Qwen3VisionTower(nn.Module):
                  state_or_tp_group: ParallelState | ProcessGroup | None = None, *,
                  activation_checkpointing: bool = False, attention_kernel: str = "auto",
                  dtype=None):
-        super().__init__()
-        if attention_kernel not in KERNELS:
-            raise ValueError(f"attention_kernel must be one of {KERNELS}, got "
-                             f"{attention_kernel!r}")
-        group = (state_or_tp_group.tp_group if isinstance(state_or_tp_group, ParallelState)
-                 else state_or_tp_group)
-        self.cfg, self.tp_group = cfg, group
-        self.tp, self.tp_rank = group_size(group), group_rank(group)
-        cfg.check_parallel(self.tp)
-        self.activation_checkpointing = activation_checkpointing
+        super().__init__(cfg, state_or_tp_group, activation_checkpointing, attention_kernel)
+        group = self.tp_group
         self.patch_embed = PatchEmbed(cfg, dtype=dtype)
         self.pos_embed = PositionEmbedding(cfg, dtype=dtype)
         self.layers = nn.ModuleList(VisionBlock(cfg, group, dtype=dtype)
