@@ -42,7 +42,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v")  # models.registry.FAMILIES (a test checks
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_moe")  # models.registry.FAMILIES (a test checks
 # they agree)
 
 
