@@ -233,3 +233,32 @@ def test_ep4_with_an_expert_and_a_rank_that_get_no_token(tmp_path):
         # fp32 summation orders, dp = 4 vs one process alike.)
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["moe_grad_vs_hf"] < 1e-4, r
         assert r["abs"] < 1e-6, r
+
+
+def _export_worker(rank, world, folder, out):
+    state = ParallelState.build(tp=2, ep=2)  # dp = 2: each ep rank reads half the experts
+    model, _ = load_hf_model(folder, state)
+    from models.qwen3_moe.hf import export_hf
+
+    export_hf(model, state, out)
+    return state.ep_rank
+
+
+def test_export_at_tp2_ep2_from_the_fused_layout_loads_in_transformers(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_moe_tiny import make_hf_model
+
+    save_hf_model(5, tmp_path / "released")  # for its config.json
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((tmp_path / "released" / "config.json").read_text())
+    theirs = {k: v.contiguous() for k, v in make_hf_model(5).state_dict().items()}
+    save_file(theirs, fused / "model.safetensors", metadata={"format": "pt"})
+    ranks = run_distributed(_export_worker, 4, str(fused), str(tmp_path / "out"))
+    assert sorted(ranks) == [0, 0, 1, 1]
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
