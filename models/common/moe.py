@@ -11,8 +11,9 @@ and computes the same tokens; experts are not tp-sharded). Per token t:
 Dropless: every token reaches its k experts (no capacity, so ``dropped`` is always 0).
 Experts: the ``E`` of the layer split over the ep group (``parallel.experts``): ep rank r holds
 ``w13 [E / ep, 2 * I, hidden]`` (gate rows then up rows, transformers 5.x's ``gate_up_proj``)
-and ``w2 [E / ep, hidden, I]``. The reference computes each local expert's rows in turn (a
-sort-based grouped matmul: rows sorted by expert, one matmul per expert).
+and ``w2 [E / ep, hidden, I]``. Rows are sorted by expert; the reference then runs one matmul
+pair per local expert, ``grouped`` two grouped GEMMs for all of them (``torch._grouped_mm``,
+detected at run time; ``auto`` takes it on CUDA).
 
 Each forward leaves ``last_stats`` (``RouterStats``, over the tokens where ``token_mask`` is
 true: padding excluded) for the load-balancing loss (``models.common.moe_loss``) and the
@@ -53,6 +54,43 @@ def swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
 
+EXPERT_BACKENDS = ("auto", "reference", "grouped")
+
+
+def grouped_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` (PyTorch's grouped GEMM, 2.8+) takes these operands: it
+    exists in this torch and every row stride is a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+        return False
+    size = x.element_size()
+    return all(n * size % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1]))
+
+
+def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           counts: list[int]) -> torch.Tensor:
+    """``swiglu_experts`` with two grouped GEMMs (``torch._grouped_mm``, one launch each for
+    all local experts; its own backward) instead of a loop."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)  # [N, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    return torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offs=offs)
+
+
+def run_experts(x, w13, w2, counts: list[int], backend: str = "auto") -> torch.Tensor:
+    """The local experts on their grouped rows: ``grouped`` (PyTorch's grouped GEMM),
+    ``reference`` (the loop), or ``auto``: grouped on CUDA where this torch has it, else the
+    reference (CPU runs the reference)."""
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"experts backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+    use = backend == "grouped" or (backend == "auto" and x.is_cuda)
+    if use and grouped_available(x, w13, w2):
+        return grouped_swiglu_experts(x, w13, w2, counts)
+    if backend == "grouped" and x.shape[0]:
+        raise ValueError("experts backend 'grouped' needs torch._grouped_mm (PyTorch 2.8+) and "
+                         "16-byte aligned expert widths; use 'auto' or 'reference'")
+    return swiglu_experts(x, w13, w2, counts)
+
+
 class _Weights(nn.Module):
     """A plain holder of named parameters (initialised by the block that owns it)."""
 
@@ -71,7 +109,7 @@ class MoeBlock(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, *,
                  norm_topk_prob: bool, ep_group: ProcessGroup | None = None,
                  shared_intermediate: int | None = None, init_std: float = 0.02,
-                 device=None, dtype=None):
+                 experts_backend: str = "auto", device=None, dtype=None):
         super().__init__()
         ep = group_size(ep_group)
         if num_experts % ep:
@@ -80,7 +118,11 @@ class MoeBlock(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts = "
                              f"{num_experts}]")
+        if experts_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"experts backend must be one of {EXPERT_BACKENDS}, got "
+                             f"{experts_backend!r}")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.experts_backend = experts_backend
         self.ep_group, self.ep, self.ep_rank = ep_group, ep, group_rank(ep_group)
         self.hidden, self.intermediate, self.init_std = hidden, intermediate, init_std
         local = num_experts // ep
@@ -129,7 +171,8 @@ class MoeBlock(nn.Module):
         token_of = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)
         grouped, plan = dispatch(x[token_of], counts, self.ep_group)
-        y_grouped = swiglu_experts(grouped, self.experts.w13, self.experts.w2, plan.counts)
+        y_grouped = run_experts(grouped, self.experts.w13, self.experts.w2, plan.counts,
+                                self.experts_backend)
         y_sorted = combine(y_grouped, plan, self.ep_group)
         y_sorted = y_sorted * weights.reshape(-1)[order, None]
         out = torch.zeros_like(x).index_add(0, token_of, y_sorted.to(x.dtype))

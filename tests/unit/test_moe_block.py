@@ -103,3 +103,24 @@ def test_pooled_share_is_transformers_load_balancing_loss_and_mask_drops_rows():
 def test_bad_block_arguments():
     with pytest.raises(ValueError, match=r"num_experts_per_tok 7 must be in \[1, num_experts"):
         MoeBlock(8, 6, 7, 4, norm_topk_prob=False)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_gemm_equals_the_reference_with_empty_experts():
+    from models.common.moe import grouped_swiglu_experts, swiglu_experts
+
+    gen = torch.Generator().manual_seed(3)
+    w13 = torch.randn(4, 48, 32, generator=gen, requires_grad=True)
+    w2 = torch.randn(4, 32, 24, generator=gen, requires_grad=True)
+    x = torch.randn(13, 32, generator=gen, requires_grad=True)
+    counts = [5, 0, 8, 0]  # two experts without a row
+    g = torch.randn(13, 32, generator=gen)
+    outs = []
+    for fn in (swiglu_experts, grouped_swiglu_experts):
+        y = fn(x, w13, w2, counts)
+        (y * g).sum().backward()
+        outs.append((y.detach(), x.grad.clone(), w13.grad.clone(), w2.grad.clone()))
+        x.grad = w13.grad = w2.grad = None
+    for a, b in zip(*outs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert float(outs[1][2][1].abs().sum()) == 0.0  # an empty expert gets a zero gradient
