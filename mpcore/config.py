@@ -133,6 +133,11 @@ class ModelSection:
     decoder-only model, unless init_from is a Qwen2-VL / Qwen2.5-VL checkpoint."""
     freeze_vision: bool = False
     """Keep the vision tower's weights fixed (VL models): no gradients, no optimizer state."""
+    moe: dict | None = None
+    """A mixture-of-experts model from scratch (model.family qwen3_moe): the MoE fields of
+    models.qwen3_moe.config.Qwen3MoeConfig (num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
+    router_aux_loss_coef, router_z_loss_coef). Null: the family's defaults."""
     vision_cp: str = "split"
     """VL models under cp: split (each cp rank runs the tower on its share of the images,
     balanced by patch count; rows all-gathered) or replicate (every rank runs every image)."""
@@ -170,7 +175,7 @@ class ModelSection:
         and the family's own fields (``model.family``; the vision ones are qwen2_vl's)."""
         out = dataclasses.asdict(self)
         for name in ("init_from", "family", "attention_backend", "fp8", "linear_backend",
-                     "vision", "freeze_vision", "vision_cp"):
+                     "vision", "freeze_vision", "vision_cp", "moe"):
             del out[name]
         return out
 
