@@ -3,6 +3,7 @@
 - per-token log-probs of a packed stream within 1e-4 of transformers run per document;
 - the loss with the load-balancing loss included (transformers' ``load_balancing_loss_func`` on
   the whole batch) and every gradient (router, experts, attention, dense layer) within 1e-4;
+- the same with activation checkpointing (the aux loss's graph through recomputed layers);
 - both expert layouts load (released per-expert tensors, which transformers 5.24's
   ``save_pretrained`` writes, and the fused ``gate_up_proj`` / ``down_proj``);
 - export writes the released layout, transformers loads it back to the same tensors;
@@ -39,9 +40,9 @@ def _full_grad(ref_grads, pieces) -> torch.Tensor:
     return torch.cat([ref_grads[p.name] for p in pieces], pieces[0].dim)
 
 
-def _check_against(folder, ref, ids, cu):
+def _check_against(folder, ref, ids, cu, **kwargs):
     state = ParallelState()
-    model, cfg = load_hf_model(folder, state)
+    model, cfg = load_hf_model(folder, state, **kwargs)
     _, inputs = local_inputs(state, ids, cu)
     logprobs, _ = model(**inputs, output="logprobs")
     assert float((logprobs.double() - ref["logprobs"]).abs().max()) < 1e-4
@@ -77,6 +78,8 @@ def test_logprobs_loss_aux_and_grads_match_transformers_in_both_layouts(tmp_path
     ref = reference(released, ids, cu)
     _check_against(released, ref, ids, cu)
     _check_against(fused, ref, ids, cu)
+    # Recomputed in backward: the router statistics' graph still reaches the router.
+    _check_against(fused, ref, ids, cu, activation_checkpointing=True)
 
 
 def test_export_is_the_released_layout_and_transformers_loads_it(tmp_path):

@@ -100,6 +100,20 @@ def test_pooled_share_is_transformers_load_balancing_loss_and_mask_drops_rows():
     assert abs(float(aux_share(pooled, counts, rows)) - float(ref)) < 1e-6
 
 
+def test_z_share_is_the_mean_squared_logsumexp_over_real_rows():
+    from models.common.moe_loss import z_share
+
+    block = MoeBlock(16, 6, 2, 8, norm_topk_prob=False)
+    block.reset_parameters(5)
+    x = torch.randn(17, 16, generator=torch.Generator().manual_seed(4))
+    block.token_mask = torch.arange(17) != 3  # one padding row
+    block(x)
+    stats = block.last_stats
+    lse = torch.logsumexp(torch.nn.functional.linear(x, block.gate.weight), -1)
+    want = lse[block.token_mask].square().mean()
+    assert abs(float(z_share(stats, stats.tokens).detach()) - float(want)) < 1e-6
+
+
 def test_bad_block_arguments():
     with pytest.raises(ValueError, match=r"num_experts_per_tok 7 must be in \[1, num_experts"):
         MoeBlock(8, 6, 7, 4, norm_topk_prob=False)
