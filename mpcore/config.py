@@ -188,6 +188,11 @@ class ParallelSection:
     """Tensor-parallel degree (ranks sharing each layer's weights)."""
     cp: int = 1
     """Context-parallel degree (ranks sharing each sequence)."""
+    ep: int = 1
+    """Expert-parallel degree of a MoE model: its experts split over ep of the dp x cp ranks
+    (ep divides dp * cp; ep fastest inside dp x cp, parallel.state). Needs data_parallel
+    fsdp (expert weights sharded over the expert-data-parallel group) and, for now,
+    checkpoint.every 0 (checkpoints of ep-split experts are not written yet)."""
     cp_mode: str = "ring"
     """Context-parallel attention when cp > 1: ring or ulysses."""
     cp_layout: str = "zigzag"
@@ -204,7 +209,10 @@ class ParallelSection:
     instead of hanging, and torchrun --max-restarts can restart the run."""
 
     def __post_init__(self):
-        _positive("parallel", self, "tp", "cp")
+        _positive("parallel", self, "tp", "cp", "ep")
+        if self.ep > 1 and self.data_parallel != "fsdp":
+            raise ValueError(f"parallel.ep={self.ep} needs parallel.data_parallel=fsdp (DDP "
+                             f"would average different experts over dp x cp)")
         if not self.init_timeout_s > 0:
             raise ValueError(f"parallel.init_timeout_s must be > 0 seconds, got "
                              f"{self.init_timeout_s!r}")

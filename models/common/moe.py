@@ -101,6 +101,19 @@ class _Weights(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(shape, **kw)))
 
 
+class Experts(_Weights):
+    """The local experts' ``w13`` and ``w2``; a module of its own whose forward runs them, so
+    FSDP2 can shard it over the expert-data-parallel group (its hooks fire on the call)."""
+
+    def __init__(self, local: int, hidden: int, intermediate: int, backend: str, kw: dict):
+        super().__init__(w13=(local, 2 * intermediate, hidden),
+                         w2=(local, hidden, intermediate), kw=kw)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return run_experts(x, self.w13, self.w2, counts, self.backend)
+
+
 class MoeBlock(nn.Module):
     """The block of the module docstring. ``ep_group``: the ranks splitting the experts (None:
     all here); ``shared_intermediate``: width of a shared expert gated by
@@ -128,8 +141,7 @@ class MoeBlock(nn.Module):
         local = num_experts // ep
         kw = dict(device=device, dtype=dtype)
         self.gate = _Weights(weight=(num_experts, hidden), kw=kw)  # router (replicated)
-        self.experts = _Weights(w13=(local, 2 * intermediate, hidden),
-                                w2=(local, hidden, intermediate), kw=kw)
+        self.experts = Experts(local, hidden, intermediate, experts_backend, kw)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate is not None:
             self.shared_expert = _Weights(w13=(2 * shared_intermediate, hidden),
@@ -171,8 +183,7 @@ class MoeBlock(nn.Module):
         token_of = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)
         grouped, plan = dispatch(x[token_of], counts, self.ep_group)
-        y_grouped = run_experts(grouped, self.experts.w13, self.experts.w2, plan.counts,
-                                self.experts_backend)
+        y_grouped = self.experts(grouped, plan.counts)
         y_sorted = combine(y_grouped, plan, self.ep_group)
         y_sorted = y_sorted * weights.reshape(-1)[order, None]
         out = torch.zeros_like(x).index_add(0, token_of, y_sorted.to(x.dtype))
