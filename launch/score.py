@@ -1,6 +1,6 @@
 """Per-token log-probs and entropy of sequences under any tp x cp (x dp) layout.
 
-    torchrun --nproc-per-node N launch/score.py --hf-checkpoint DIR --tp T --cp C \\
+    torchrun --nproc-per-node N launch/score.py --hf-checkpoint DIR --tp T --cp C [--ep E] \\
         [--cp-mode ring|ulysses] [--dtype float32|bfloat16] --input IN.jsonl --output OUT.jsonl
 
 Input: one JSON object per line, ``{"input_ids": [...]}`` with an optional ``"loss_mask"``
@@ -97,6 +97,9 @@ def score_items(model, state: ParallelState, items: list[ScoreItem],
             start, stop = int(cu[j]), int(cu[j + 1]) - 1  # the last token has no target
             results[i] = {"logprobs": logprobs[start:stop].tolist(),
                           "entropy": entropy[start:stop].tolist()}
+    elif state.ep > 1:  # nothing to score here, but the ep group's all-to-alls need this rank
+        score_stream(model, state, torch.zeros(1, dtype=torch.long, device=device),
+                     torch.tensor([0, 1], device=device))
     for item, result in zip(items, results, strict=True):
         if item.echo_ids:
             result["input_ids"] = item.input_ids
@@ -157,6 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel degree (default 1): each packed stream is split "
                              "over cp ranks (zigzag when cp > 1)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree of a MoE checkpoint (default 1): its "
+                             "experts split over ep ranks of the dp x cp ranks; ep must divide "
+                             "processes / tp")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring",
                         help="context-parallel attention when cp > 1 (default ring; ulysses "
                              "needs heads divisible by cp)")
@@ -219,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     device = setup()
     lock = None
     try:
-        state = ParallelState.build(args.tp, args.cp)
+        state = ParallelState.build(args.tp, args.cp, ep=args.ep)
         lock = claim_output(args, state)
         spec = checkpoint_spec(args.hf_checkpoint)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,22 @@ def setup(cfg: Config, source: str = "the config") -> ParallelState:
             f"does not divide the world size {world}; launch a multiple of {tp * cp} processes "
             f"(torchrun --nproc-per-node {tp * cp}) or set parallel.tp / parallel.cp so that "
             f"tp * cp divides {world}")
+    if cfg.parallel.ep > 1:
+        return _expert_parallel_state(cfg, world, source)
     return ParallelState.build(tp, cp)
+
+
+def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelState:
+    """The groups with ep > 1 (ep / edp added); the layout checks first, naming the fix."""
+    p = cfg.parallel
+    dp_cp = world // p.tp
+    if dp_cp % p.ep:
+        raise ValueError(f"{source}: parallel.ep={p.ep} must divide dp x cp = {dp_cp} (world "
+                         f"{world} / tp {p.tp}); choose an ep that divides {dp_cp}")
+    if cfg.checkpoint.every or cfg.checkpoint.resume and Path(cfg.checkpoint_dir).exists():
+        raise ValueError(f"{source}: parallel.ep={p.ep}: checkpoints of ep-split experts are "
+                         f"not written yet; set checkpoint.every=0 (and start a fresh run dir)")
+    return ParallelState.build(p.tp, p.cp, ep=p.ep)
 
 
 def run_family(cfg: Config) -> Family:
@@ -164,10 +180,30 @@ def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.dev
     if device.type == "cuda" and cfg.training.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
+    if state.ep > 1:
+        _shard_experts(model, state, device, kwargs)
     for unit in model.fsdp_units():  # decoder layers (and vision blocks), then the root
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _shard_experts(model: nn.Module, state: ParallelState, device: torch.device,
+                   kwargs: dict) -> None:
+    """FSDP2 over the expert-data-parallel group for each MoE block's experts (ep > 1): they
+    differ between ep ranks, so they reduce over edp, not dp x cp. The trainer scales each
+    share by dp x cp (what FSDP divides by elsewhere); here FSDP divides by that too, so the
+    expert gradients are SUMS over edp like every other gradient's over dp x cp."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from models.common.moe import MoeBlock
+
+    mesh = DeviceMesh.from_group(state.edp_group, device.type)
+    for block in model.modules():
+        if isinstance(block, MoeBlock):
+            fully_shard(block.experts, **{**kwargs, "mesh": mesh})
+            block.experts.set_gradient_divide_factor(float(state.dp_cp))
 
 
 def linear_kernels(cfg: Config, device: torch.device) -> tuple[str, str]:

@@ -43,7 +43,7 @@ FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 # models.registry.FAMILIES (a test checks they agree)
-FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5")
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5", "qwen3_moe")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -97,8 +97,8 @@ class ModelSection:
     family: str = "auto"
     """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
     qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision), qwen3_vl (Qwen3-VL: needs vision, qk_norm,
-    mrope_interleaved), glm4v (GLM-4V / GLM-4.1V: needs vision) or qwen3_5 (Qwen3.5 text:
-    Gated DeltaNet beside gated attention); auto: the family of init_from's config.json, else
+    mrope_interleaved), glm4v (GLM-4V / GLM-4.1V: needs vision), qwen3_5 (Qwen3.5 text:
+    Gated DeltaNet beside gated attention) or qwen3_moe (Qwen3-MoE: needs moe); auto: the family of init_from's config.json, else
     qwen2_vl when vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
@@ -134,6 +134,11 @@ class ModelSection:
     decoder-only model, unless init_from is a Qwen2-VL / Qwen2.5-VL checkpoint."""
     freeze_vision: bool = False
     """Keep the vision tower's weights fixed (VL models): no gradients, no optimizer state."""
+    moe: dict | None = None
+    """A mixture-of-experts model from scratch (model.family qwen3_moe): the MoE fields of
+    models.qwen3_moe.config.Qwen3MoeConfig (num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
+    router_aux_loss_coef, router_z_loss_coef). Null: the family's defaults."""
     vision_cp: str = "split"
     """VL models under cp: split (each cp rank runs the tower on its share of the images,
     balanced by patch count; rows all-gathered) or replicate (every rank runs every image)."""
@@ -171,7 +176,7 @@ class ModelSection:
         and the family's own fields (``model.family``; the vision ones are qwen2_vl's)."""
         out = dataclasses.asdict(self)
         for name in ("init_from", "family", "attention_backend", "fp8", "linear_backend",
-                     "vision", "freeze_vision", "vision_cp"):
+                     "vision", "freeze_vision", "vision_cp", "moe"):
             del out[name]
         return out
 
@@ -184,6 +189,11 @@ class ParallelSection:
     """Tensor-parallel degree (ranks sharing each layer's weights)."""
     cp: int = 1
     """Context-parallel degree (ranks sharing each sequence)."""
+    ep: int = 1
+    """Expert-parallel degree of a MoE model: its experts split over ep of the dp x cp ranks
+    (ep divides dp * cp; ep fastest inside dp x cp, parallel.state). Needs data_parallel
+    fsdp (expert weights sharded over the expert-data-parallel group) and, for now,
+    checkpoint.every 0 (checkpoints of ep-split experts are not written yet)."""
     cp_mode: str = "ring"
     """Context-parallel attention when cp > 1: ring or ulysses."""
     cp_layout: str = "zigzag"
@@ -207,10 +217,13 @@ class ParallelSection:
     here (a 70 s save of a 2.2B VL run on an H200, before the 3x). 0 disables it."""
 
     def __post_init__(self):
-        _positive("parallel", self, "tp", "cp")
+        _positive("parallel", self, "tp", "cp", "ep")
         if self.step_timeout_s < 0:
             raise ValueError(f"parallel.step_timeout_s must be >= 0 seconds (0 disables the "
                              f"step watchdog), got {self.step_timeout_s!r}")
+        if self.ep > 1 and self.data_parallel != "fsdp":
+            raise ValueError(f"parallel.ep={self.ep} needs parallel.data_parallel=fsdp (DDP "
+                             f"would average different experts over dp x cp)")
         if not self.init_timeout_s > 0:
             raise ValueError(f"parallel.init_timeout_s must be > 0 seconds, got "
                              f"{self.init_timeout_s!r}")

@@ -217,6 +217,7 @@ class Trainer:
         autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,
                                   enabled=run.device.type == "cuda"
                                   and self.cfg.training.dtype == "bfloat16")
+        moe = self._moe_step(inputs, autocast)
         for i, inp in enumerate(inputs):
             last = i == len(inputs) - 1
             sync = run.module.no_sync() if self.ddp and not last else contextlib.nullcontext()
@@ -225,9 +226,25 @@ class Trainer:
                     local_sum = run.module(**inp, output="loss_sum")  # () fp32, valid tokens
                 # This rank's share of the global mean (parallel.loss): sum / global count.
                 share = local_sum / count.clamp(min=1).to(local_sum.dtype)
+                if moe is not None:  # + the load-balancing loss's share (a global statistic)
+                    share = share + moe.share()
                 (share * self.scale).backward()
             total += share.detach()
+        self.moe_metrics = None if moe is None else moe.metrics()
         return sum_over_group(total, s.dp_cp_group)
+
+    def _moe_step(self, inputs, autocast):
+        """A MoE model's ``mpcore.moe_step.MoeStep`` for this step (None for a dense one)."""
+        from mpcore.moe_step import MoeStep
+
+        run = self.run
+        model = getattr(run.module, "module", run.module)  # DDP wraps; FSDP2 does not
+
+        def forward(inp):
+            with autocast, self.te_region():
+                run.module(**inp, output="loss_sum")
+
+        return MoeStep.start(model, inputs, run.state, forward)
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step; returns (global loss, global grad norm) as Python floats."""

@@ -13,6 +13,20 @@ Groups:
     dp      ranks that see different batches (same tp_rank, cp_rank)
     dp_cp   dp x cp: gradient reduction and FSDP sharding (CP ranks hold the same weights)
     tp_cp   tp x cp: ranks that together hold one model replica's sequence and weights
+    ep      expert parallelism (``ep`` > 1 only): ``ep`` consecutive ranks of one dp x cp group
+            (same tp_rank) that split the experts of every MoE layer between them
+    edp     expert data parallelism: the dp x cp ranks (same tp_rank) holding the SAME experts;
+            expert gradients reduce (and FSDP2 shards expert weights) over it, size dp*cp/ep
+
+Expert parallelism shares the dp x cp ranks (Megatron's expert-data-parallel layout): ``ep``
+divides dp * cp and, inside the dp x cp group (index ``j = cp_rank + cp * dp_rank``), ep is
+fastest:
+
+    ep_rank = j % ep        edp_rank = j // ep
+
+so an ep group is ep neighbouring dp x cp ranks (cp ranks first), within a node when tp * ep
+is at most the node's GPUs. ep = 1 (the default) adds no group: ``ep_group`` is None and the
+expert weights reduce over ``dp_cp`` like every other weight.
 
 A process without torch.distributed initialised is a valid world of one: every group is
 ``None`` and every size is 1. The state is passed explicitly; nothing here is global.
@@ -56,6 +70,8 @@ class ParallelState:
     tp_rank: int = 0
     cp_rank: int = 0
     dp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
     groups: dict[str, ProcessGroup | None] = field(default_factory=dict)
 
     @property
@@ -83,6 +99,24 @@ class ParallelState:
         return self.groups.get("tp_cp")
 
     @property
+    def ep_group(self) -> ProcessGroup | None:
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self) -> ProcessGroup | None:
+        """Expert data parallelism (module docstring); ``dp_cp_group`` when ep = 1."""
+        return self.groups.get("edp", self.dp_cp_group)
+
+    @property
+    def edp_rank(self) -> int:
+        """Rank inside the edp group (module docstring)."""
+        return self.dp_cp_rank // self.ep
+
+    @property
+    def edp(self) -> int:
+        return self.dp_cp // self.ep
+
+    @property
     def dp_cp_rank(self) -> int:
         """Rank inside the dp x cp group (cp fastest)."""
         return self.cp_rank + self.cp * self.dp_rank
@@ -92,8 +126,10 @@ class ParallelState:
         return self.dp * self.cp
 
     @classmethod
-    def build(cls, tp: int = 1, cp: int = 1, dp: int | None = None) -> ParallelState:
-        """Create the groups for ``tp`` x ``cp`` x ``dp`` over the current world.
+    def build(cls, tp: int = 1, cp: int = 1, dp: int | None = None,
+              ep: int = 1) -> ParallelState:
+        """Create the groups for ``tp`` x ``cp`` x ``dp`` over the current world, and the ep /
+        edp groups when ``ep`` > 1 (``ep`` must divide dp * cp; module docstring).
 
         ``dp`` is inferred as ``world // (tp * cp)`` when not given. Every process of the
         world must call this with the same arguments (``new_group`` is collective).
@@ -117,10 +153,14 @@ class ParallelState:
                 f"tp*cp*dp = {tp}*{cp}*{dp} = {tp * cp * dp} does not equal the world size "
                 f"{world}; set dp={world // (tp * cp)} or leave dp unset to infer it"
             )
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"ep = {ep!r} must be a positive integer dividing dp*cp = "
+                             f"{dp}*{cp} = {dp * cp} (expert parallelism shares the dp x cp "
+                             f"ranks); choose an ep that divides {dp * cp}")
         grid = torch.arange(world).view(dp, cp, tp)
         dp_rank, cp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
         state = cls(tp=tp, cp=cp, dp=dp, rank=rank, tp_rank=tp_rank, cp_rank=cp_rank,
-                    dp_rank=dp_rank)
+                    dp_rank=dp_rank, ep=ep, ep_rank=(cp_rank + cp * dp_rank) % ep)
         if not dist.is_initialized():
             return state
         # Each family of groups is a set of rank lists; every process creates all of them
@@ -132,6 +172,10 @@ class ParallelState:
             "dp_cp": grid.permute(2, 0, 1).reshape(-1, dp * cp),
             "tp_cp": grid.reshape(dp, cp * tp),
         }
+        if ep > 1:  # dp_cp index j = cp_rank + cp * dp_rank; ep_rank = j % ep
+            by_j = grid.permute(2, 0, 1).reshape(tp, dp * cp // ep, ep)
+            families["ep"] = by_j.reshape(-1, ep)
+            families["edp"] = by_j.permute(0, 2, 1).reshape(-1, dp * cp // ep)
         for name, rows in families.items():
             for ranks in rows.tolist():
                 group = dist.new_group(ranks)
@@ -141,4 +185,5 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (f"ParallelState(tp={self.tp}, cp={self.cp}, dp={self.dp}, rank={self.rank}, "
-                f"tp_rank={self.tp_rank}, cp_rank={self.cp_rank}, dp_rank={self.dp_rank})")
+                f"tp_rank={self.tp_rank}, cp_rank={self.cp_rank}, dp_rank={self.dp_rank}"
+                + (f", ep={self.ep}, ep_rank={self.ep_rank})" if self.ep > 1 else ")"))

@@ -78,3 +78,26 @@ def test_rng_tracker_differs_per_tp_rank_only_inside_fork():
     torch.manual_seed(1234)
     torch.nn.functional.dropout(torch.ones(64), 0.5)
     assert torch.equal(torch.rand(4), a0)
+
+
+def _ep_layout(rank, world, tp, cp, ep):
+    s = ParallelState.build(tp=tp, cp=cp, ep=ep)
+    assert s.ep_rank == s.dp_cp_rank % ep and s.edp_rank == s.dp_cp_rank // ep
+    return {name: _members(s.groups[name]) for name in ("ep", "edp")}
+
+
+def test_ep_groups_share_dp_cp_with_ep_fastest():
+    # tp=1, cp=2, dp=2: dp_cp index j = rank; ep groups are neighbours, edp the strided rest.
+    got = run_distributed(_ep_layout, 4, 1, 2, 2)
+    assert [g["ep"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["edp"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # tp=2, dp=2: an ep group holds one tp rank of each dp replica; edp is a single rank.
+    got = run_distributed(_ep_layout, 4, 2, 1, 2)
+    assert [g["ep"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [g["edp"] for g in got] == [[0], [1], [2], [3]]
+
+
+def test_ep_that_does_not_divide_dp_cp_raises():
+    with pytest.raises(ValueError, match="ep = 3 must be a positive integer dividing dp\\*cp"):
+        ParallelState.build(ep=3)
+    assert ParallelState.build().ep_group is None and ParallelState().edp == 1

@@ -69,7 +69,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_model_section_mirrors_model_config():
     kernels = {"init_from", "family", "attention_backend", "fp8", "linear_backend", "vision",
-               "freeze_vision", "vision_cp"}
+               "freeze_vision", "vision_cp", "moe"}
     ours = {f.name for f in dataclasses.fields(ModelSection)} - kernels
     assert ours == {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(ModelSection().shape_fields()) == ours

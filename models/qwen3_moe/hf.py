@@ -1,0 +1,140 @@
+"""Qwen3-MoE Hugging Face checkpoints <-> the model's shards, in both expert layouts.
+
+Names (``prefix`` = ``model.layers.i.mlp.``), beside the decoder's (``decoder_hf.shard_map``):
+
+    feed_forward.gate.weight     [E, hidden]        {prefix}gate.weight (the router, whole)
+    feed_forward.experts.w13     [E/ep, 2I, hidden] released: experts.{e}.gate_proj ; up_proj
+                                                    5.x fused: experts.gate_up_proj [E, 2I, H]
+    feed_forward.experts.w2      [E/ep, hidden, I]  released: experts.{e}.down_proj
+                                                    5.x fused: experts.down_proj [E, H, I]
+
+Released checkpoints (Qwen/Qwen3-30B-A3B) store one tensor per expert, transformers 5.x holds
+them fused; loading takes either (found per layer by name) and ep rank r reads only its
+experts ``[r E / ep, (r + 1) E / ep)``. ``shard_map`` (the logical form every tool reads) gives
+the fused names at ep = 1. Export writes the released layout (transformers 5.x loads it and
+fuses on load): the tp group of rank 0 gathers the dense tensors, the ep group of rank 0 the
+experts; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save
+
+from models.common.decoder_hf import shard_map as decoder_shard_map
+from models.common.hf_io import Checkpoint, Piece, gather_full, whole
+from models.qwen3_moe.config import Qwen3MoeConfig, config_from_hf, hf_config_dict
+from models.qwen3_moe.model import Qwen3MoeTransformer, is_expert_param
+from mpcore import atomic
+from parallel.collectives import all_gather
+from parallel.state import ParallelState
+
+
+def shard_map(cfg: Qwen3MoeConfig, tp: int, rank: int, prefix: str = "model."
+              ) -> dict[str, list[Piece]]:
+    """Our name -> the HF pieces of tp rank ``rank`` (experts: fused names, all E)."""
+    out = decoder_shard_map(cfg, tp, rank, prefix)
+    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    for i in cfg.moe_layers:
+        ours, mlp = f"layers.{i}.feed_forward.", f"{prefix}layers.{i}.mlp."
+        del out[ours + "w13.weight"], out[ours + "w2.weight"]
+        out[ours + "gate.weight"] = whole(mlp + "gate.weight", (e, h))
+        out[ours + "experts.w13"] = whole(mlp + "experts.gate_up_proj", (e, 2 * inter, h))
+        out[ours + "experts.w2"] = whole(mlp + "experts.down_proj", (e, h, inter))
+    return out
+
+
+def _read_experts(ckpt: Checkpoint, cfg: Qwen3MoeConfig, mlp: str, first: int, count: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [count, 2I, H], w2 [count, H, I])`` of experts ``first ..`` in either layout."""
+    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    if mlp + "experts.gate_up_proj" in ckpt.files:
+        return (ckpt.read(Piece(mlp + "experts.gate_up_proj", (e, 2 * inter, h), 0, first,
+                                first + count)),
+                ckpt.read(Piece(mlp + "experts.down_proj", (e, h, inter), 0, first,
+                                first + count)))
+    if mlp + f"experts.{first}.gate_proj.weight" not in ckpt.files:
+        raise ValueError(f"{ckpt.folder} has neither {mlp}experts.gate_up_proj (transformers "
+                         f"5.x) nor {mlp}experts.{first}.gate_proj.weight (released layout): "
+                         f"not a Qwen3-MoE checkpoint of this config")
+    w13, w2 = [], []
+    for j in range(first, first + count):
+        name = f"{mlp}experts.{j}."
+        w13.append(torch.cat([ckpt.read(whole(name + f"{p}.weight", (inter, h))[0])
+                              for p in ("gate_proj", "up_proj")]))
+        w2.append(ckpt.read(whole(name + "down_proj.weight", (h, inter))[0]))
+    return torch.stack(w13), torch.stack(w2)
+
+
+@torch.no_grad()
+def load_hf_weights(model: Qwen3MoeTransformer, folder: str | Path,
+                    state: ParallelState) -> None:
+    """Fill this rank's shards (tp for the decoder, ep for the experts) from the checkpoint."""
+    cfg, ckpt = model.cfg, Checkpoint(Path(folder))
+    table = shard_map(cfg, state.tp, state.tp_rank)
+    params = dict(model.named_parameters())
+    assert set(params) == set(table), sorted(set(params) ^ set(table))
+    local = cfg.num_experts // state.ep
+    for i in cfg.moe_layers:
+        ours = f"layers.{i}.feed_forward.experts."
+        w13, w2 = _read_experts(ckpt, cfg, f"model.layers.{i}.mlp.", state.ep_rank * local,
+                                local)
+        params[ours + "w13"].copy_(w13.to(params[ours + "w13"].dtype))
+        params[ours + "w2"].copy_(w2.to(params[ours + "w2"].dtype))
+    for name, pieces in table.items():
+        if not is_expert_param(name):
+            part = torch.cat([ckpt.read(p) for p in pieces], dim=pieces[0].dim)
+            assert part.shape == params[name].shape, (name, part.shape)
+            params[name].copy_(part.to(params[name].dtype))
+
+
+def load_hf_model(folder: str | Path, state: ParallelState, *, device="cpu",
+                  dtype: torch.dtype = torch.float32, fp8: str = "none", **kwargs
+                  ) -> tuple[Qwen3MoeTransformer, Qwen3MoeConfig]:
+    """The model of a checkpoint folder for ``state`` with its shards loaded: ``(model, cfg)``;
+    ``kwargs``: ``Transformer``'s (cp_mode, attention_backend, ...)."""
+    cfg = config_from_hf(folder)
+    with torch.device("meta"):
+        model = Qwen3MoeTransformer(cfg, state, fp8=fp8, dtype=dtype, **kwargs)
+    model.to_empty(device=device)
+    model.rope.reset_parameters()
+    load_hf_weights(model, folder, state)
+    return model, cfg
+
+
+@torch.no_grad()
+def export_hf(model: Qwen3MoeTransformer, state: ParallelState, out_dir: str | Path,
+              progress: Callable[[int, int], None] | None = None) -> None:
+    """``config.json`` + ``model.safetensors`` (released expert layout) in ``out_dir``.
+    Collective over the world (module docstring); a barrier at the end."""
+    cfg = model.cfg
+    hf_dict = hf_config_dict(cfg)
+    params = dict(model.named_parameters())
+    dense = {n: p for n, p in params.items() if not is_expert_param(n)}
+    full = {}
+    if state.cp_rank == 0 and state.dp_rank == 0:
+        maps = [shard_map(cfg, state.tp, r) for r in range(state.tp)]
+        full = gather_full(dense, maps, state.tp_group, progress)
+    if state.tp_rank == 0 and state.edp_rank == 0:
+        for i in cfg.moe_layers:
+            mlp, ours = f"model.layers.{i}.mlp.experts.", f"layers.{i}.feed_forward.experts."
+            w13, w2 = (all_gather(params[ours + w].detach(), 0, state.ep_group).cpu()
+                       for w in ("w13", "w2"))
+            for j in range(cfg.num_experts):
+                gate, up = w13[j].chunk(2)
+                full[f"{mlp}{j}.gate_proj.weight"] = gate
+                full[f"{mlp}{j}.up_proj.weight"] = up
+                full[f"{mlp}{j}.down_proj.weight"] = w2[j]
+    if state.rank == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(out / "config.json", json.dumps(hf_dict, indent=2) + "\n")
+        atomic.write_bytes(out / "model.safetensors", save(
+            {k: v.contiguous() for k, v in full.items()}, metadata={"format": "pt"}))
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,83 @@
+"""The Qwen3-MoE decoder: the shared ``Transformer`` with a MoE block in its sparse layers.
+
+Layers are ``models.common.decoder.DecoderLayer`` (attention on tp / cp as for the dense
+models) whose feed-forward is, in the sparse layers (``Qwen3MoeConfig.moe_layers``), a
+``models.common.moe.MoeBlock`` with its experts split over ``state.ep_group``. The MoE block
+runs on the full local tokens of every tp rank (the same on each: experts are not tp-sharded),
+so sequence parallelism is refused. ``forward`` takes ``moe_mask [L]`` (true at real tokens,
+false at the cp padding; ``models.qwen3_moe.inputs``) so the routing statistics count real
+tokens only; ``router_stats()`` pools the layers' statistics of the last forward
+(``models.common.moe_loss``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_linear import check_fp8
+from models.common.decoder import DecoderLayer, Transformer, init_weights
+from models.common.moe import MoeBlock, RouterStats
+from models.common.moe_loss import pool_layers
+from models.qwen3_moe.config import Qwen3MoeConfig
+from parallel.state import ParallelState
+
+
+class Qwen3MoeLayer(DecoderLayer):
+    """``DecoderLayer`` whose feed-forward is a ``MoeBlock`` when ``index`` is sparse."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, state: ParallelState, *, sequence_parallel: bool,
+                 fp8: str = "none", dtype=None, index: int = 0):
+        super().__init__(cfg, state, sequence_parallel=sequence_parallel, fp8=fp8, dtype=dtype)
+        if index in cfg.moe_layers:
+            self.feed_forward = MoeBlock(
+                cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                ep_group=state.ep_group, dtype=dtype)
+
+
+class Qwen3MoeTransformer(Transformer):
+    """The decoder of the module docstring (``Transformer``'s arguments)."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, state: ParallelState, **kwargs):
+        if kwargs.get("sequence_parallel") and state.tp > 1:
+            raise ValueError("sequence parallelism is not supported with MoE layers yet (the "
+                             "experts run on every tp rank's full tokens); set "
+                             "sequence_parallel false")
+        cfg.check_experts(state.ep)
+        super().__init__(cfg, state, layer=Qwen3MoeLayer, **kwargs)
+
+    def moe_blocks(self) -> list[MoeBlock]:
+        return [m for m in self.modules() if isinstance(m, MoeBlock)]
+
+    def router_stats(self) -> RouterStats:
+        """The MoE layers' statistics of the last forward, pooled (``moe_loss.pool_layers``)."""
+        return pool_layers(b.last_stats for b in self.moe_blocks())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                moe_mask: torch.Tensor | None = None, **kwargs):
+        """``Transformer.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
+        count (None: all)."""
+        if moe_mask is not None and tuple(moe_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"moe_mask has shape {tuple(moe_mask.shape)} but input_ids "
+                             f"{tuple(input_ids.shape)}; split it with the same plan")
+        for block in self.moe_blocks():
+            block.token_mask = moe_mask
+        return super().forward(input_ids, position_ids, **kwargs)
+
+
+def is_expert_param(name: str) -> bool:
+    """Parameters split over ep (their gradients reduce over the edp group, not dp x cp)."""
+    return ".feed_forward.experts." in f".{name}"
+
+
+def build_model(cfg: Qwen3MoeConfig, state: ParallelState, *, seed: int = 0,
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                fp8: str = "none", **kwargs) -> Qwen3MoeTransformer:
+    """On meta, materialised on ``device``, initialised from ``seed`` (the same function at any
+    tp and ep); ``kwargs``: ``Transformer``'s (cp_mode, attention_backend, ...)."""
+    check_fp8(fp8, device)
+    with torch.device("meta"):
+        model = Qwen3MoeTransformer(cfg, state, fp8=fp8, dtype=dtype, **kwargs)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model

@@ -1,0 +1,73 @@
+"""The load-balancing (and z-) loss of a MoE model inside one training step.
+
+The step's loss is ``ce + router_aux_loss_coef * aux + router_z_loss_coef * z`` with aux and z
+GLOBAL statistics of the step (``models.common.moe_loss``): every micro-batch's share needs
+the step's expert loads C and row count R. With one micro-batch they come from its own forward
+(one [E + 1] all-reduce over dp x cp); with several, ``MoeStep`` first runs a counting forward
+of each micro-batch without gradients (one extra forward per micro-batch: the price of an
+exact gradient, since micro-batch 1's gradient depends on micro-batch 2's loads).
+
+    moe = MoeStep.start(model, module, inputs, state, forward)   # None for a dense model
+    for inp in inputs:
+        share = ce_share(inp) + moe.share()       # right after that micro-batch's forward
+    moe.metrics() -> {"aux_loss", "z_loss", "expert_load", "dropped_tokens"} (global)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from models.common.moe_loss import aux_share, global_counts, z_share
+from parallel.loss import sum_over_group
+from parallel.state import ParallelState
+
+
+class MoeStep:
+    """One step's MoE loss terms (module docstring). Build it with :meth:`start`."""
+
+    def __init__(self, model, state: ParallelState, counts, rows):
+        self.model, self.state, self.counts, self.rows = model, state, counts, rows
+        self.aux = torch.zeros(())
+        self.z = torch.zeros(())
+        self.dropped = 0
+
+    @classmethod
+    def start(cls, model, inputs: list[dict], state: ParallelState,
+              forward: Callable[[dict], None]) -> MoeStep | None:
+        """None unless ``model`` (unwrapped) has MoE layers; with several micro-batches the
+        counting forwards run here (``forward(inp)`` under no_grad)."""
+        if not hasattr(model, "router_stats"):
+            return None
+        counts = rows = None
+        if len(inputs) > 1:
+            stats = []
+            with torch.no_grad():
+                for inp in inputs:
+                    forward(inp)
+                    stats.append(model.router_stats())
+            counts, rows = global_counts(stats, state.dp_cp_group)
+        return cls(model, state, counts, rows)
+
+    def share(self) -> torch.Tensor:
+        """This micro-batch's share of the weighted aux and z losses (after its forward)."""
+        stats = self.model.router_stats()
+        if self.counts is None:
+            self.counts, self.rows = global_counts([stats], self.state.dp_cp_group)
+        cfg = self.model.cfg
+        aux = aux_share(stats, self.counts, self.rows)
+        z = z_share(stats, self.rows)
+        self.aux = self.aux.to(aux.device) + aux.detach()
+        self.z = self.z.to(z.device) + z.detach()
+        self.dropped += stats.dropped
+        return cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
+
+    def metrics(self) -> dict:
+        """The step's global aux and z losses, tokens per expert (pooled over layers) and
+        dropped tokens. Collective over dp x cp."""
+        group = self.state.dp_cp_group
+        return {"aux_loss": float(sum_over_group(self.aux, group)),
+                "z_loss": float(sum_over_group(self.z, group)),
+                "expert_load": [int(c) for c in self.counts.tolist()],
+                "dropped_tokens": self.dropped}
