@@ -98,8 +98,8 @@ class ModelSection:
     """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
     qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision), qwen3_vl (Qwen3-VL: needs vision, qk_norm,
     mrope_interleaved), glm4v (GLM-4V / GLM-4.1V: needs vision), qwen3_5 (Qwen3.5 text:
-    Gated DeltaNet beside gated attention) or qwen3_moe (Qwen3-MoE: needs moe); auto: the family of init_from's config.json, else
-    qwen2_vl when vision is set, else llama."""
+    Gated DeltaNet beside gated attention) or qwen3_moe (Qwen3-MoE: needs moe); auto: the
+    family of init_from's config.json, else qwen2_vl when vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
