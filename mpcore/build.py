@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import Family, ModelConfig, family_named, family_of, family_of_hf, read_hf_config
+from models import (
+    FAMILIES,
+    Family,
+    ModelConfig,
+    family_named,
+    family_of,
+    family_of_hf,
+    read_hf_config,
+)
 from mpcore.backends import resolve_linear_backend, use_te
 from mpcore.batches import data_loaders
 from mpcore.config import Config
@@ -38,6 +46,8 @@ from mpcore.optim import GradNorm, build_optimizer
 from mpcore.train_state import TrainState
 from parallel.random import RNGTracker, model_parallel_seed
 from parallel.state import ParallelState
+
+EXTRAS = ("vision", "moe")  # model-section keys that belong to a family (Family.section_extras)
 
 
 @dataclass
@@ -105,18 +115,24 @@ def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelStat
 
 def run_family(cfg: Config) -> Family:
     """The model family of ``cfg``: ``model.family``, or with ``auto`` the family of
-    ``model.init_from``'s config.json, else ``qwen2_vl`` when ``model.vision`` is set, else
-    ``llama``. A named family that disagrees with the checkpoint is refused."""
+    ``model.init_from``'s config.json, else ``qwen2_vl`` when ``model.vision`` is set,
+    ``qwen3_moe`` when ``model.moe`` is, else ``llama``. A named family that disagrees with the
+    checkpoint, or a family's own keys (``vision``, ``moe``) set for another, is refused."""
     m = cfg.model
     found = family_of_hf(m.init_from) if m.init_from else None
     if m.family == "auto":
-        if found is not None:
-            return found
-        return family_named("qwen2_vl" if m.vision is not None else "llama")
-    family = family_named(m.family)
+        family = found or family_named("qwen2_vl" if m.vision is not None else
+                                       "qwen3_moe" if m.moe is not None else "llama")
+    else:
+        family = family_named(m.family)
     if found is not None and found is not family:
         raise ValueError(f"model.family={m.family} but model.init_from={m.init_from} is a "
                          f"{found.name} checkpoint; set model.family={found.name} (or auto)")
+    for key in EXTRAS:  # a family's own keys, set for another family: refused, not ignored
+        if getattr(m, key) is not None and key not in family.section_extras:
+            owners = [f.name for f in FAMILIES.values() if key in f.section_extras]
+            raise ValueError(f"model.{key} is set but the {family.name} family takes none; "
+                             f"set model.family to one of {owners}, or remove model.{key}")
     return family
 
 

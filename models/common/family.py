@@ -26,7 +26,9 @@ Signatures (``cfg`` is the family's own frozen config dataclass, ``config_type``
 ``hf_architectures`` / ``hf_model_types`` are the config.json names it reads; ``options`` names
 the build keyword arguments beyond the decoder's (``vision_cp``) that our YAML model section
 provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it; ``host_inputs``
-names forward arguments that stay on the host (planning metadata such as a tower's grids).
+names forward arguments that stay on the host (planning metadata such as a tower's grids);
+``section_extras`` the YAML model keys beyond the decoder's that the family reads (``vision``,
+``moe``): one set for another family is refused, not ignored.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Family:
     modality: str = "text"
     options: tuple[str, ...] = ()
     host_inputs: tuple[str, ...] = ()
+    section_extras: tuple[str, ...] = ()
 
     def __post_init__(self):
         assert self.modality in MODALITIES, self.modality

@@ -72,6 +72,6 @@ FAMILY = Family(
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=_decoder)
+    decoder=_decoder, section_extras=("moe",))
 
 __all__ = ["FAMILY"]
