@@ -16,7 +16,12 @@ For a tied model the shared matrix is the output head, so the count is all param
 Output per logged step: one line on stdout, one JSON object in ``RUN_DIR/metrics.jsonl``
 (keys ``step loss grad_norm lr tokens_per_s tflops mfu mem_gib``, plus ``valid_loss`` on the
 steps that ran a validation, and ``image_tokens_per_s`` for vision-language runs: the image
-placeholders among the tokens counted by ``tokens_per_s``, which counts every position); tokens/s and TFLOP/s are per device; ``mfu`` is null where the
+placeholders among the tokens counted by ``tokens_per_s``, which counts every position; for
+mixture-of-experts runs ``aux_loss`` and ``z_loss`` (the step's global router losses, before
+their coefficients), ``dropped_tokens`` (0: the block is dropless), ``expert_load`` (tokens
+routed to each expert in the step, pooled over MoE layers and ranks; metrics.jsonl only) and
+``expert_imbalance`` (its max over its mean: 1 is perfectly balanced)); tokens/s and TFLOP/s
+are per device; ``mfu`` is null where the
 device has no entry in the peak table, e.g. on CPU), and TensorBoard scalars when enabled
 (``pip install -e ".[tensorboard]"``; nothing else needs the package). The stdout line also
 shows step time, elapsed time and ETA.
@@ -36,7 +41,8 @@ from models import family_of
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "mem_gib")
-OPTIONAL_KEYS = ("valid_loss", "image_tokens_per_s")
+OPTIONAL_KEYS = ("valid_loss", "image_tokens_per_s", "aux_loss", "z_loss", "dropped_tokens",
+                 "expert_imbalance", "expert_load")
 TENSORBOARD_HINT = ('pip install -e ".[tensorboard]" (or pip install tensorboard), or set '
                     "logging.tensorboard=false")
 
@@ -103,7 +109,8 @@ class MetricsWriter:
         keys = KEYS + tuple(k for k in OPTIONAL_KEYS if k in record)
         clean = {k: (None if isinstance(record[k], float) and not math.isfinite(record[k])
                      else record[k]) for k in keys}
-        shown = [f"{k} {_fmt(v)}" for k, v in clean.items()]
+        shown = [f"{k} {_fmt(v)}" for k, v in clean.items()
+                 if not isinstance(v, list)]  # per-expert lists: metrics.jsonl only
         print("  ".join(shown + [f"{k} {v}" for k, v in (printed or {}).items()]), flush=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")

@@ -71,3 +71,14 @@ class MoeStep:
                 "z_loss": float(sum_over_group(self.z, group)),
                 "expert_load": [int(c) for c in self.counts.tolist()],
                 "dropped_tokens": self.dropped}
+
+
+def moe_record(metrics: dict) -> dict:
+    """The step line's and metrics.jsonl's MoE fields of ``MoeStep.metrics()``: the global aux
+    and z losses, dropped tokens, tokens per expert and their max over their mean (1 is a
+    perfectly balanced router; ``mpcore.metrics``)."""
+    load = metrics["expert_load"]
+    mean = sum(load) / max(len(load), 1)
+    return {"aux_loss": metrics["aux_loss"], "z_loss": metrics["z_loss"],
+            "dropped_tokens": metrics["dropped_tokens"], "expert_load": load,
+            "expert_imbalance": max(load) / mean if mean else None}

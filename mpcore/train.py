@@ -56,6 +56,7 @@ from mpcore.checkpoint import (
 from mpcore.checkpoint_async import AsyncSaver
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
+from mpcore.moe_step import MoeStep, moe_record
 from mpcore.optim import lr_at, set_lr
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
@@ -109,6 +110,7 @@ class Trainer:
         self._fingerprint: dict | None = None
         self.stop_requested = False
         self.stop_signal: str | None = None  # the first stop signal received here
+        self.moe_metrics: dict | None = None  # the last step's MoE statistics (MoE models)
         self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
@@ -235,7 +237,6 @@ class Trainer:
 
     def _moe_step(self, inputs, autocast):
         """A MoE model's ``mpcore.moe_step.MoeStep`` for this step (None for a dense one)."""
-        from mpcore.moe_step import MoeStep
 
         run = self.run
         model = getattr(run.module, "module", run.module)  # DDP wraps; FSDP2 does not
@@ -408,6 +409,8 @@ class Trainer:
             share = float(count) / max(self.tokens_per_step * self.window_steps, 1)
             extra["image_tokens_per_s"] = tokens_per_s * share
             self.image_tokens = self.window_steps = 0
+        if self.moe_metrics is not None:  # the last step's, global (mpcore.moe_step)
+            extra.update(moe_record(self.moe_metrics))
         metrics.log({"step": self.step, "loss": loss, "grad_norm": norm,
                      "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
                      "tflops": flops / 1e12,

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -104,6 +106,16 @@ def test_tiny_yaml_trains_and_resumes_bit_identically(tmp_path, data_dir):
     first = train(load_config(yaml, [*half, "training.max_steps=4"])).losses
     second = train(load_config(yaml, [*half, "training.max_steps=8"])).losses
     assert first + second == straight
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text()
+            .splitlines()]
+    moe = load_config(yaml).model.moe
+    assert rows
+    for row in rows:  # the step's global router statistics, in every logged row
+        load = row["expert_load"]
+        assert len(load) == moe["num_experts"] and row["dropped_tokens"] == 0
+        assert sum(load) % moe["num_experts_per_tok"] == 0 and sum(load) > 0
+        assert row["expert_imbalance"] == pytest.approx(max(load) / (sum(load) / len(load)))
+        assert row["aux_loss"] > 0 and math.isfinite(row["z_loss"])
     meta_cfg = FAMILY.config_from_dict(dataclasses.asdict(FAMILY.config_from_section(
         load_config(yaml).model, None)))
     assert meta_cfg.num_experts == 8 and meta_cfg.norm_topk_prob
