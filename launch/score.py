@@ -123,7 +123,7 @@ def checkpoint_spec(folder: Path) -> InputSpec:
     family = family_of_hf(hf)
     cfg = family.config_from_hf(hf)
     if family.modality == "image-text":
-        return vl_spec(cfg, folder)
+        return vl_spec(cfg, folder, family.image_size_rule)
     archs = hf.get("architectures") or ["?"]
     return InputSpec(vocab_size=cfg.vocab_size, checkpoint=f"{folder} ({archs[0]})")
 

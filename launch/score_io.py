@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class InputSpec:
     max_pixels: int = MAX_PIXELS
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    size_rule: Callable | None = None
+    """The family's resize rule for the ``images`` form (None: Qwen2-VL's ``smart_resize``)."""
 
     @property
     def patch_dim(self) -> int:
@@ -72,14 +75,16 @@ class InputSpec:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
-def vl_spec(cfg, folder: str | Path) -> InputSpec:
+def vl_spec(cfg, folder: str | Path, size_rule: Callable | None = None) -> InputSpec:
     """The ``InputSpec`` of a VL config (``cfg.text``, ``cfg.vision``, token ids) and its
-    checkpoint folder's ``preprocessor_config.json`` (pixel bounds, mean/std) if present."""
+    checkpoint folder's ``preprocessor_config.json`` (pixel bounds, mean/std) if present;
+    ``size_rule``: the family's image resize rule (``Family.image_size_rule``)."""
     vision, folder = cfg.vision, Path(folder)
     spec = dict(vocab_size=cfg.text.vocab_size, checkpoint=f"{folder} (vision-language)",
                 vl=True, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
                 patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                merge_size=vision.spatial_merge_size, in_channels=vision.in_channels)
+                merge_size=vision.spatial_merge_size, in_channels=vision.in_channels,
+                size_rule=size_rule)
     path = folder / "preprocessor_config.json"
     pre = json.loads(path.read_text()) if path.is_file() else {}
     size = pre.get("size") or {}
@@ -297,7 +302,8 @@ def expand_images(ids: list[int], mask: list[int] | None, paths, spec: InputSpec
                     load_image(file), patch_size=spec.patch_size,
                     temporal_patch_size=spec.temporal_patch_size, merge_size=spec.merge_size,
                     min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
-                    mean=spec.image_mean, std=spec.image_std, name=str(file))
+                    mean=spec.image_mean, std=spec.image_std, name=str(file),
+                    size_rule=spec.size_rule)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from e
         pixels, thw = cache[file]

@@ -28,7 +28,8 @@ the build keyword arguments beyond the decoder's (``vision_cp``) that our YAML m
 provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it; ``host_inputs``
 names forward arguments that stay on the host (planning metadata such as a tower's grids);
 ``section_extras`` the YAML model keys beyond the decoder's that the family reads (``vision``,
-``moe``): one set for another family is refused, not ignored.
+``moe``): one set for another family is refused, not ignored; ``image_size_rule`` the
+family's image resize rule where it is not Qwen2-VL's ``smart_resize`` (GLM-4V's).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Family:
     options: tuple[str, ...] = ()
     host_inputs: tuple[str, ...] = ()
     section_extras: tuple[str, ...] = ()
+    image_size_rule: Callable[..., tuple[int, int]] | None = None
 
     def __post_init__(self):
         assert self.modality in MODALITIES, self.modality

@@ -19,6 +19,7 @@ from models.glm4v.config import (
 from models.glm4v.hf import export_hf, shard_map
 from models.glm4v.inputs import local_glm4v_inputs
 from models.glm4v.model import build_model, load_hf_model
+from models.glm4v.processor import resize_size
 from models.glm4v.tower import Glm4vVisionTower
 
 
@@ -78,4 +79,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",))
+    section_extras=("vision",), image_size_rule=resize_size)

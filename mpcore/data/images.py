@@ -162,14 +162,17 @@ def to_rgb(image, name: str | Path = "image"):
 def process_image(image, *, patch_size: int = 14, temporal_patch_size: int = 2,
                   merge_size: int = 2, min_pixels: int = MIN_PIXELS,
                   max_pixels: int = MAX_PIXELS, mean: tuple[float, ...] = CLIP_MEAN,
-                  std: tuple[float, ...] = CLIP_STD, resize: bool = True, name: str = "image"
-                  ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                  std: tuple[float, ...] = CLIP_STD, resize: bool = True, name: str = "image",
+                  size_rule=None) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``(pixel_values [t*h*w, 3*T*P*P] float32, (t, h, w))`` of one image for the vision tower.
 
     ``image``: a PIL image (any mode) or a uint8 array ``[H, W, 3]``. ``T`` is
     ``temporal_patch_size``, ``P`` is ``patch_size``; ``t = 1``, ``h = H'/P``, ``w = W'/P``
     where ``H' x W'`` is ``smart_resize``'s size (or the image's own size when ``resize`` is
-    False: then it must pass ``check_image_size``). Row order: see the module docstring.
+    False: then it must pass ``check_image_size``). ``size_rule``: a family's own resize rule
+    instead of ``smart_resize`` (``(height, width, *, patch_size, merge_size,
+    temporal_patch_size, min_pixels, max_pixels) -> (height, width)``, e.g. GLM-4V's, which
+    counts the temporal frames against the bounds). Row order: see the module docstring.
     """
     from PIL import Image
 
@@ -184,9 +187,14 @@ def process_image(image, *, patch_size: int = 14, temporal_patch_size: int = 2,
     image = to_rgb(image, name)
     factor = patch_size * merge_size
     width, height = image.size  # PIL sizes are (width, height)
-    if resize:
+    if resize and size_rule is not None:
+        height, width = size_rule(height, width, patch_size=patch_size, merge_size=merge_size,
+                                  temporal_patch_size=temporal_patch_size,
+                                  min_pixels=min_pixels, max_pixels=max_pixels)
+    elif resize:
         height, width = smart_resize(height, width, factor=factor, min_pixels=min_pixels,
                                      max_pixels=max_pixels)
+    if resize:
         image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
     else:
         check_image_size(height, width, factor=factor, max_pixels=max_pixels, name=name)

@@ -13,6 +13,8 @@ from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 from models.glm4v.processor import resize_size
 from mpcore.data.images import smart_resize as qwen_resize
 
+REPO = Path(__file__).resolve().parents[2]
+
 IMAGES = Path(__file__).resolve().parents[2] / "launch" / "data" / "images"
 
 
@@ -54,3 +56,45 @@ def test_shipped_images_match_the_glm4v_processor():
     assert differs == 0
     assert resize_size(2000, 3000) == (1960, 2968) != qwen_resize(2000, 3000) == (812, 1204)
     assert resize_size(10, 300) != qwen_resize(10, 300)
+
+
+def test_score_images_form_resizes_by_the_family_rule(tmp_path):
+    """score.py's ``images`` form on a GLM-4V checkpoint resizes by GLM-4V's rule (through the
+    family's ``image_size_rule``), so a small image gets transformers' grid and pixels; with
+    Qwen2-VL's rule (what every family got before) its grid differs."""
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    from launch.score import checkpoint_spec
+    from launch.score_io import read_input
+    from models.glm4v import FAMILY
+    from mpcore.config import load_config
+
+    ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,
+               vision_end_token_id=303)
+    cfg = FAMILY.config_from_section(
+        load_config(REPO / "launch" / "configs" / "glm4v_tiny.yaml", ["model.vocab_size=518"])
+        .model, ids)
+    (tmp_path / "config.json").write_text(json.dumps(FAMILY.hf_config_dict(cfg)))
+    processor = Glm4vImageProcessorPil()
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": dict(processor.size), "image_mean": list(processor.image_mean),
+         "image_std": list(processor.image_std), "patch_size": 14, "merge_size": 2,
+         "temporal_patch_size": 2}))
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (10, 300, 3), dtype=np.uint8))
+    image.save(tmp_path / "thin.png")
+    (tmp_path / "in.jsonl").write_text(json.dumps(
+        {"input_ids": [5, ids["vision_start_token_id"], ids["image_token_id"],
+                       ids["vision_end_token_id"], 7], "images": ["thin.png"]}) + "\n")
+    spec = checkpoint_spec(tmp_path)
+    assert spec.size_rule is resize_size
+    (item,) = read_input(tmp_path / "in.jsonl", spec)
+    theirs = processor(images=[image], return_tensors="pt")
+    assert [list(g) for g in item.image_grid_thw] == theirs["image_grid_thw"].tolist()
+    assert torch.allclose(item.pixel_values, theirs["pixel_values"].float(), atol=1e-5)
+    assert resize_size(10, 300) != qwen_resize(10, 300)  # the rule matters for this image
