@@ -86,6 +86,8 @@ def _export_into(checkpoint: str | Path, output: Path) -> Path:
     tokenizer = run_tokenizer(meta.get("config", {}), vl)
     if tokenizer is not None and tokenizer.is_file():
         write_tokenizer(tokenizer, vl, Path(output))
+        if vl and family.hf_image_processor:  # the data's image settings, for AutoProcessor
+            write_preprocessor_config(tokenizer.parent, family.hf_image_processor, Path(output))
     elif tokenizer is not None:
         logging.warning("the run's tokenizer %s is not there (run from the training folder to "
                         "copy it); exported the weights without it", tokenizer)
@@ -135,6 +137,23 @@ def write_tokenizer(tokenizer: Path, vl: bool, output: Path) -> None:
     except ValueError as e:
         logging.warning("%s; exported tokenizer.model without the transformers files", e)
     special_ids_into_config(output / "config.json", tok.bos_id, tok.eos_id)
+
+
+def write_preprocessor_config(dataset: Path, processor: str, output: Path) -> None:
+    """``preprocessor_config.json`` of the image settings the run's first VL dataset was
+    prepared with (its ``meta.json``), as transformers' ``processor`` class reads them, so
+    ``AutoImageProcessor`` (and score.py) process images as training did."""
+    settings = json.loads((dataset / "meta.json").read_text())["image_settings"]
+    config = {"image_processor_type": processor, "do_convert_rgb": True,
+              "do_resize": settings["resize"], "resample": 3,  # bicubic, as mpcore.data.images
+              "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+              "image_mean": settings["mean"], "image_std": settings["std"],
+              "size": {"shortest_edge": settings["min_pixels"],
+                       "longest_edge": settings["max_pixels"]},
+              "patch_size": settings["patch_size"],
+              "temporal_patch_size": settings["temporal_patch_size"],
+              "merge_size": settings["merge_size"]}
+    atomic.write_text(output / "preprocessor_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def special_ids_into_config(path: Path, bos_id: int, eos_id: int) -> None:

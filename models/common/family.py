@@ -29,7 +29,8 @@ provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it;
 names forward arguments that stay on the host (planning metadata such as a tower's grids);
 ``section_extras`` the YAML model keys beyond the decoder's that the family reads (``vision``,
 ``moe``): one set for another family is refused, not ignored; ``image_size_rule`` the
-family's image resize rule where it is not Qwen2-VL's ``smart_resize`` (GLM-4V's).
+family's image resize rule where it is not Qwen2-VL's ``smart_resize`` (GLM-4V's);
+``hf_image_processor`` the transformers image processor class an export names.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Family:
     host_inputs: tuple[str, ...] = ()
     section_extras: tuple[str, ...] = ()
     image_size_rule: Callable[..., tuple[int, int]] | None = None
+    hf_image_processor: str | None = None
 
     def __post_init__(self):
         assert self.modality in MODALITIES, self.modality

@@ -79,4 +79,5 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), image_size_rule=resize_size)
+    section_extras=("vision",), image_size_rule=resize_size,
+    hf_image_processor="Glm4vImageProcessor")

@@ -60,4 +60,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",))
+    section_extras=("vision",), hf_image_processor="Qwen2VLImageProcessor")

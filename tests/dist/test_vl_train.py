@@ -173,6 +173,20 @@ def test_export_loads_in_transformers(runs):
 
     hf = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
     ours, cfg = load_hf_vl_model(out, ParallelState.build())
+    # The image settings training used, as transformers' processor: the same rows and grid.
+    from mpcore.data.images import load_image, process_image
+    from mpcore.data.vl_default import DEFAULT_SETTINGS
+
+    image = load_image(REPO / "launch" / "data" / "images" / "astronaut.jpg")
+    theirs = transformers.AutoImageProcessor.from_pretrained(out)(images=[image],
+                                                                  return_tensors="pt")
+    s = DEFAULT_SETTINGS
+    rows, grid = process_image(image, patch_size=s.patch_size,
+                               temporal_patch_size=s.temporal_patch_size,
+                               merge_size=s.merge_size, min_pixels=s.min_pixels,
+                               max_pixels=s.max_pixels)
+    assert theirs["image_grid_thw"].tolist() == [list(grid)]
+    assert torch.allclose(theirs["pixel_values"].float(), rows, atol=1e-5)
     text_cfg = hf.config.text_config  # bos / eos / pad: the tokenizer's, inside the vocabulary
     assert (text_cfg.bos_token_id, text_cfg.eos_token_id, text_cfg.pad_token_id) == (
         ours_tok.bos_id, ours_tok.eos_id, ours_tok.eos_id)
