@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from models.common.vl_split import check_grid, split_vl_stream
 from models.glm4v.config import Glm4vConfig
-from models.qwen2_vl.inputs import check_grid
-from parallel.context import ContextPlan, split_batch
+from parallel.context import ContextPlan
 from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
 from parallel.state import ParallelState
 
@@ -138,22 +138,10 @@ def local_glm4v_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens
     """The cp plan of one packed stream and this rank's ``Glm4vModel.forward`` keyword arguments
     (all but ``output``): the per-token tensors made on the GLOBAL stream, then split together
     by one ``ContextPlan`` (zigzag when cp > 1 unless ``layout`` says otherwise; a multiple of tp
-    under SP); the vision input (images, then videos) passed whole to every rank."""
+    under SP); the vision input (images, then videos) passed whole to every rank
+    (``models.common.vl_split``)."""
     batch = glm4v_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                          video_grid_thw=video_grid_thw, loss_mask=loss_mask)
-    layout = (layout or "zigzag") if state.cp > 1 else "contiguous"
-    plan = ContextPlan(cu_seqlens, input_ids.numel(), state.cp, layout,
-                       pad_multiple=state.tp if sequence_parallel else 1)
-    local = split_batch({**batch, "cu_seqlens": cu_seqlens}, plan, state.cp_rank,
-                        pad_values={"vision_rows": -1})
-    rank_layout = plan.rank_layout(state.cp_rank)
-    device = input_ids.device
-    parts = [p for p in (pixel_values, pixel_values_videos) if p is not None]
-    grids = [torch.as_tensor(g, dtype=torch.int64).view(-1, 3)
-             for g in (image_grid_thw, video_grid_thw) if g is not None]
-    grid = torch.cat(grids) if grids else None
-    if grid is None or not grid.numel():  # no vision item: the model runs its dummy window
-        parts, grid = [], None
-    return plan, {**local, "doc_id": rank_layout.doc_id.to(device),
-                  "positions_in_doc": rank_layout.positions_in_doc.to(device),
-                  "pixel_values": torch.cat(parts) if parts else None, "grid_thw": grid}
+    return split_vl_stream(state, batch, cu_seqlens, pixels=[pixel_values, pixel_values_videos],
+                           grids=[image_grid_thw, video_grid_thw],
+                           sequence_parallel=sequence_parallel, layout=layout)
