@@ -52,7 +52,7 @@ def pretrain(overrides: list[str], *, signal_at: tuple[int, int] | None = None,
         if signal_at is not None:
             step, sig = signal_at
             while last_step(run_dir) < step and proc.poll() is None:
-                time.sleep(0.05)
+                time.sleep(0.01)
             proc.send_signal(sig)
         out, err = proc.communicate()
     finally:
@@ -63,15 +63,18 @@ def pretrain(overrides: list[str], *, signal_at: tuple[int, int] | None = None,
 @pytest.mark.slow
 def test_sigusr1_saves_exits_75_and_resumes_bit_identical(tmp_path, data_dir):
     """What ``sbatch --signal=USR1@120`` does: SIGUSR1 to the training process. It saves at
-    the next step boundary and exits 75; the rerun continues the uninterrupted curve exactly."""
-    args = ["checkpoint.every=0", "model.num_layers=1"]
+    the next step boundary and exits 75; the rerun continues the uninterrupted curve exactly.
+    The run is long (a step of this model takes milliseconds) so that the signal, sent once
+    step 2 is logged, lands well before the last step even on a loaded machine."""
+    steps = 60
+    args = ["checkpoint.every=0", "model.num_layers=1", f"training.max_steps={steps}"]
     reference = pretrain(overrides_for(tmp_path / "reference", data_dir, *args))
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
     stopped = pretrain(overrides_for(run_dir, data_dir, *args), signal_at=(2, signal.SIGUSR1))
     assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-3000:]
     step = last_step(run_dir)
-    assert 2 <= step < STEPS, step
+    assert 2 <= step < steps, step
     assert f"SIGUSR1: stopped after step {step}; the last checkpoint is " in stopped.stderr
     assert (run_dir / "checkpoints" / f"step-{step}" / "manifest.json").is_file()
     assert f"preempted at step {step}" in stopped.stdout
@@ -79,7 +82,7 @@ def test_sigusr1_saves_exits_75_and_resumes_bit_identical(tmp_path, data_dir):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{step}'}" in again.stderr
     got, want = rows(run_dir), rows(tmp_path / "reference")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # bit for bit
 
 
