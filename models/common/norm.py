@@ -1,4 +1,5 @@
-"""RMSNorm module over the last dim, on the project's RMSNorm kernel (HF-exact numerics).
+"""RMSNorm module over the last dim, on the project's RMSNorm kernel (HF-exact numerics), and
+the plain LayerNorm the vision towers use.
 
 Layout: ``x [..., H]``, weight ``[H]`` replicated on every tp rank. When the ranks of the tp
 group see DIFFERENT inputs through this weight (token shards under sequence parallelism, or
@@ -15,6 +16,7 @@ once before the multiply (``kernels.rmsnorm``'s rule), where transformers rounds
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -60,3 +62,22 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.weight.shape[0]}, eps={self.eps}, sum_grad_over_tp="
                 f"{self.sum_grad_over_tp}" + (", zero_centred" if self.zero_centred else ""))
+
+
+class LayerNorm(nn.Module):
+    """``F.layer_norm`` over the last dim (weight 1, bias 0 at init); replicated over tp."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        del seed  # nothing is drawn
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

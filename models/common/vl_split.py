@@ -12,6 +12,8 @@ collective).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from parallel.context import ContextPlan, split_batch
@@ -42,23 +44,37 @@ def split_vl_stream(state: ParallelState, batch: dict[str, torch.Tensor], cu_seq
 
 
 def check_grid(grid, name: str, merge: int) -> list[tuple[int, int, int]]:
-    """``grid`` (``[n, 3]`` tensor or nested list, or None) as a list of int triples; raises
-    ``ValueError`` naming the row when an entry is not a positive int or h, w do not divide by
-    ``merge``."""
+    """``grid`` (int ``[n, 3]`` tensor or nested list of ``(t, h, w)``, or None) as a list of
+    int triples. Raises ``ValueError`` naming the fix for a tensor that is not integer or not
+    ``[n, 3]``, a row that is not three positive ints, or h, w that do not divide by ``merge``
+    (``tolist`` is a CPU-GPU sync point when ``grid`` lives on the GPU: pass it on the CPU)."""
     if grid is None:
         return []
+    if isinstance(grid, torch.Tensor):
+        if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers (int64), got {grid.dtype}")
+        if grid.dim() != 2 or grid.shape[1] != 3:
+            raise ValueError(f"{name} must be [num_images, 3] rows of (t, h, w), got shape "
+                             f"{tuple(grid.shape)}")
     rows = grid.tolist() if isinstance(grid, torch.Tensor) else list(grid)
     out = []
     for i, row in enumerate(rows):
         row = list(row) if isinstance(row, (list, tuple)) else row
-        if (not isinstance(row, list) or len(row) != 3 or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row)):
-            raise ValueError(f"{name}[{i}] = {row!r} must be three positive ints (t, h, w)")
-        if row[1] % merge or row[2] % merge:
+        try:
+            if not isinstance(row, list) or len(row) != 3 or any(
+                    isinstance(v, bool) for v in row):
+                raise TypeError
+            t, h, w = (operator.index(v) for v in row)
+        except TypeError:
+            t = h = w = 0
+        if min(t, h, w) < 1:
+            raise ValueError(f"{name}[{i}] = {row!r} must be three positive ints (t, h, w): "
+                             f"patch counts")
+        if h % merge or w % merge:
             raise ValueError(f"{name}[{i}] = {row}: h and w must be multiples of the spatial "
                              f"merge size {merge} (the processor resizes images to multiples "
                              f"of patch_size * merge)")
-        out.append(tuple(row))
+        out.append((t, h, w))
     return out
 
 

@@ -31,12 +31,11 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
-from models.common.norm import RMSNorm
+from models.common.norm import LayerNorm, RMSNorm
 from models.common.tower import TowerBase
 from models.common.vision_attention import Segments, VisionAttention, rotary_tables
+from models.common.vl_split import check_grid
 from models.glm4v.config import Glm4vVisionConfig
-from models.qwen2_vl.tower import LayerNorm
-from models.qwen2_vl.vision_plan import check_grid
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
 from parallel.state import ParallelState, ProcessGroup
@@ -191,7 +190,7 @@ class Glm4vVisionTower(TowerBase):
         placeholder, in input order, replicated over tp. Checks raise ``ValueError`` before
         any compute."""
         m = self.cfg.spatial_merge_size
-        grid = check_grid(grid_thw, m)
+        grid = check_grid(grid_thw, "grid_thw", m)
         self._check(pixel_values, grid)
         device = pixel_values.device
         positions, sizes, frame_cu = frame_layout(grid, m)

@@ -1,5 +1,6 @@
 """Qwen2-VL / Qwen2.5-VL (``FAMILY``): the vision tower, its inputs and HF format, the model."""
 
+from models.common.vision_plan import VisionPlan, plan_vision
 from models.qwen2_vl.config import (
     VLConfig,
     hf_vl_config_dict,
@@ -24,7 +25,6 @@ from models.qwen2_vl.vision_hf import (
     vision_hf_tensors,
     vision_shard_map,
 )
-from models.qwen2_vl.vision_plan import VisionPlan, plan_vision
 
 __all__ = [
     "FAMILY",

@@ -2,7 +2,7 @@
 
 Layout, per tp rank (everything replicated over the tp group; no sequence parallelism):
 
-    pixel_values [N, patch_dim]        rows in processor order (models/vision/plan.py)
+    pixel_values [N, patch_dim]        rows in processor order (models/common/vision_plan.py)
     h = patch_embed(pixel_values)      [N, hidden]  Conv3d(stride = kernel) as one matmul
     h = h[row_order]                   Qwen2.5-VL: units into window order
     for block: h = h + attention(attention_norm(h)); h = h + feed_forward(ffn_norm(h))
@@ -30,11 +30,11 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
-from models.common.norm import RMSNorm
+from models.common.norm import LayerNorm, RMSNorm
 from models.common.tower import TowerBase
 from models.common.vision_attention import Segments, VisionAttention, rotary_tables
+from models.common.vision_plan import VisionPlan, plan_vision
 from models.qwen2_vl.vision_config import VisionConfig
-from models.qwen2_vl.vision_plan import VisionPlan, plan_vision
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init
 from parallel.state import ParallelState, ProcessGroup
@@ -57,25 +57,6 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight.view(self.weight.shape[0], -1))
-
-
-class LayerNorm(nn.Module):
-    """``F.layer_norm`` over the last dim (weight 1, bias 0 at init); replicated over tp."""
-
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-
-    def reset_parameters(self, seed: int = 0) -> None:
-        del seed  # nothing is drawn
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-            self.bias.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 def _norm(cfg: VisionConfig, dim: int, dtype) -> nn.Module:
@@ -168,7 +149,7 @@ class VisionTower(TowerBase):
             layer.attention.kernel = attention_kernel
 
     def plan(self, grid_thw) -> VisionPlan:
-        """Host-side plan of ``grid_thw`` (checks it; ``models.qwen2_vl.vision_plan``)."""
+        """Host-side plan of ``grid_thw`` (checks it; ``models.common.vision_plan``)."""
         return plan_vision(self.cfg, grid_thw)
 
     def _check_pixels(self, pixel_values: torch.Tensor, plan: VisionPlan) -> None:

@@ -107,7 +107,7 @@ class Qwen3VisionConfig(VisionGeometry):
             raise ValueError(f"vision rope_theta and norm_eps must be > 0, got "
                              f"{self.rope_theta!r}, {self.norm_eps!r}")
 
-    arch = "qwen3_vl"  # for models.qwen2_vl.vision_plan.plan_vision: per-frame attention, no windows
+    arch = "qwen3_vl"  # for models.common.vision_plan.plan_vision: per-frame attention, no windows
 
     @property
     def grid_side(self) -> int:

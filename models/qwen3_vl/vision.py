@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models.common.norm import LayerNorm
 from models.common.tower import TowerBase
 from models.common.vision_attention import Segments, VisionAttention, rotary_tables
-from models.qwen2_vl.tower import LayerNorm
-from models.qwen2_vl.vision_plan import VisionPlan, plan_vision
+from models.common.vision_plan import VisionPlan, plan_vision
 from models.qwen3_vl.config import Qwen3VisionConfig
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.random import init_shard_, normal_init

@@ -103,5 +103,5 @@ def test_pixel_rows_must_match_grid():
     tower = _ours(_hf_tower())
     with pytest.raises(ValueError, match="implies sum"):
         tower(torch.randn(10, tower.cfg.patch_dim), [[1, 2, 4]])
-    with pytest.raises(ValueError, match="divisible by spatial_merge_size"):
+    with pytest.raises(ValueError, match="multiples of the spatial merge size"):
         tower(torch.randn(6, tower.cfg.patch_dim), [[1, 2, 3]])

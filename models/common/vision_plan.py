@@ -21,12 +21,11 @@ Everything here runs on the CPU from ``grid_thw.tolist()`` (a CPU-GPU sync point
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 
-from models.qwen2_vl.vision_config import VisionConfig
+from models.common.vl_split import check_grid
 
 
 @dataclass(frozen=True)
@@ -51,42 +50,6 @@ class VisionPlan:
     """``[N]`` int64: block row k is input row ``row_order[k]`` (None: identity)."""
     unit_inverse: torch.Tensor | None
     """``[N / m^2]`` int64: output token u is merged row ``unit_inverse[u]`` (None: identity)."""
-
-
-def check_grid(grid_thw, spatial_merge_size: int) -> tuple[tuple[int, int, int], ...]:
-    """``grid_thw`` (int ``[I, 3]`` tensor or nested list of ``(t, h, w)``) as Python ints.
-
-    Raises ``ValueError`` naming the fix for a wrong shape, a non-integer or non-positive entry,
-    or h / w not divisible by ``spatial_merge_size``.
-    """
-    if isinstance(grid_thw, torch.Tensor):
-        if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
-            raise ValueError(f"grid_thw must hold integers (int64), got {grid_thw.dtype}")
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
-            raise ValueError(f"grid_thw must be [num_images, 3] rows of (t, h, w), got shape "
-                             f"{tuple(grid_thw.shape)}")
-        rows = grid_thw.tolist()  # CPU-GPU sync point when grid_thw is on the GPU
-    else:
-        rows = [list(r) if isinstance(r, (list, tuple)) else r for r in grid_thw]
-    grid = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != 3:
-            raise ValueError(f"grid_thw row {i} is {row!r}; each row must be (t, h, w)")
-        try:
-            if any(isinstance(x, bool) for x in row):
-                raise TypeError
-            t, h, w = (operator.index(x) for x in row)
-        except TypeError:
-            raise ValueError(f"grid_thw row {i} = {row}: t, h and w must be integers (patch "
-                             f"counts)") from None
-        if min(t, h, w) < 1:
-            raise ValueError(f"grid_thw row {i} = {row}: t, h and w must be positive")
-        if h % spatial_merge_size or w % spatial_merge_size:
-            raise ValueError(f"grid_thw row {i} = {row}: h and w must be divisible by "
-                             f"spatial_merge_size = {spatial_merge_size}; resize the image to a "
-                             f"multiple of patch_size * spatial_merge_size pixels")
-        grid.append((t, h, w))
-    return tuple(grid)
 
 
 def _positions(t: int, h: int, w: int, m: int) -> torch.Tensor:
@@ -118,9 +81,11 @@ def _cumulative(lengths: list[int]) -> torch.Tensor:
     return cu.to(torch.int32)
 
 
-def plan_vision(cfg: VisionConfig, grid_thw) -> VisionPlan:
-    """The plan of images ``grid_thw`` (see :func:`check_grid`) for a tower of ``cfg``."""
-    grid = check_grid(grid_thw, cfg.spatial_merge_size)
+def plan_vision(cfg, grid_thw) -> VisionPlan:
+    """The plan of images ``grid_thw`` (``models.common.vl_split.check_grid``) for a tower of
+    ``cfg`` (a vision config: ``spatial_merge_size``, ``merge_unit``, ``arch`` and, for
+    qwen2_5_vl, ``window_units``)."""
+    grid = tuple(check_grid(grid_thw, "grid_thw", cfg.spatial_merge_size))
     m, unit = cfg.spatial_merge_size, cfg.merge_unit
     num = sum(t * h * w for t, h, w in grid)
     positions = torch.cat([_positions(*g, m) for g in grid]) if grid else torch.zeros(
