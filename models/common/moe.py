@@ -69,7 +69,12 @@ def grouped_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            counts: list[int]) -> torch.Tensor:
     """``swiglu_experts`` with two grouped GEMMs (``torch._grouped_mm``, one launch each for
-    all local experts; its own backward) instead of a loop."""
+    all local experts; its own backward) instead of a loop. Under autocast the operands are
+    cast to its dtype as ``F.linear`` would be (autocast does not cast ``_grouped_mm``)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
     h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)  # [N, 2I]
     gate, up = h.chunk(2, dim=-1)

@@ -138,3 +138,29 @@ def test_grouped_gemm_equals_the_reference_with_empty_experts():
     for a, b in zip(*outs, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     assert float(outs[1][2][1].abs().sum()) == 0.0  # an empty expert gets a zero gradient
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_gemm_under_autocast_takes_fp32_master_weights():
+    """Training's mixed precision (fp32 weights, bf16 autocast): the grouped GEMM casts its
+    operands as autocast casts ``F.linear`` (autocast does not cover ``_grouped_mm``, so before
+    it refused fp32 weights beside bf16 rows): the same bf16 result as the reference, and fp32
+    gradients for the fp32 weights."""
+    from models.common.moe import grouped_swiglu_experts, swiglu_experts
+
+    gen = torch.Generator().manual_seed(4)
+    w13 = torch.randn(3, 64, 32, generator=gen, requires_grad=True)
+    w2 = torch.randn(3, 32, 32, generator=gen, requires_grad=True)
+    x = torch.randn(12, 32, generator=gen)
+    outs = []
+    for fn in (swiglu_experts, grouped_swiglu_experts):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(x, w13, w2, [4, 0, 8])
+        y.float().sum().backward()
+        outs.append((y, w13.grad, w2.grad))
+        w13.grad = w2.grad = None
+    (ref, ref13, ref2), (got, got13, got2) = outs
+    assert got.dtype == ref.dtype == torch.bfloat16 and torch.equal(got, ref)
+    assert got13.dtype == got2.dtype == torch.float32
+    for a, b in ((got13, ref13), (got2, ref2)):
+        assert float((a - b).norm() / b.norm()) < 1e-2  # bf16 products, summed differently
