@@ -41,6 +41,8 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -336,22 +338,16 @@ def _torchtitan_model_config(m, float8: bool, cuda: bool):
     return config, flavour
 
 
-def run_torchtitan(args, float8: bool) -> dict:
-    """One torchtitan row, assembled as its Trainer does (meta build, parallelize_llama:
-    per-block compile then FSDP2 on a mesh of one, to_empty + init_weights, its AdamW
-    container and warmup scheduler, its clip_grad_norm_ and cross-entropy)."""
-    shims = torchtitan_shims()
-    _init_single_process_group()
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+def _torchtitan_model(args, m, float8: bool, cuda: bool):
+    """The model as torchtitan's Trainer builds it: meta build with the RoPE cache sized to
+    the sequence, ``parallelize_llama`` (per-block compile, then FSDP2 on a mesh of one, its
+    classic ``partial_dtensor`` backend), ``to_empty`` + ``init_weights``. Returns the model,
+    the compile config (the loss takes it too) and the flavour's name."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
 
-    cuda = _cuda()
-    cfg = load_config(args.config)
-    m, opt = cfg.model, cfg.optimizer
     model_config, flavour = _torchtitan_model_config(m, float8, cuda)
     for layer in model_config.layers:  # the Trainer sizes RoPE to training.seq_len
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=args.seq)
@@ -363,8 +359,9 @@ def run_torchtitan(args, float8: bool) -> dict:
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world_size=1)
     training = TrainingConfig(local_batch_size=args.micro_batch, seq_len=args.seq,
-                              max_norm=opt.grad_clip, disable_cuda_graphs=True,
-                              mixed_precision_param="bfloat16", mixed_precision_reduce="float32")
+                              max_norm=load_config(args.config).optimizer.grad_clip,
+                              disable_cuda_graphs=True, mixed_precision_param="bfloat16",
+                              mixed_precision_reduce="float32")
     compile_config = CompileConfig(enable=cuda, components=["model", "loss"])
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -372,14 +369,31 @@ def run_torchtitan(args, float8: bool) -> dict:
     model = parallelize_llama(model, parallel_dims=dims, training=training,
                               parallelism=parallelism, compile_config=compile_config,
                               ac_config=None, dump_folder=tempfile.mkdtemp())
-    device = torch.device("cuda" if cuda else "cpu")
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cuda" if cuda else "cpu"))
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
     if _num_params(model) != expected_params(m):
         raise RuntimeError(f"torchtitan: {_num_params(model)} parameters, the config's shape "
                            f"has {expected_params(m)}")
+    return model, compile_config, flavour
+
+
+def run_torchtitan(args, float8: bool) -> dict:
+    """One torchtitan row with its own training pieces: the model of ``_torchtitan_model``,
+    its AdamW container (fused) and warmup scheduler, its ``clip_grad_norm_``, its compiled
+    full-logits cross-entropy (sum over valid tokens / their count)."""
+    shims = torchtitan_shims()
+    _init_single_process_group()
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.distributed import utils as dist_utils
+
+    cuda = _cuda()
+    cfg = load_config(args.config)
+    m, opt = cfg.model, cfg.optimizer
+    model, compile_config, flavour = _torchtitan_model(args, m, float8, cuda)
+    device = torch.device("cuda" if cuda else "cpu")
     optimizers = dataclasses.replace(
         default_adamw(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                       weight_decay=opt.weight_decay),
@@ -459,9 +473,18 @@ def run_ours(args, variant: str, out: Path) -> dict:
 
 
 def _run(cmd: list[str], timeout: int) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    """Run ``cmd`` from the repo root in its own session; past ``timeout`` seconds the whole
+    session is killed (inductor's compile workers with it) and TimeoutExpired raised."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     if proc.returncode != 0:  # first line: the exit and the output's last line (the error)
-        output = (proc.stdout + proc.stderr).strip()
+        output = output.strip()
         last = output.splitlines()[-1] if output else ""
         raise RuntimeError(f"exit {proc.returncode}: {last}\n{' '.join(cmd)}\n{output[-4000:]}")
 
