@@ -525,7 +525,7 @@ def run_all(args) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """Per shape: step ms, tokens/s, peak GiB, first/last loss, and each of our rows' speedup
-    (tokens/s ratio) over every peer row."""
+    (tokens/s ratio) and memory ratio (peak over peak) against every peer row."""
     lines = []
     for shape in dict.fromkeys((r["seq"], r["micro_batch"]) for r in rows):
         group = [r for r in rows if (r["seq"], r["micro_batch"]) == shape]
@@ -541,10 +541,18 @@ def table(rows: list[dict]) -> str:
                          f" {peak:>9} {r['first_loss']:>6.2f}->{r['last_loss']:<6.2f}")
         done = [r for r in group if "step_ms" in r]
         for ours in (r for r in done if r["row"] in OURS):
-            ratios = ", ".join(f"{p['row']} {ours['tokens_per_s_per_gpu'] / p['tokens_per_s_per_gpu']:.2f}x"
-                               for p in done if p["row"] not in OURS)
+            ratios = ", ".join(_ratio(ours, p) for p in done if p["row"] not in OURS)
             lines.append(f"  {ours['row']} vs: {ratios}")
     return "\n".join(lines)
+
+
+def _ratio(ours: dict, peer: dict) -> str:
+    """``peer Sx`` (our tokens/s over the peer's), with ``(memory Mx)`` (our peak over the
+    peer's) where both have one."""
+    text = f"{peer['row']} {ours['tokens_per_s_per_gpu'] / peer['tokens_per_s_per_gpu']:.2f}x"
+    if ours["peak_gib"] and peer["peak_gib"]:
+        text += f" (memory {ours['peak_gib'] / peer['peak_gib']:.2f}x)"
+    return text
 
 
 def parse_args(argv):

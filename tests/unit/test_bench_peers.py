@@ -105,11 +105,74 @@ def test_table_ratios_and_failed_rows():
     text = bench_peers.table(rows)
     assert "mpcore_bf16 vs: megatron_bf16 1.50x, torchtitan_bf16 3.00x" in text
     assert "megatron_fp8       failed: exit 1: boom" in text
+    rows[0]["peak_gib"], rows[3]["peak_gib"] = 40.0, 30.0  # the CUDA case: a peak per row
+    assert "mpcore_bf16 vs: megatron_bf16 1.50x (memory 0.75x), torchtitan_bf16 3.00x\n" in \
+        bench_peers.table(rows) + "\n"
 
 
 def _peers_installed() -> bool:
     return all(importlib.util.find_spec(name) is not None
                for name in ("megatron", "torchtitan", "torchao"))
+
+
+needs_torchtitan = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None or importlib.util.find_spec("torchao") is None,
+    reason="needs the torchtitan and torchao wheels on the path (tests/perf/NOTES.md)")
+
+
+@needs_torchtitan
+def test_torchtitan_shims_apply_where_torch_lacks_the_name(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.attention.flex_attention as flex
+
+    bench_peers.torchtitan_shims()  # whatever this torch needs, so torchtitan imports
+    import torchtitan.models.common.decoder as decoder
+
+    seen = {}
+
+    def old_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128):
+        """torch 2.11's signature: no separate_full_blocks."""
+
+    def make_mask(*args, **kwargs):
+        seen.update(kwargs)
+        return "mask"
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+    monkeypatch.setattr(flex, "create_block_mask", old_create_block_mask)
+    monkeypatch.setattr(decoder, "create_attention_mask", make_mask)
+    monkeypatch.delitem(sys.modules, "datasets", raising=False)
+    monkeypatch.delitem(sys.modules, "datasets.distributed", raising=False)
+    applied = bench_peers.torchtitan_shims()
+    assert "torch.distributed.fsdp.DataParallelMeshDims placeholder" in applied
+    assert fsdp.DataParallelMeshDims(shard=("fsdp",)).shard == ("fsdp",)
+    assert "create_attention_mask without separate_full_blocks=" in applied
+    assert decoder.create_attention_mask(1, separate_full_blocks=True, BLOCK_SIZE=128) == "mask"
+    assert seen == {"BLOCK_SIZE": 128}  # the flag dropped, the rest passed on
+    import datasets.distributed  # noqa: F401  (the stand-in, or the real one where installed)
+
+
+@pytest.mark.slow
+@needs_torchtitan
+def test_torchtitan_flex_mask_is_causal_per_sample():
+    """The flex BlockMask the torchtitan rows build from positions 0..S-1 per sample computes
+    the same function as plain causal SDPA (torch's, same weights), so the peer is timed on
+    the attention we run, no cheaper mask."""
+    bench_peers.torchtitan_shims()
+    m = load_config(CONFIG).model
+    flex_config, _ = bench_peers._torchtitan_model_config(m, float8=False, cuda=True)
+    sdpa_config, _ = bench_peers._torchtitan_model_config(m, float8=False, cuda=False)
+    torch.manual_seed(0)
+    flex, sdpa = flex_config.build(), sdpa_config.build()
+    with torch.no_grad():
+        flex.init_weights(buffer_device=None)
+    sdpa.load_state_dict(flex.state_dict())
+    ids = torch.randint(0, m.vocab_size, (2, 64))
+    positions = torch.arange(64).expand(2, -1)
+    with torch.no_grad():
+        out = flex(ids, positions, flex.get_attention_masks(positions=positions))
+        ref = sdpa(ids, positions, None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
