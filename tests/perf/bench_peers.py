@@ -518,8 +518,8 @@ def run_all(args) -> list[dict]:
                 result = _row_json(one, row, {"error": str(e)[-4000:]})
                 print(f"   failed: {str(e).splitlines()[0]}", flush=True)
             out.write_text(json.dumps(result, indent=1) + "\n")
-            rows.append(result)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+            rows.append(result)  # the summary after each row: a call cut short keeps it
+            (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
 
