@@ -379,6 +379,16 @@ def _torchtitan_model(args, m, float8: bool, cuda: bool):
     return model, compile_config, flavour
 
 
+def torchtitan_loss(loss_fn, logits: torch.Tensor, labels: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """torchtitan's cross-entropy of ``logits`` (B, S, V) against ``Batches``' labels and
+    mask: the masked positions take its ignore index (-100), the sum over the rest is divided
+    by their count (its global_valid_tokens)."""
+    labels = labels.masked_fill(mask == 0, -100)
+    loss, _ = loss_fn(logits, labels, (labels != -100).sum())
+    return loss
+
+
 def run_torchtitan(args, float8: bool) -> dict:
     """One torchtitan row with its own training pieces: the model of ``_torchtitan_model``,
     its AdamW container (fused) and warmup scheduler, its ``clip_grad_norm_``, its compiled
@@ -411,10 +421,8 @@ def run_torchtitan(args, float8: bool) -> dict:
 
     def step(_: int) -> float:
         ids, labels, mask = data.next()
-        labels = labels.masked_fill(mask == 0, -100)  # torchtitan's ignore index
         optimizers.zero_grad(set_to_none=True)
-        valid = (labels != -100).sum()
-        loss, _ = loss_fn(model(ids, positions, masks), labels, valid)  # sum / valid tokens
+        loss = torchtitan_loss(loss_fn, model(ids, positions, masks), labels, mask)
         loss.backward()
         dist_utils.clip_grad_norm_(params, opt.grad_clip, foreach=True)
         optimizers.step()

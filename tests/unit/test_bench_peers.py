@@ -176,6 +176,43 @@ def test_torchtitan_flex_mask_is_causal_per_sample():
 
 
 @pytest.mark.slow
+@needs_torchtitan
+def test_torchtitan_row_model_and_loss_match_transformers():
+    """The torchtitan rows' model at the tiny shape (weights through torchtitan's own HF
+    adapter) gives transformers' LlamaForCausalLM logits, and their loss on ``Batches`` gives
+    transformers' loss with labels=ids (its own shift): same function, same targets."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bench_peers.torchtitan_shims()
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    m = load_config(CONFIG).model
+    config, _ = bench_peers._torchtitan_model_config(m, float8=False, cuda=False)
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size, tie_word_embeddings=True,
+        rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps, attn_implementation="eager"))
+    hf_state = Llama3StateDictAdapter(config, None).to_hf(model.state_dict())
+    result = hf.load_state_dict(hf_state, strict=False)
+    assert not result.unexpected_keys and result.missing_keys == ["lm_head.weight"]  # tied
+    ids, labels, mask = bench_peers.Batches(m.vocab_size, 64, 2, torch.device("cpu")).next()
+    positions = torch.arange(64).expand(2, -1)
+    loss_fn = CrossEntropyLoss.Config(global_vocab_size=m.vocab_size).build(compile_config=None)
+    with torch.no_grad():
+        logits = model(ids, positions, None)
+        ref = hf(input_ids=ids, labels=ids)
+        loss = bench_peers.torchtitan_loss(loss_fn, logits, labels, mask)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not _peers_installed(), reason="needs the megatron-core, torchtitan and "
                     "torchao wheels on the path (tests/perf/NOTES.md)")
 def test_smoke_rows_on_cpu(tmp_path):
