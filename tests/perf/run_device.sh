@@ -4,6 +4,7 @@
 #   bash tests/perf/run_device.sh          # on nvidia-h200:    model + train vs transformers
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
 #   bash tests/perf/run_device.sh te | te_bench | te_train | te2   # with TransformerEngine (TE.md)
+#   bash tests/perf/run_device.sh peers [4096x4|16384x1] [ROWS]   # TE + peer wheels (--all)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -62,6 +63,15 @@ elif [ "${1:-}" = te2 ]; then
   grep -E '"(fp8|step_ms|speedup_vs_best_baseline)"' "$out/train16k.log" | head -20
   run curve 480 python3 tests/perf/fp8_curve.py "$out/fp8_curve_h200.json"
   tail -30 "$out/curve.log"
+elif [ "${1:-}" = peers ]; then
+  # Megatron-core + TE and torchtitan (+ torchao float8) beside our bf16 and TE FP8 rows, one
+  # shape per call (its 6 row files + summary + log: the 8 files a call brings back); a third
+  # argument picks rows (comma-separated) when the six do not fit in one call.
+  shape=${2:-4096x4}
+  rows=${3:-megatron_bf16,megatron_fp8,torchtitan_bf16,torchtitan_float8,mpcore_bf16,mpcore_te_fp8}
+  run peers 560 python3 tests/perf/bench_peers.py --out "$out/peers_h200_$shape" \
+    --shapes "$shape" --rows "$rows" --timeout 200
+  tail -16 "$out/peers.log"
 elif [ "${1:-}" = x2 ]; then
   two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
   run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3
