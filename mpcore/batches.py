@@ -127,7 +127,7 @@ def data_loaders(cfg: Config, state: ParallelState, family: Family):
     family trains on (its ``modality``): text datasets, or image-text ones blended with text
     (``mpcore.vl_data``), whose tokenizer names the special ids the model takes."""
     if family.modality == "image-text":
-        loader, valid, summary, tok = build_vl_loaders(cfg, state)
+        loader, valid, summary, tok = build_vl_loaders(cfg, state, family)
         return loader, valid, summary, tok.token_ids()
     if cfg.data.vl_paths:
         raise ValueError(f"data.vl_paths {cfg.data.vl_paths} holds image-text data but the model "

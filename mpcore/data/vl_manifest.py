@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mpcore.data.images import (
@@ -61,7 +61,8 @@ _KINDS = {
 
 @dataclass(frozen=True)
 class ImageSettings:
-    """How images are resized and cut (``mpcore.data.images.process_image``'s arguments)."""
+    """How images are resized and cut (``mpcore.data.images.process_image``'s arguments), for
+    one model family's image processor (:meth:`for_family`; the defaults are Qwen2-VL's)."""
 
     patch_size: int = 14
     """Side of one vision patch in pixels."""
@@ -79,6 +80,40 @@ class ImageSettings:
     pixel_dtype: str = "float32"
     """Storage of the pixel rows: float32 (exact) or float16 (half the disk; abs error <= 1e-3
     on CLIP-normalised values, see tests/unit/test_vl_data.py)."""
+    family: str = "qwen2_vl"
+    """The model family whose image processor these settings follow (``models.registry``); a
+    run of another family refuses the data (``mpcore.vl_data``)."""
+    mean: tuple[float, ...] = CLIP_MEAN
+    """Per-channel mean subtracted after the 1/255 rescale."""
+    std: tuple[float, ...] = CLIP_STD
+    """Per-channel standard deviation divided by."""
+    size_rule: Callable | None = field(default=None, compare=False, repr=False)
+    """The family's resize rule (``Family.image_size_rule``; None: Qwen2-VL's
+    ``smart_resize``). Not stored: ``family`` names it. The settings of a prepared dataset
+    (``VLDataset.settings``) describe it and leave this None."""
+
+    @classmethod
+    def for_family(cls, family, **overrides) -> ImageSettings:
+        """The settings of ``family``'s image processor (a ``models.Family`` of an image-text
+        family: its ``image_processing`` defaults and resize rule), with ``overrides`` (fields
+        given as None keep the family's value)."""
+        proc = family.image_processing
+        if proc is None:
+            raise ValueError(f"the {family.name} family takes no images; prepare image-text "
+                             f"data for a vision-language family")
+        values = dict(patch_size=proc.patch_size, temporal_patch_size=proc.temporal_patch_size,
+                      merge_size=proc.merge_size, min_pixels=proc.min_pixels,
+                      max_pixels=proc.max_pixels, mean=tuple(proc.mean), std=tuple(proc.std))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values, family=family.name, size_rule=proc.size_rule)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ImageSettings:
+        """:meth:`to_json` back (without the resize rule); a dataset prepared before settings
+        named their family is Qwen2-VL's (all data was prepared that way then)."""
+        names = {f.name for f in fields(cls)} - {"size_rule"}
+        values = {k: tuple(v) if k in ("mean", "std") else v for k, v in d.items() if k in names}
+        return cls(**values)
 
     def __post_init__(self):
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
@@ -104,7 +139,9 @@ class ImageSettings:
         return 3 * self.temporal_patch_size * self.patch_size**2
 
     def to_json(self) -> dict:
-        return {**asdict(self), "mean": list(CLIP_MEAN), "std": list(CLIP_STD)}
+        """Every field but the resize rule (which ``family`` names), mean/std as lists."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "size_rule"}
+        return {**out, "mean": list(self.mean), "std": list(self.std)}
 
     def grid(
         self, height: int, width: int, max_pixels: int | None, name: str
@@ -116,7 +153,12 @@ class ImageSettings:
                 f"max_pixels {cap} is below min_pixels {self.min_pixels}; raise "
                 f"the sample's max_pixels or lower --min-pixels"
             )
-        if self.resize:
+        if self.resize and self.size_rule is not None:
+            height, width = self.size_rule(
+                height, width, patch_size=self.patch_size, merge_size=self.merge_size,
+                temporal_patch_size=self.temporal_patch_size, min_pixels=self.min_pixels,
+                max_pixels=cap)
+        elif self.resize:
             height, width = smart_resize(
                 height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=cap
             )
