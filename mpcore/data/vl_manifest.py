@@ -127,6 +127,13 @@ class ImageSettings:
             )
         if self.pixel_dtype not in ("float32", "float16"):
             raise ValueError(f"pixel_dtype must be float32 or float16, got {self.pixel_dtype!r}")
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            if len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
+                raise ValueError(f"image setting {name} must be three numbers (R, G, B), got "
+                                 f"{value!r}")
+        if not all(v > 0 for v in self.std):
+            raise ValueError(f"image setting std must be positive, got {self.std!r}")
 
     @property
     def factor(self) -> int:
