@@ -6,7 +6,8 @@ the video's temporal M-RoPE row steps), a video-only sequence of three temporal 
 text-only one, packed into one stream. Reference: transformers in float64, one sequence at a
 time, with ``pixel_values_videos`` / ``video_grid_thw`` and ``mm_token_type_ids`` (its
 ``get_rope_index`` then places the video). Per-token log-probs (0 where the target is a
-placeholder) and entropy within 1e-4. Bad video lines fail before the model loads.
+placeholder) and entropy within 1e-4; on 2 gloo ranks (cp = 2 ring, zigzag split; tp = 2 with
+sequence parallelism) the same as one process. Bad video lines fail before the model loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_distributed
 from hf_vl_tiny import END, IMAGE, PATCH_DIM, START, VIDEO, make_hf_vl_model
 
 from launch.score import checkpoint_spec, score_items
@@ -101,6 +103,35 @@ def test_video_and_image_logprobs_match_transformers(checkpoint, tmp_path):
         assert float((torch.tensor(result["entropy"], dtype=torch.float64) - entropy
                       ).abs().max()) <= 1e-4
         assert bool((ours != 0).any())
+
+
+def _score_layouts(rank, world, folder, path):
+    """Every rank: the input scored at cp = 2 (ring) and at tp = 2 (SP on)."""
+    del rank, world
+    out = {}
+    for name, tp, cp, options in (("cp2_ring", 1, 2, dict(cp_mode="ring")),
+                                  ("tp2_sp", 2, 1, dict(sequence_parallel=True))):
+        state = ParallelState.build(tp, cp)
+        model, _ = load_hf_vl_model(folder, state, **options)
+        items = read_input(path, checkpoint_spec(folder))
+        out[name] = [r["logprobs"] for r in score_items(model.eval(), state, items)]
+    return out
+
+
+@pytest.mark.slow
+def test_video_scores_agree_across_layouts(checkpoint, tmp_path):
+    lines = make_lines(torch.Generator().manual_seed(5))
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line, *_ in lines))
+    state = ParallelState()
+    model, _ = load_hf_vl_model(checkpoint, state)
+    base = [r["logprobs"] for r in score_items(model.eval(), state,
+                                               read_input(path, checkpoint_spec(checkpoint)))]
+    for rank_out in run_distributed(_score_layouts, 2, checkpoint, path, timeout=600):
+        for name, scores in rank_out.items():
+            for ours, want in zip(scores, base, strict=True):
+                diff = float((torch.tensor(ours) - torch.tensor(want)).abs().max())
+                assert diff <= 1e-5, (name, diff)
 
 
 def test_the_video_positions_matter(checkpoint, tmp_path):
