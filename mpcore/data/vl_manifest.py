@@ -45,7 +45,7 @@ from mpcore.data.images import (
     MAX_PIXELS,
     MIN_PIXELS,
     check_image_size,
-    smart_resize,
+    resize_to,
 )
 from mpcore.data.indexed import Progress
 from mpcore.data.jsonl import json_lines
@@ -160,15 +160,11 @@ class ImageSettings:
                 f"max_pixels {cap} is below min_pixels {self.min_pixels}; raise "
                 f"the sample's max_pixels or lower --min-pixels"
             )
-        if self.resize and self.size_rule is not None:
-            height, width = self.size_rule(
+        if self.resize:
+            height, width = resize_to(
                 height, width, patch_size=self.patch_size, merge_size=self.merge_size,
                 temporal_patch_size=self.temporal_patch_size, min_pixels=self.min_pixels,
-                max_pixels=cap)
-        elif self.resize:
-            height, width = smart_resize(
-                height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=cap
-            )
+                max_pixels=cap, size_rule=self.size_rule)
         else:
             check_image_size(height, width, factor=self.factor, max_pixels=cap, name=name)
         return 1, height // self.patch_size, width // self.patch_size
