@@ -180,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog=EPILOG)
     parser.add_argument("--hf-checkpoint", type=Path, required=True, metavar="DIR",
                         help="Hugging Face checkpoint folder (config.json + *.safetensors): a "
-                             "Llama 3 / Qwen2 / Qwen3 decoder or a Qwen2-VL / Qwen2.5-VL model")
+                             "decoder (Llama 3, Qwen2/3, Qwen3-MoE, Qwen3.5) or a vision-"
+                             "language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree (default 1); tp * cp must divide the "
                              "number of processes, the rest are data-parallel replicas")
