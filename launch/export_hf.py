@@ -83,7 +83,7 @@ def _export_into(checkpoint: str | Path, output: Path) -> Path:
     family.export_hf(model, state, output, progress=lambda done, total: bar.update(done))
     bar.close()
     vl = family.modality == "image-text"
-    tokenizer = run_tokenizer(meta.get("config", {}), vl)
+    tokenizer = run_tokenizer(meta.get("config", {}), vl, family)
     if tokenizer is not None and tokenizer.is_file():
         write_tokenizer(tokenizer, vl, Path(output))
         if vl and family.hf_image_processor:  # the data's image settings, for AutoProcessor
@@ -103,12 +103,13 @@ def meta_family(meta: dict) -> Family:
     return family_named(name)
 
 
-def run_tokenizer(config: dict, vl: bool) -> Path | None:
+def run_tokenizer(config: dict, vl: bool, family: Family | None = None) -> Path | None:
     """The SentencePiece model a run trained with (from its saved config; ``vl``: the model
-    takes images, so the VL tokenizer), or None."""
+    takes images, so the VL tokenizer, in the shipped set's folder for ``family`` when the run
+    used that set), or None."""
     data = config.get("data") or {}
     if vl or data.get("vl_paths"):
-        return _vl_tokenizer(data)
+        return _vl_tokenizer(data, family)
     if data.get("paths"):
         return Path(data["tokenizer"]) if data.get("tokenizer") else None
     if "cache_dir" in data:
@@ -116,15 +117,17 @@ def run_tokenizer(config: dict, vl: bool) -> Path | None:
     return None
 
 
-def _vl_tokenizer(data: dict) -> Path | None:
-    """``tokenizer.json`` of a VL run's first dataset (the shipped set's when none was given)."""
+def _vl_tokenizer(data: dict, family: Family | None) -> Path | None:
+    """``tokenizer.json`` of a VL run's first dataset (the shipped set's, as prepared for
+    ``family``, when none was given)."""
     if data.get("vl_paths"):
         return Path(data["vl_paths"][0]) / "tokenizer.json"
     if "cache_dir" not in data:
         return None
-    from mpcore.data.vl_default import default_folder
+    from mpcore.data.vl_default import default_folder, default_settings
 
-    return default_folder(data["cache_dir"], data["default_vocab_size"]) / "tokenizer.json"
+    return default_folder(data["cache_dir"], data["default_vocab_size"],
+                          default_settings(family)) / "tokenizer.json"
 
 
 def write_tokenizer(tokenizer: Path, vl: bool, output: Path) -> None:

@@ -8,7 +8,8 @@ the public domain or under CC0, shrinks each so that its longest side is the siz
 (Lanczos), and writes photographs as JPEG (quality 90) and grey-level or line images as PNG, with
 ``captions.jsonl`` (one ``{"image", "caption"}`` per line, captions written from each docstring's
 description) and a README naming each image's origin and license. The sizes differ on purpose, so
-the set exercises several Qwen2-VL grids. Skipped: images whose docstrings state no license
+the set exercises several grids of each family's image processor (mpcore prepares the set once
+per model family: ``mpcore.data.vl_default.default_settings``). Skipped: images whose docstrings state no license
 (moon, page, colorwheel, logo) or only "no known copyright restrictions" (coins,
 immunohistochemistry).
 """

@@ -1,8 +1,17 @@
 """Turn an image-text JSONL manifest into a prepared VL dataset folder.
 
     python launch/prepare_vl_data.py --manifest data/train.jsonl --tokenizer T --out data/vl \\
-        [--min-pixels N] [--max-pixels N] [--patch-size 14] [--temporal-patch-size 2] \\
-        [--merge-size 2] [--no-resize] [--pixel-dtype float32|float16] [--overwrite]
+        [--family qwen2_vl|qwen3_vl|glm4v] [--min-pixels N] [--max-pixels N] [--patch-size P] \\
+        [--temporal-patch-size 2] [--merge-size 2] [--no-resize] \\
+        [--pixel-dtype float32|float16] [--overwrite]
+
+``--family``: the model family the data is for (default qwen2_vl). Images are processed as that
+family's transformers image processor does (``Family.image_processing``: Qwen2VLImageProcessor
+with patch 14 for qwen2_vl; the same processor with patch 16 and mean = std = 0.5 for qwen3_vl;
+Glm4vImageProcessor's own resize rule for glm4v), so each image's rows and grid are what that
+processor gives. The size and patch options default to the family's processor; set the patch
+sizes to the model's vision tower when it differs. The folder records the family (and its
+fingerprint covers it): a run of another family refuses it.
 
 ``T``: a SentencePiece ``.model`` (the four VL ids are appended after its vocab), a prepared
 dataset's ``tokenizer.json``, or ``default`` (the default corpus's model, prepared under
@@ -19,13 +28,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from models import FAMILIES, family_named
 from mpcore.data.corpus import prepare_default
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
 
+VL_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.modality == "image-text")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = ImageSettings()
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -41,11 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where --tokenizer default is prepared",
     )
     parser.add_argument("--vocab-size", type=int, default=2048, help="vocab of --tokenizer default")
-    parser.add_argument("--min-pixels", type=int, default=defaults.min_pixels)
-    parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels)
-    parser.add_argument("--patch-size", type=int, default=defaults.patch_size)
-    parser.add_argument("--temporal-patch-size", type=int, default=defaults.temporal_patch_size)
-    parser.add_argument("--merge-size", type=int, default=defaults.merge_size)
+    parser.add_argument("--family", choices=VL_FAMILIES, default="qwen2_vl",
+                        help="model family whose image processor the data follows (default "
+                             "qwen2_vl); training another family refuses the data")
+    family = "(default: the family's processor)"
+    parser.add_argument("--min-pixels", type=int, help=f"resize lower bound {family}")
+    parser.add_argument("--max-pixels", type=int, help=f"resize upper bound {family}")
+    parser.add_argument("--patch-size", type=int, help=f"vision patch side {family}")
+    parser.add_argument("--temporal-patch-size", type=int, help=f"frames per patch {family}")
+    parser.add_argument("--merge-size", type=int, help=f"merger window side {family}")
     parser.add_argument(
         "--no-resize",
         action="store_true",
@@ -59,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        settings = ImageSettings(
+        settings = ImageSettings.for_family(
+            family_named(args.family),
             patch_size=args.patch_size,
             temporal_patch_size=args.temporal_patch_size,
             merge_size=args.merge_size,
@@ -81,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{out}: {m['num_samples']} samples, {m['num_images']} images, {m['num_tokens']} "
         f"tokens ({m['num_image_tokens']} image placeholders, {m['num_target_tokens']} "
-        f"targets), vocab {m['tokenizer']['vocab_size']}"
+        f"targets), vocab {m['tokenizer']['vocab_size']}, images as {args.family}'s "
+        f"processor"
     )
     return 0
 

@@ -4,10 +4,13 @@
         [--cp-mode ring|ulysses] [--dtype float32|bfloat16] --input IN.jsonl --output OUT.jsonl
 
 Input: one JSON object per line, ``{"input_ids": [...]}`` with an optional ``"loss_mask"``
-(same length; 0 marks tokens that are not targets). On a vision-language (Qwen2-VL) checkpoint a
-line may add images, as ``"pixel_values"`` + ``"image_grid_thw"`` (placeholder runs expanded in
-``input_ids``) or as ``"images"`` (file paths, one placeholder id each); see launch/score_io.py,
-which checks every line before the model loads. Output, same order, one line each:
+(same length; 0 marks tokens that are not targets). On a vision-language checkpoint (Qwen2-VL,
+Qwen3-VL, GLM-4V) a line may add images, as ``"pixel_values"`` + ``"image_grid_thw"``
+(placeholder runs expanded in ``input_ids``) or as ``"images"`` (file paths, one placeholder id
+each, processed as the family's transformers processor does), and videos, as
+``"pixel_values_videos"`` + ``"video_grid_thw"`` (laid out in ``input_ids`` as the family's
+processor lays them out); see launch/score_io.py, which checks every line before the model
+loads. Output, same order, one line each:
 ``{"logprobs": [...], "entropy": [...]}`` of length ``len(input_ids) - 1``, where
 ``logprobs[t] = log p(input_ids[t+1] | input_ids[:t+1])`` (0 where ``loss_mask[t+1]`` is 0 or
 ``input_ids[t+1]`` is an image placeholder) and ``entropy[t]`` is the entropy of that same
@@ -40,7 +43,7 @@ import torch.distributed as dist
 
 from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from launch.score_output import check_paths, lock_output, write_output
-from models import family_of, family_of_hf, read_hf_config
+from models import Family, family_of, family_of_hf, read_hf_config
 from mpcore.checkpoint import from_rank0
 from parallel.state import ParallelState
 
@@ -52,18 +55,24 @@ file, the line or the option, and the fix; --output is left as it was)"""
 def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                  cu_seqlens: torch.Tensor, loss_mask: torch.Tensor | None = None,
                  temperature: float = 1.0, pixel_values: torch.Tensor | None = None,
-                 image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 image_grid_thw: torch.Tensor | None = None,
+                 pixel_values_videos: torch.Tensor | None = None,
+                 video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs [T], entropy [T])`` fp32 of one packed stream, in stream order, on every rank
     of this replica's tp x cp group (collective over ``state.tp_group`` and ``state.cp_group``).
     Position t scores ``input_ids[t+1]`` (0 at each document's last token). A vision-language
     model also takes the stream's ``pixel_values [N, patch_dim]`` and ``image_grid_thw [I, 3]``
-    (every image of the stream, in placeholder order; may be None). The model's family
+    (every image of the stream, in placeholder order; may be None) and likewise its videos'
+    ``pixel_values_videos`` / ``video_grid_thw``. The model's family
     (``models.family_of(model.cfg)``) makes this rank's inputs."""
     family = family_of(model.cfg)
+    videos = {} if video_grid_thw is None else {"pixel_values_videos": pixel_values_videos,
+                                                "video_grid_thw": video_grid_thw}
     plan, inputs = family.local_inputs(state, input_ids, cu_seqlens, model.cfg,
                                        loss_mask=loss_mask,
                                        sequence_parallel=model.sequence_parallel,
-                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+                                       pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                       **videos)
     with torch.no_grad():
         logprobs, entropy = model(**inputs, output="logprobs", temperature=temperature)
     return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group)
@@ -86,12 +95,16 @@ def score_items(model, state: ParallelState, items: list[ScoreItem],
         if any(items[i].loss_mask is not None for i in keep):
             mask = torch.tensor([bool(m) for i in keep for m in (
                 items[i].loss_mask or [1] * len(items[i].input_ids))], device=device)
-        pixels = [items[i].pixel_values for i in keep if items[i].num_images]
-        grid = [g for i in keep for g in items[i].image_grid_thw]
-        logprobs, entropy = score_stream(
-            model, state, ids, cu.to(device), mask, temperature,
-            torch.cat(pixels).to(device) if pixels else None,
-            torch.tensor(grid, dtype=torch.int64).view(-1, 3) if grid else None)
+        vision = {}
+        for pixels, grid, count in (("pixel_values", "image_grid_thw", "num_images"),
+                                    ("pixel_values_videos", "video_grid_thw", "num_videos")):
+            rows = [getattr(items[i], pixels) for i in keep if getattr(items[i], count)]
+            grids = [g for i in keep for g in getattr(items[i], grid)]
+            if grids:
+                vision[pixels] = torch.cat(rows).to(device)
+                vision[grid] = torch.tensor(grids, dtype=torch.int64).view(-1, 3)
+        logprobs, entropy = score_stream(model, state, ids, cu.to(device), mask, temperature,
+                                         **vision)
         logprobs, entropy = logprobs.cpu(), entropy.cpu()
         for j, i in enumerate(keep):
             start, stop = int(cu[j]), int(cu[j + 1]) - 1  # the last token has no target
@@ -123,9 +136,23 @@ def checkpoint_spec(folder: Path) -> InputSpec:
     family = family_of_hf(hf)
     cfg = family.config_from_hf(hf)
     if family.modality == "image-text":
-        return vl_spec(cfg, folder, family.image_size_rule)
+        return vl_spec(cfg, folder, family.image_processing, stream_check(family, cfg))
     archs = hf.get("architectures") or ["?"]
     return InputSpec(vocab_size=cfg.vocab_size, checkpoint=f"{folder} ({archs[0]})")
+
+
+def stream_check(family: Family, cfg):
+    """``InputSpec.check_stream`` of a VL family: its own ``local_inputs`` on one line at one
+    rank (its position rule checks every placeholder run against the grids, ``ValueError``
+    naming the item), so a bad line fails before the model loads."""
+    def check(ids: list[int], image_grid: list, video_grid: list) -> None:
+        family.local_inputs(ParallelState(), torch.tensor(ids, dtype=torch.long),
+                            torch.tensor([0, len(ids)]), cfg,
+                            image_grid_thw=torch.tensor(image_grid).view(-1, 3) if image_grid
+                            else None,
+                            video_grid_thw=torch.tensor(video_grid).view(-1, 3) if video_grid
+                            else None)
+    return check
 
 
 def gather_in_order(results: list[dict], mine: list[int], state: ParallelState,
@@ -153,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog=EPILOG)
     parser.add_argument("--hf-checkpoint", type=Path, required=True, metavar="DIR",
                         help="Hugging Face checkpoint folder (config.json + *.safetensors): a "
-                             "Llama 3 / Qwen2 / Qwen3 decoder or a Qwen2-VL / Qwen2.5-VL model")
+                             "decoder (Llama 3, Qwen2/3, Qwen3-MoE, Qwen3.5) or a vision-"
+                             "language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree (default 1); tp * cp must divide the "
                              "number of processes, the rest are data-parallel replicas")
@@ -239,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             write_output(args.output, ordered)
             tokens = sum(len(i.input_ids) for i in items)
             images = sum(i.num_images for i in items)
-            print(f"score.py: scored {len(items)} sequences ({tokens} tokens, {images} images) "
+            videos = sum(i.num_videos for i in items)
+            print(f"score.py: scored {len(items)} sequences ({tokens} tokens, {images} images, "
+                  f"{videos} videos) "
                   f"at tp={state.tp} cp={state.cp} ({args.cp_mode}) dp={state.dp} "
                   f"{args.dtype} in {time.perf_counter() - start:.2f} s -> {args.output}",
                   flush=True)

@@ -1,15 +1,24 @@
 """The input file of launch/score.py: parsed and checked line by line before any compute.
 
-One JSON object per line, in one of three forms (a file may mix them; they are packed together):
+One JSON object per line, in one of these forms (a file may mix them; they are packed together):
 
     {"input_ids": [...], "loss_mask": [...]}                      text only (loss_mask optional)
     {"input_ids": [...], "pixel_values": [[...], ...], "image_grid_thw": [[t, h, w], ...]}
     {"input_ids": [...], "images": ["cat.png", "/abs/dog.jpg"]}
+    {"input_ids": [...], "pixel_values_videos": [[...], ...], "video_grid_thw": [[t, h, w]]}
 
 ``pixel_values`` form (vision-language checkpoints): rows ``[N, C*T*P*P]`` as the transformers
 Qwen2-VL processor returns them, one grid row per image in placeholder order; ``input_ids`` hold
 each image's placeholder run already expanded (``t*h*w / merge^2`` image_token_ids, one run per
 image, runs separated by other tokens, e.g. vision start/end).
+
+``pixel_values_videos`` form (videos, with or without ``pixel_values`` images in the same line):
+the rows and grids transformers' video processor of the family returns (``t`` temporal patches
+of ``h x w``), and ``input_ids`` laid out as that family's processor lays a video out (Qwen2-VL:
+one run of ``t*h*w / merge^2`` video_token_ids; Qwen3-VL and GLM-4V: one run per frame with its
+timestamp text between, GLM's inside video start/end and with the image id). The family's own
+placeholder rule checks the line (``InputSpec.check_stream``: the position rule the model uses).
+Qwen2.5-VL's ``second_per_grid_ts`` is taken as 1 (its processor's default at 2 fps).
 
 ``images`` form: paths of PNG or JPEG files (relative to the input file's folder unless
 absolute). Each image stands in ``input_ids`` as ONE image_token_id, in the order of the list;
@@ -40,7 +49,7 @@ from mpcore.data.images import (
 )
 from mpcore.data.jsonl import json_lines
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "images")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "images", "pixel_values_videos", "video_grid_thw")
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class InputSpec:
     image_token_id: int = -1
     """Image placeholder id (VL only)."""
     video_token_id: int = -1
-    """Video placeholder id (VL only); videos are not supported by score.py."""
+    """Video placeholder id (VL only)."""
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
@@ -68,6 +77,9 @@ class InputSpec:
     image_std: tuple[float, ...] = CLIP_STD
     size_rule: Callable | None = None
     """The family's resize rule for the ``images`` form (None: Qwen2-VL's ``smart_resize``)."""
+    check_stream: Callable | None = None
+    """The family's own check of one line's placeholders against its grids, ``(input_ids,
+    image_grid, video_grid) -> None`` raising ``ValueError`` (lines with videos)."""
 
     @property
     def patch_dim(self) -> int:
@@ -75,26 +87,33 @@ class InputSpec:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
-def vl_spec(cfg, folder: str | Path, size_rule: Callable | None = None) -> InputSpec:
+def vl_spec(cfg, folder: str | Path, processing=None,
+            check_stream: Callable | None = None) -> InputSpec:
     """The ``InputSpec`` of a VL config (``cfg.text``, ``cfg.vision``, token ids) and its
     checkpoint folder's ``preprocessor_config.json`` (pixel bounds, mean/std) if present;
-    ``size_rule``: the family's image resize rule (``Family.image_size_rule``)."""
+    ``processing``: the family's image processor (``Family.image_processing``: its resize rule,
+    and the bounds and mean/std a folder without that file gets; None: Qwen2-VL's);
+    ``check_stream``: the family's placeholder check (``InputSpec.check_stream``)."""
     vision, folder = cfg.vision, Path(folder)
     spec = dict(vocab_size=cfg.text.vocab_size, checkpoint=f"{folder} (vision-language)",
                 vl=True, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
                 patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                 merge_size=vision.spatial_merge_size, in_channels=vision.in_channels,
-                size_rule=size_rule)
+                size_rule=processing.size_rule if processing else None,
+                check_stream=check_stream)
     path = folder / "preprocessor_config.json"
     pre = json.loads(path.read_text()) if path.is_file() else {}
     size = pre.get("size") or {}
+    low, high = (processing.min_pixels, processing.max_pixels) if processing else (MIN_PIXELS,
+                                                                                   MAX_PIXELS)
+    mean, std = (processing.mean, processing.std) if processing else (CLIP_MEAN, CLIP_STD)
     # top-level keys win over "size" (older files say min/max_pixels there), as in transformers
     spec["min_pixels"] = int(pre.get("min_pixels", size.get("shortest_edge", size.get(
-        "min_pixels", MIN_PIXELS))))
+        "min_pixels", low))))
     spec["max_pixels"] = int(pre.get("max_pixels", size.get("longest_edge", size.get(
-        "max_pixels", MAX_PIXELS))))
-    spec["image_mean"] = tuple(pre.get("image_mean", CLIP_MEAN))
-    spec["image_std"] = tuple(pre.get("image_std", CLIP_STD))
+        "max_pixels", high))))
+    spec["image_mean"] = tuple(pre.get("image_mean", mean))
+    spec["image_std"] = tuple(pre.get("image_std", std))
     for key in ("patch_size", "temporal_patch_size", "merge_size"):
         if key in pre and int(pre[key]) != spec[key]:
             raise ValueError(f"{path}: {key} = {pre[key]} but the model's vision config has "
@@ -113,10 +132,17 @@ class ScoreItem:
     image_grid_thw: list[tuple[int, int, int]] = field(default_factory=list)
     echo_ids: bool = False
     """The ``images`` form: the output line carries the expanded ``input_ids``."""
+    pixel_values_videos: torch.Tensor | None = None
+    """``[N, patch_dim]`` float32 rows of the line's videos, or None."""
+    video_grid_thw: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_images(self) -> int:
         return len(self.image_grid_thw)
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.video_grid_thw)
 
 
 def read_input(path: str | Path, spec: InputSpec) -> list[ScoreItem]:
@@ -156,10 +182,12 @@ def parse_line(row, spec: InputSpec, where: str, folder: Path, cache: dict | Non
                          f"checkpoint (Qwen2-VL) or drop the image keys")
     if not spec.vl:
         return ScoreItem(ids, mask)
+    if "pixel_values_videos" in row or "video_grid_thw" in row:
+        return parse_videos(row, ids, mask, spec, where)
     if spec.video_token_id in ids:
         raise ValueError(f"{where}: input_ids[{ids.index(spec.video_token_id)}] is the video "
-                         f"placeholder id {spec.video_token_id}; score.py takes images only "
-                         f"(no video inputs)")
+                         f"placeholder id {spec.video_token_id} but the line gives no video; add "
+                         f"pixel_values_videos with video_grid_thw")
     if "images" in row:
         if "pixel_values" in row or "image_grid_thw" in row:
             raise ValueError(f"{where}: give either images (file paths) or pixel_values with "
@@ -175,6 +203,34 @@ def parse_line(row, spec: InputSpec, where: str, folder: Path, cache: dict | Non
     check_runs(ids, grid, spec, where)
     pixels = pixel_values(row["pixel_values"], grid, spec, where) if has_px else None
     return ScoreItem(ids, mask, pixels, grid)
+
+
+def parse_videos(row: dict, ids: list[int], mask: list[int] | None, spec: InputSpec,
+                 where: str) -> ScoreItem:
+    """A line with videos (``pixel_values_videos`` + ``video_grid_thw``, and optionally images
+    as ``pixel_values`` + ``image_grid_thw``): rows and grids checked here, the placeholder
+    layout by the family's own rule (``spec.check_stream``)."""
+    if "images" in row:
+        raise ValueError(f"{where}: a line with videos gives its images as pixel_values with "
+                         f"image_grid_thw, not as images (file paths)")
+    for pixels, grid in (("pixel_values_videos", "video_grid_thw"),
+                         ("pixel_values", "image_grid_thw")):
+        if (pixels in row) != (grid in row):
+            missing = grid if pixels in row else pixels
+            raise ValueError(f"{where}: {missing} is missing; {pixels} and {grid} come together "
+                             f"(one grid row [t, h, w] per item)")
+    videos = grid_thw(row["video_grid_thw"], spec, where, "video_grid_thw")
+    video_pixels = pixel_values(row["pixel_values_videos"], videos, spec, where,
+                                "pixel_values_videos")
+    images = grid_thw(row.get("image_grid_thw", []), spec, where)
+    image_pixels = pixel_values(row["pixel_values"], images, spec, where) if images else None
+    if spec.check_stream is not None:
+        try:
+            spec.check_stream(ids, images, videos)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return ScoreItem(ids, mask, image_pixels, images, pixel_values_videos=video_pixels,
+                     video_grid_thw=videos)
 
 
 def token_ids(ids, name: str, vocab_size: int, where: str) -> list[int]:
@@ -209,18 +265,21 @@ def loss_mask(mask, length: int, where: str) -> list[int] | None:
     return [int(m) for m in mask]
 
 
-def grid_thw(grid, spec: InputSpec, where: str) -> list[tuple[int, int, int]]:
-    """``image_grid_thw`` as int triples; h and w must be multiples of the merge size."""
+def grid_thw(grid, spec: InputSpec, where: str, name: str = "image_grid_thw"
+             ) -> list[tuple[int, int, int]]:
+    """``grid`` (the line's ``name``) as int triples; h and w must be multiples of the merge
+    size."""
     if not isinstance(grid, list):
-        raise ValueError(f"{where}: image_grid_thw must be a list of [t, h, w], one per image")
+        raise ValueError(f"{where}: {name} must be a list of [t, h, w], one per "
+                         f"{'video' if name.startswith('video') else 'image'}")
     out = []
     for i, row in enumerate(grid):
         if not (isinstance(row, list) and len(row) == 3 and all(
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row)):
-            raise ValueError(f"{where}: image_grid_thw[{i}] = {json.dumps(row)} must be three "
+            raise ValueError(f"{where}: {name}[{i}] = {json.dumps(row)} must be three "
                              f"positive integers [t, h, w]")
         if row[1] % spec.merge_size or row[2] % spec.merge_size:
-            raise ValueError(f"{where}: image_grid_thw[{i}] = {row}: h and w must be multiples "
+            raise ValueError(f"{where}: {name}[{i}] = {row}: h and w must be multiples "
                              f"of the spatial merge size {spec.merge_size}")
         out.append(tuple(row))
     return out
@@ -253,28 +312,30 @@ def check_runs(ids: list[int], grid: list[tuple[int, int, int]], spec: InputSpec
                          f"row (and one run, between vision start/end tokens) per image")
 
 
-def pixel_values(rows, grid: list[tuple[int, int, int]], spec: InputSpec, where: str
-                 ) -> torch.Tensor:
-    """``rows`` as float32 ``[sum(t*h*w), patch_dim]``, checked against the grid and config."""
+def pixel_values(rows, grid: list[tuple[int, int, int]], spec: InputSpec, where: str,
+                 name: str = "pixel_values") -> torch.Tensor:
+    """``rows`` (the line's ``name``) as float32 ``[sum(t*h*w), patch_dim]``, checked against
+    the grid and config."""
+    grid_name = "video_grid_thw" if name.endswith("videos") else "image_grid_thw"
     if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
-        raise ValueError(f"{where}: pixel_values must be a list of rows (lists of numbers)")
+        raise ValueError(f"{where}: {name} must be a list of rows (lists of numbers)")
     width = spec.patch_dim
     for i, r in enumerate(rows):
         if len(r) != width:
-            raise ValueError(f"{where}: pixel_values[{i}] has {len(r)} values; this "
+            raise ValueError(f"{where}: {name}[{i}] has {len(r)} values; this "
                              f"checkpoint's vision tower takes rows of in_channels * "
                              f"temporal_patch_size * patch_size^2 = {spec.in_channels} * "
                              f"{spec.temporal_patch_size} * {spec.patch_size}^2 = {width}")
     patches = sum(t * h * w for t, h, w in grid)
     if len(rows) != patches:
-        raise ValueError(f"{where}: pixel_values has {len(rows)} rows but image_grid_thw "
-                         f"needs sum(t*h*w) = {patches}; give every image's rows, in order")
+        raise ValueError(f"{where}: {name} has {len(rows)} rows but {grid_name} "
+                         f"needs sum(t*h*w) = {patches}; give every item's rows, in order")
     try:
         pixels = torch.tensor(rows, dtype=torch.float32).view(patches, width)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: pixel_values must hold numbers only ({e})") from e
+        raise ValueError(f"{where}: {name} must hold numbers only ({e})") from e
     if not bool(torch.isfinite(pixels).all()):
-        raise ValueError(f"{where}: pixel_values has NaN or infinite values")
+        raise ValueError(f"{where}: {name} has NaN or infinite values")
     return pixels
 
 

@@ -40,6 +40,8 @@ from mpcore.vl_data import build_vl_loaders
 from parallel.labels import IGNORE_INDEX
 from parallel.state import ParallelState
 
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+
 
 def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
     """``(tokenizer path, dataset prefixes)`` of ``cfg.data``; prepares the default corpus
@@ -127,7 +129,7 @@ def data_loaders(cfg: Config, state: ParallelState, family: Family):
     family trains on (its ``modality``): text datasets, or image-text ones blended with text
     (``mpcore.vl_data``), whose tokenizer names the special ids the model takes."""
     if family.modality == "image-text":
-        loader, valid, summary, tok = build_vl_loaders(cfg, state)
+        loader, valid, summary, tok = build_vl_loaders(cfg, state, family)
         return loader, valid, summary, tok.token_ids()
     if cfg.data.vl_paths:
         raise ValueError(f"data.vl_paths {cfg.data.vl_paths} holds image-text data but the model "
@@ -143,13 +145,17 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
 
     The family's ``local_inputs`` shifts labels on the GLOBAL stream and splits every
     per-token tensor with one ``ContextPlan`` (module docstring); the results go to
-    ``device`` (``to_device``) except the family's host-side planning inputs.
+    ``device`` (``to_device``) except the family's host-side planning inputs. A batch with
+    videos (``pixel_values_videos`` and ``video_grid_thw``, as transformers names them) passes
+    them on too (the prepared data path has images only).
     """
     sp = cfg.parallel.sequence_parallel and state.tp > 1
+    videos = {k: batch[k] for k in VIDEO_KEYS if batch.get("video_grid_thw") is not None}
     _, local = family.local_inputs(
         state, batch["input_ids"], batch["cu_seqlens"], model_cfg,
         loss_mask=batch.get("loss_mask"), sequence_parallel=sp, layout=cfg.parallel.cp_layout,
-        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"))
+        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+        **videos)
     host = {k: local.pop(k) for k in family.host_inputs}
     return {**to_device(local, device, IGNORE_INDEX), **host}
 

@@ -76,8 +76,9 @@ def data_fingerprint(cfg: Config) -> dict:
         return [f"{file_fingerprint(f'{p}.bin')}; idx {file_fingerprint(f'{p}.idx')}"
                 for p in prefixes]
 
-    if run_family(cfg).modality == "image-text":
-        folders, prefixes, _ = vl_sources(cfg)
+    family = run_family(cfg)
+    if family.modality == "image-text":
+        folders, prefixes, _ = vl_sources(cfg, family)
         return {"tokenizer": file_fingerprint(folders[0] / "tokenizer.json"),
                 "datasets": text(prefixes),
                 "vl_datasets": [folder_fingerprint(f, file_fingerprint) for f in folders]}

@@ -10,6 +10,11 @@ with ``loss_mask`` (targets) and the images' ``pixel_values`` / ``image_grid_thw
 Token ids: the datasets' VL tokenizer (a SentencePiece model with the placeholder and vision
 start/end ids after its vocab) names them; the model takes them from it (or, from a checkpoint,
 must agree: ``mpcore.build``).
+
+Images: every VL dataset must have been prepared for the run's model family (its meta.json's
+``image_settings.family``: that family's image processor, resize rule and patch size; the
+shipped set is prepared per family, ``mpcore.data.vl_default.default_settings``); data of
+another family's processor is refused, naming the prepare command that fits the run.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from models.common.family import Family
 from mpcore.config import Config
 from mpcore.data import (
     BlendedDataset,
@@ -30,20 +36,22 @@ from mpcore.data import (
     VLTokenizer,
     prepare_vl_default,
 )
+from mpcore.data.vl_default import default_settings
 from parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 
 
-def vl_sources(cfg: Config) -> tuple[list[Path], list[Path], VLTokenizer]:
+def vl_sources(cfg: Config, family: Family) -> tuple[list[Path], list[Path], VLTokenizer]:
     """``(VL dataset folders, text dataset prefixes, tokenizer)`` of ``cfg.data``; prepares the
-    shipped default (with the default text corpus) when ``data.vl_paths`` is empty."""
+    shipped default (with the default text corpus) for ``family``'s image processor when
+    ``data.vl_paths`` is empty."""
     d = cfg.data
     if d.vl_paths:
         folders = [Path(p) for p in d.vl_paths]
         tok = VLDataset(folders[0]).tokenizer
         return folders, [Path(p) for p in d.paths], tok
-    default = prepare_vl_default(d.cache_dir, d.default_vocab_size)
+    default = prepare_vl_default(d.cache_dir, d.default_vocab_size, default_settings(family))
     text = [Path(p) for p in d.paths] if d.paths else [default.text_prefix]
     return [default.dataset], text, VLDataset(default.dataset).tokenizer
 
@@ -55,13 +63,29 @@ def _check_tokenizer(tok: VLTokenizer, other: VLTokenizer, where: Path) -> None:
                          f"vocab {tok.vocab_size}); prepare every dataset with one tokenizer")
 
 
-def build_vl_loaders(cfg: Config, state: ParallelState):
-    """``(train loader, validation loader or None, summary, tokenizer)`` of a VL run (this dp
-    rank's; validation holds out the last ``data.valid_fraction`` of each VL dataset's
-    samples). Raises ``ValueError`` naming the folder and the fix for mismatched data, or a
+def check_family(ds: VLDataset, family: Family) -> None:
+    """``ValueError`` unless ``ds`` was prepared for ``family``'s image processor, naming the
+    prepare command that would fit the run."""
+    prepared = ds.settings.family
+    if prepared == family.name:
+        return
+    manifest = ds.meta.get("manifest", "M.jsonl")
+    raise ValueError(
+        f"{ds.folder} was prepared for the {prepared} family's image processor, but this run "
+        f"trains the {family.name} family, whose processor ({family.hf_image_processor}) gives "
+        f"other rows and grids; prepare the data for it: python launch/prepare_vl_data.py "
+        f"--family {family.name} --manifest {manifest} --tokenizer {ds.folder}/tokenizer.json "
+        f"--out NEW_DIR, and list NEW_DIR in data.vl_paths")
+
+
+def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
+    """``(train loader, validation loader or None, summary, tokenizer)`` of a VL run of
+    ``family`` (this dp rank's; validation holds out the last ``data.valid_fraction`` of each
+    VL dataset's samples). Raises ``ValueError`` naming the folder and the fix for mismatched
+    data (another tokenizer, another family's image processor, other image settings), or a
     model vocabulary (from scratch) too small for the tokenizer's ids."""
     d = cfg.data
-    folders, text, tok = vl_sources(cfg)
+    folders, text, tok = vl_sources(cfg, family)
     if not cfg.model.init_from and cfg.model.vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the VL "
                          f"tokenizer's {tok.vocab_size} ids (text vocab + 4 vision ids); raise "
@@ -70,6 +94,7 @@ def build_vl_loaders(cfg: Config, state: ParallelState):
     for folder in folders:
         ds = VLDataset(folder)
         _check_tokenizer(tok, ds.tokenizer, folder)
+        check_family(ds, family)
         if patch_dim is not None and ds.patch_dim != patch_dim:
             raise ValueError(f"{folder} has pixel rows of {ds.patch_dim} values, the first VL "
                              f"dataset {patch_dim}; prepare them with the same image settings")

@@ -28,9 +28,10 @@ the build keyword arguments beyond the decoder's (``vision_cp``) that our YAML m
 provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it; ``host_inputs``
 names forward arguments that stay on the host (planning metadata such as a tower's grids);
 ``section_extras`` the YAML model keys beyond the decoder's that the family reads (``vision``,
-``moe``): one set for another family is refused, not ignored; ``image_size_rule`` the
-family's image resize rule where it is not Qwen2-VL's ``smart_resize`` (GLM-4V's);
-``hf_image_processor`` the transformers image processor class an export names.
+``moe``): one set for another family is refused, not ignored; ``image_processing`` (an
+image-text family's :class:`ImageProcessing`) what its transformers image processor does with an
+image, which the prepared data (``launch/prepare_vl_data.py``) and score.py's ``images`` form
+follow; ``image_size_rule`` / ``hf_image_processor`` read from it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,27 @@ from dataclasses import dataclass
 from typing import Any
 
 MODALITIES = ("text", "image-text")
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """An image-text family's image processor, as transformers builds it by default: its class
+    (``hf_class``), patch geometry, pixel bounds (``size = {"shortest_edge": min_pixels,
+    "longest_edge": max_pixels}``), normalisation, and its resize rule (``size_rule``:
+    ``(height, width, *, patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels)
+    -> (height, width)``; None: Qwen2-VL's ``smart_resize`` of ``mpcore.data.images``).
+    Patching (rows in merge-window order, the frame repeated ``temporal_patch_size`` times) is
+    the same for every family here."""
+
+    hf_class: str
+    patch_size: int
+    min_pixels: int
+    max_pixels: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    size_rule: Callable[..., tuple[int, int]] | None = None
 
 
 def _no_placeholders(cfg) -> tuple[int, ...]:
@@ -78,8 +100,19 @@ class Family:
     options: tuple[str, ...] = ()
     host_inputs: tuple[str, ...] = ()
     section_extras: tuple[str, ...] = ()
-    image_size_rule: Callable[..., tuple[int, int]] | None = None
-    hf_image_processor: str | None = None
+    image_processing: ImageProcessing | None = None
 
     def __post_init__(self):
         assert self.modality in MODALITIES, self.modality
+        assert (self.image_processing is not None) == (self.modality == "image-text"), self.name
+
+    @property
+    def image_size_rule(self) -> Callable[..., tuple[int, int]] | None:
+        """The family's image resize rule (None: Qwen2-VL's ``smart_resize``, or a text
+        family)."""
+        return self.image_processing.size_rule if self.image_processing else None
+
+    @property
+    def hf_image_processor(self) -> str | None:
+        """The transformers image processor class an export names (None for text)."""
+        return self.image_processing.hf_class if self.image_processing else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.common import counts
-from models.common.family import Family
+from models.common.family import Family, ImageProcessing
 from models.glm4v.config import (
     ARCH,
     MODEL_TYPE,
@@ -19,8 +19,14 @@ from models.glm4v.config import (
 from models.glm4v.hf import export_hf, shard_map
 from models.glm4v.inputs import local_glm4v_inputs
 from models.glm4v.model import build_model, load_hf_model
-from models.glm4v.processor import resize_size
+from models.glm4v.processor import MAX_PIXELS, MIN_PIXELS, resize_size
 from models.glm4v.tower import Glm4vVisionTower
+from mpcore.data.images import CLIP_MEAN, CLIP_STD
+
+# transformers' Glm4vImageProcessor defaults: GLM-4V's own resize rule, CLIP mean/std
+IMAGE_PROCESSING = ImageProcessing("Glm4vImageProcessor", patch_size=14, min_pixels=MIN_PIXELS,
+                                   max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD,
+                                   size_rule=resize_size)
 
 
 def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
@@ -79,5 +85,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), image_size_rule=resize_size,
-    hf_image_processor="Glm4vImageProcessor")
+    section_extras=("vision",), image_processing=IMAGE_PROCESSING)

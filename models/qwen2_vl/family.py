@@ -6,7 +6,7 @@ import torch
 
 from models.common import counts
 from models.common.config import ModelConfig
-from models.common.family import Family
+from models.common.family import Family, ImageProcessing
 from models.qwen2_vl.config import VL_ARCHS, VLConfig, hf_vl_config_dict, vl_config_from_dict
 from models.qwen2_vl.config import vl_config_from_hf as _from_hf
 from models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
@@ -14,6 +14,11 @@ from models.qwen2_vl.inputs import local_vl_inputs
 from models.qwen2_vl.model import build_vl_model
 from models.qwen2_vl.tower import VisionTower
 from models.qwen2_vl.vision_config import VisionConfig
+from mpcore.data.images import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
+
+# transformers' Qwen2VLImageProcessor defaults (Qwen2-VL and Qwen2.5-VL checkpoints ship them)
+IMAGE_PROCESSING = ImageProcessing("Qwen2VLImageProcessor", patch_size=14, min_pixels=MIN_PIXELS,
+                                   max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD)
 
 
 def config_from_section(section, token_ids: dict | None) -> VLConfig:
@@ -60,4 +65,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), hf_image_processor="Qwen2VLImageProcessor")
+    section_extras=("vision",), image_processing=IMAGE_PROCESSING)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.common.family import Family
+from models.common.family import Family, ImageProcessing
 from models.qwen3_vl.config import (
     ARCH,
     MODEL_TYPE,
@@ -15,6 +15,12 @@ from models.qwen3_vl.hf import export_hf, load_hf_model, shard_map
 from models.qwen3_vl.inputs import local_inputs
 from models.qwen3_vl.model import build_model, flops_per_token, num_params
 from models.qwen3_vl.presets import config_from_section as _from_fields
+
+# Qwen3-VL's processor: transformers' Qwen2VLImageProcessor (Qwen2-VL's resize rule) with the
+# released checkpoints' preprocessor_config.json: patch 16, mean = std = 0.5, and pixel bounds
+# 256^2 to 4096^2
+IMAGE_PROCESSING = ImageProcessing("Qwen2VLImageProcessor", patch_size=16, min_pixels=65536,
+                                   max_pixels=16777216, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
 
 def config_from_section(section, token_ids: dict | None) -> Qwen3VLConfig:
@@ -35,4 +41,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), hf_image_processor="Qwen2VLImageProcessor")
+    section_extras=("vision",), image_processing=IMAGE_PROCESSING)

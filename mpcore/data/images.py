@@ -71,6 +71,21 @@ def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int =
     return h, w
 
 
+def resize_to(height: int, width: int, *, patch_size: int = 14, merge_size: int = 2,
+              temporal_patch_size: int = 2, min_pixels: int = MIN_PIXELS,
+              max_pixels: int = MAX_PIXELS, size_rule=None) -> tuple[int, int]:
+    """The ``(height, width)`` an image is resized to: by ``size_rule`` (a family's own rule,
+    ``(height, width, *, patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels)
+    -> (height, width)``, e.g. GLM-4V's, which counts the temporal frames against the bounds),
+    or when None by Qwen2-VL's :func:`smart_resize` with ``factor = patch_size * merge_size``."""
+    if size_rule is not None:
+        return size_rule(height, width, patch_size=patch_size, merge_size=merge_size,
+                         temporal_patch_size=temporal_patch_size, min_pixels=min_pixels,
+                         max_pixels=max_pixels)
+    return smart_resize(height, width, factor=patch_size * merge_size, min_pixels=min_pixels,
+                        max_pixels=max_pixels)
+
+
 def check_image_size(height: int, width: int, *, factor: int = 28,
                      max_pixels: int = MAX_PIXELS, name: str = "image") -> None:
     """For an image used at its own size (no resize): ``ValueError`` unless both sides are
@@ -187,14 +202,11 @@ def process_image(image, *, patch_size: int = 14, temporal_patch_size: int = 2,
     image = to_rgb(image, name)
     factor = patch_size * merge_size
     width, height = image.size  # PIL sizes are (width, height)
-    if resize and size_rule is not None:
-        height, width = size_rule(height, width, patch_size=patch_size, merge_size=merge_size,
-                                  temporal_patch_size=temporal_patch_size,
-                                  min_pixels=min_pixels, max_pixels=max_pixels)
-    elif resize:
-        height, width = smart_resize(height, width, factor=factor, min_pixels=min_pixels,
-                                     max_pixels=max_pixels)
     if resize:
+        height, width = resize_to(height, width, patch_size=patch_size, merge_size=merge_size,
+                                  temporal_patch_size=temporal_patch_size,
+                                  min_pixels=min_pixels, max_pixels=max_pixels,
+                                  size_rule=size_rule)
         image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
     else:
         check_image_size(height, width, factor=factor, max_pixels=max_pixels, name=name)

@@ -4,8 +4,10 @@
 Folder layout (sample ``i`` = manifest sample ``i``, in manifest order; ``V`` the text vocab):
 
     meta.json          format "mpcore.vl_dataset", version, counts, image settings (the
-                       processor's arguments, mean/std), the tokenizer json, the manifest path,
-                       fingerprint (sha256 of settings, tokenizer, every image's bytes, manifest)
+                       processor's arguments, mean/std, and the model family whose processor
+                       they follow: ``image_settings.family``), the tokenizer json, the manifest
+                       path, fingerprint (sha256 of settings (family included), tokenizer,
+                       every image's bytes, manifest)
     tokenizer.json     the VLTokenizer (mpcore/data/vl_tokenizer.py), with tokenizer.model
     tokens.bin/.idx    indexed dataset (mpcore/data/indexed.py), vocab V + 4: document i is
                        sample i's ids, placeholder runs expanded and the final EOS included
@@ -48,7 +50,8 @@ from mpcore.data.vl_tokenizer import VLTokenizer, as_vl_tokenizer
 
 FORMAT, VERSION = "mpcore.vl_dataset", 1
 GRID_BOUND = 1 << 16  # grid sides are patches: far below this for any real image
-PREPARE = "python launch/prepare_vl_data.py --manifest M.jsonl --tokenizer T --out DIR"
+PREPARE = ("python launch/prepare_vl_data.py --family F --manifest M.jsonl --tokenizer T "
+           "--out DIR")
 
 
 class VLSample(NamedTuple):
@@ -80,8 +83,11 @@ def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings, w
                 merge_size=settings.merge_size,
                 min_pixels=settings.min_pixels,
                 max_pixels=sample.max_pixels or settings.max_pixels,
+                mean=settings.mean,
+                std=settings.std,
                 resize=settings.resize,
                 name=str(value),
+                size_rule=settings.size_rule,
             )
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
@@ -279,8 +285,9 @@ class VLDataset:
 
     ``len(ds)`` samples; ``ds[i]`` is a :class:`VLSample` (pixels read from the memory map and
     returned as float32). ``lengths`` int64 [n]: tokens per sample. ``tokenizer`` (VLTokenizer),
-    ``settings`` (ImageSettings), ``patch_dim``, ``meta`` (meta.json). A missing, foreign or
-    truncated file raises ``ValueError`` naming it.
+    ``settings`` (ImageSettings; ``settings.family``: the model family whose image processor
+    the data follows), ``patch_dim``, ``meta`` (meta.json). A missing, foreign or truncated
+    file raises ``ValueError`` naming it.
     """
 
     def __init__(self, folder: str | Path):
@@ -300,9 +307,7 @@ class VLDataset:
             )
         m = self.meta
         self.num_samples, self.patch_dim = m["num_samples"], m["patch_dim"]
-        self.settings = ImageSettings(
-            **{k: v for k, v in m["image_settings"].items() if k not in ("mean", "std")}
-        )
+        self.settings = ImageSettings.from_json(m["image_settings"])
         self.tokenizer = VLTokenizer.load(self.folder / "tokenizer.json")
         self.tokens = IndexedDataset(self.folder / "tokens")
         self.mask = IndexedDataset(self.folder / "mask")

@@ -6,13 +6,17 @@ corpus's SentencePiece model (``prepare_default``, vocab ``V``) with the four VL
 (mpcore/data/vl_tokenizer.py), so the model's vocabulary is ``V + 4`` and the default text
 corpus (same model) blends in id for id.
 
-Image settings for a tiny CPU model (:data:`DEFAULT_SETTINGS`): the real Qwen2-VL processing
-(patch 14, temporal patch 2, merge 2, so rows of 1176 and any Qwen2-VL tower's patch embedding
-fits), but small images: ``min_pixels = 4 * 28^2`` and ``max_pixels = 32 * 28^2``, i.e. 4 to 32
-merged placeholder tokens per image (the shipped set: 16 to 30, 25 on average; samples of 47 to
-78 tokens). Pass other settings for a larger model.
+Image settings for a tiny CPU model (:func:`default_settings`): the run's family's own image
+processing (``ImageSettings.for_family``: its patch size, resize rule, mean/std), but small
+images: ``min_pixels = 4 * f^2`` and ``max_pixels = 32 * f^2`` with ``f = patch_size *
+merge_size``. For Qwen2-VL (:data:`DEFAULT_SETTINGS`: patch 14, temporal patch 2, merge 2, so
+rows of 1176) that is 4 to 32 merged placeholder tokens per image (the shipped set: 16 to 30, 25
+on average; samples of 47 to 78 tokens); Qwen3-VL's patch 16 gives the same counts, GLM-4V's
+rule (it counts an image's 2 frames against the bounds) half as many. Pass other settings for a
+larger model.
 
-Into ``data_dir``: ``default_vl_v<V>_<settings hash>/`` (a dataset folder, see vl_dataset.py),
+Into ``data_dir``: ``default_vl_v<V>_<settings hash>/`` (a dataset folder, see vl_dataset.py;
+the hash covers the family, so each family has its own),
 next to the default corpus files. A later call whose fingerprint (every image's bytes, the
 captions, the tokenizer, the settings) matches meta.json reuses it; ranks that call it at the
 same time (torchrun) serialise on a file lock in ``data_dir``. About a second on 2 CPU cores.
@@ -35,6 +39,19 @@ DEFAULT_MANIFEST = (
     Path(__file__).resolve().parents[2] / "launch" / "data" / "images" / "captions.jsonl"
 )
 DEFAULT_SETTINGS = ImageSettings(min_pixels=4 * 28 * 28, max_pixels=32 * 28 * 28)
+"""Qwen2-VL's :func:`default_settings`."""
+
+
+def default_settings(family=None) -> ImageSettings:
+    """The shipped set's image settings for ``family`` (an image-text ``models.Family``; None:
+    Qwen2-VL's, :data:`DEFAULT_SETTINGS`): its processor with the small bounds of the module
+    docstring."""
+    if family is None:
+        return DEFAULT_SETTINGS
+    proc = family.image_processing
+    factor = 0 if proc is None else proc.patch_size * proc.merge_size
+    return ImageSettings.for_family(family, min_pixels=4 * factor ** 2,
+                                    max_pixels=32 * factor ** 2)
 
 
 class VLDefault(NamedTuple):

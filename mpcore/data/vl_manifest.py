@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mpcore.data.images import (
@@ -45,7 +45,7 @@ from mpcore.data.images import (
     MAX_PIXELS,
     MIN_PIXELS,
     check_image_size,
-    smart_resize,
+    resize_to,
 )
 from mpcore.data.indexed import Progress
 from mpcore.data.jsonl import json_lines
@@ -61,7 +61,8 @@ _KINDS = {
 
 @dataclass(frozen=True)
 class ImageSettings:
-    """How images are resized and cut (``mpcore.data.images.process_image``'s arguments)."""
+    """How images are resized and cut (``mpcore.data.images.process_image``'s arguments), for
+    one model family's image processor (:meth:`for_family`; the defaults are Qwen2-VL's)."""
 
     patch_size: int = 14
     """Side of one vision patch in pixels."""
@@ -79,6 +80,40 @@ class ImageSettings:
     pixel_dtype: str = "float32"
     """Storage of the pixel rows: float32 (exact) or float16 (half the disk; abs error <= 1e-3
     on CLIP-normalised values, see tests/unit/test_vl_data.py)."""
+    family: str = "qwen2_vl"
+    """The model family whose image processor these settings follow (``models.registry``); a
+    run of another family refuses the data (``mpcore.vl_data``)."""
+    mean: tuple[float, ...] = CLIP_MEAN
+    """Per-channel mean subtracted after the 1/255 rescale."""
+    std: tuple[float, ...] = CLIP_STD
+    """Per-channel standard deviation divided by."""
+    size_rule: Callable | None = field(default=None, compare=False, repr=False)
+    """The family's resize rule (``Family.image_size_rule``; None: Qwen2-VL's
+    ``smart_resize``). Not stored: ``family`` names it. The settings of a prepared dataset
+    (``VLDataset.settings``) describe it and leave this None."""
+
+    @classmethod
+    def for_family(cls, family, **overrides) -> ImageSettings:
+        """The settings of ``family``'s image processor (a ``models.Family`` of an image-text
+        family: its ``image_processing`` defaults and resize rule), with ``overrides`` (fields
+        given as None keep the family's value)."""
+        proc = family.image_processing
+        if proc is None:
+            raise ValueError(f"the {family.name} family takes no images; prepare image-text "
+                             f"data for a vision-language family")
+        values = dict(patch_size=proc.patch_size, temporal_patch_size=proc.temporal_patch_size,
+                      merge_size=proc.merge_size, min_pixels=proc.min_pixels,
+                      max_pixels=proc.max_pixels, mean=tuple(proc.mean), std=tuple(proc.std))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values, family=family.name, size_rule=proc.size_rule)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ImageSettings:
+        """:meth:`to_json` back (without the resize rule); a dataset prepared before settings
+        named their family is Qwen2-VL's (all data was prepared that way then)."""
+        names = {f.name for f in fields(cls)} - {"size_rule"}
+        values = {k: tuple(v) if k in ("mean", "std") else v for k, v in d.items() if k in names}
+        return cls(**values)
 
     def __post_init__(self):
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
@@ -92,6 +127,13 @@ class ImageSettings:
             )
         if self.pixel_dtype not in ("float32", "float16"):
             raise ValueError(f"pixel_dtype must be float32 or float16, got {self.pixel_dtype!r}")
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            if len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
+                raise ValueError(f"image setting {name} must be three numbers (R, G, B), got "
+                                 f"{value!r}")
+        if not all(v > 0 for v in self.std):
+            raise ValueError(f"image setting std must be positive, got {self.std!r}")
 
     @property
     def factor(self) -> int:
@@ -104,7 +146,9 @@ class ImageSettings:
         return 3 * self.temporal_patch_size * self.patch_size**2
 
     def to_json(self) -> dict:
-        return {**asdict(self), "mean": list(CLIP_MEAN), "std": list(CLIP_STD)}
+        """Every field but the resize rule (which ``family`` names), mean/std as lists."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "size_rule"}
+        return {**out, "mean": list(self.mean), "std": list(self.std)}
 
     def grid(
         self, height: int, width: int, max_pixels: int | None, name: str
@@ -117,9 +161,10 @@ class ImageSettings:
                 f"the sample's max_pixels or lower --min-pixels"
             )
         if self.resize:
-            height, width = smart_resize(
-                height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=cap
-            )
+            height, width = resize_to(
+                height, width, patch_size=self.patch_size, merge_size=self.merge_size,
+                temporal_patch_size=self.temporal_patch_size, min_pixels=self.min_pixels,
+                max_pixels=cap, size_rule=self.size_rule)
         else:
             check_image_size(height, width, factor=self.factor, max_pixels=cap, name=name)
         return 1, height // self.patch_size, width // self.patch_size
