@@ -129,8 +129,8 @@ Qwen3VisionSection = section_of(Qwen3VisionConfig, "Qwen3VisionSection")
 
 @dataclass(frozen=True)
 class Qwen3VLSection(VLSection):
-    """Our YAML model section of the qwen3_vl family: the decoder's keys (``qk_norm`` and
-    ``mrope_interleaved`` default to true there) and ``vision``."""
+    """Our YAML model section of the qwen3_vl family: the decoder's keys (the family needs
+    ``qk_norm`` and ``mrope_interleaved`` true) and ``vision``."""
 
     vision: Qwen3VisionSection | None = None
     """The tower trained from scratch: ``Qwen3VisionConfig``'s fields (depth, hidden_size,
