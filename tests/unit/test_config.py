@@ -92,6 +92,26 @@ def test_model_section_is_the_family_section_plus_run_keys():
     assert set(load_config(None).model.shape_fields()) == decoder
 
 
+def test_every_model_key_of_every_family_has_a_docstring():
+    """--help shows these docstrings: the reference docs of each key (derived ones included)."""
+    import typing
+
+    from models import FAMILIES
+    from models.common.section import field_docs
+
+    def undocumented(cls, prefix):
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not docs.get(f.name, "").strip():
+                yield prefix + f.name
+            nested = typing.get_args(hints[f.name])[:1]
+            if nested and dataclasses.is_dataclass(nested[0]):
+                yield from undocumented(nested[0], f"{prefix}{f.name}.")
+
+    for name in FAMILIES:
+        assert list(undocumented(model_section(name), "model.")) == [], name
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.hiden_size=3"], r"did you mean 'model.hidden_size'\? \(the llama family's model "
                              r"keys: family, init_from, .*vocab_size"),
