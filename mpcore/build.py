@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 
 from models import (
-    FAMILIES,
     Family,
     ModelConfig,
     family_named,
@@ -46,8 +45,6 @@ from mpcore.optim import GradNorm, build_optimizer
 from mpcore.train_state import TrainState
 from parallel.random import RNGTracker, model_parallel_seed
 from parallel.state import ParallelState
-
-EXTRAS = ("vision", "moe")  # model-section keys that belong to a family (Family.section_extras)
 
 
 @dataclass
@@ -114,25 +111,15 @@ def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelStat
 
 
 def run_family(cfg: Config) -> Family:
-    """The model family of ``cfg``: ``model.family``, or with ``auto`` the family of
-    ``model.init_from``'s config.json, else ``qwen2_vl`` when ``model.vision`` is set,
-    ``qwen3_moe`` when ``model.moe`` is, else ``llama``. A named family that disagrees with the
-    checkpoint, or a family's own keys (``vision``, ``moe``) set for another, is refused."""
+    """The model family of ``cfg``: the family whose keys its model section holds
+    (``model.family``, or what ``auto`` resolved to: ``mpcore.config.section_family``). A named
+    family that disagrees with ``model.init_from``'s checkpoint is refused."""
     m = cfg.model
+    family = family_named(m.resolved_family)
     found = family_of_hf(m.init_from) if m.init_from else None
-    if m.family == "auto":
-        family = found or family_named("qwen2_vl" if m.vision is not None else
-                                       "qwen3_moe" if m.moe is not None else "llama")
-    else:
-        family = family_named(m.family)
     if found is not None and found is not family:
         raise ValueError(f"model.family={m.family} but model.init_from={m.init_from} is a "
                          f"{found.name} checkpoint; set model.family={found.name} (or auto)")
-    for key in EXTRAS:  # a family's own keys, set for another family: refused, not ignored
-        if getattr(m, key) is not None and key not in family.section_extras:
-            owners = [f.name for f in FAMILIES.values() if key in f.section_extras]
-            raise ValueError(f"model.{key} is set but the {family.name} family takes none; "
-                             f"set model.family to one of {owners}, or remove model.{key}")
     return family
 
 

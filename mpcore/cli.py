@@ -3,22 +3,23 @@
     pretrain.py [CONFIG.yaml] [section.key=value ...] [--print-config]
 
 ``--help`` lists every config key with its default and its docstring. The docstrings are the
-string literals under each field of the dataclasses in ``mpcore/config.py`` (attribute
-docstrings); Python keeps no trace of them at run time, so they are read from the source with
-``ast``. ``--print-config`` prints the resolved config as YAML and trains nothing.
+string literals under each field of the dataclasses in ``mpcore/config.py`` and, for the model
+section's family keys, of the config dataclasses under ``models/`` they are derived from
+(``models.common.section.field_docs``). ``--print-config`` prints the resolved config as YAML
+and trains nothing.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import textwrap
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from models.common.section import field_docs
 from mpcore import config as config_module
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
@@ -62,23 +63,50 @@ def parse_args(argv: list[str], default_config: Path) -> Args:
                 print_config="--print-config" in flags)
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of dataclass ``cls``: field name -> the string literal under it."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
 def _default(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
     return f.default_factory()
+
+
+def _key_lines(cls: type, prefix: str, indent: int, width: int, only=None, tag="") -> list[str]:
+    """``prefix.key = default`` and the docstring of each field of ``cls`` (those named in
+    ``only``, when given), a nested section's keys below it, ``tag`` before each docstring."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    lines = []
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        default = yaml.safe_dump(_default(f), default_flow_style=True).strip()
+        default = default.removesuffix("\n...").removesuffix(" ...").strip()
+        lines.append(f"{' ' * indent}{prefix}{f.name} = {default}")
+        text = " ".join((tag + docs.get(f.name, "")).split())
+        pad = " " * (indent + 4)
+        lines.extend(textwrap.wrap(text, width, initial_indent=pad, subsequent_indent=pad))
+        nested = config_module._nested(hints[f.name])
+        if nested is not None:
+            lines += _key_lines(nested, f"{prefix}{f.name}.", indent + 2, width)
+    return lines
+
+
+def _model_lines(width: int) -> list[str]:
+    """The model section's keys: those every family takes, then each family's own (a nested
+    section shared by several families listed once, naming them)."""
+    types_ = {name: config_module.model_section(name) for name in config_module.FAMILIES}
+    names = [{f.name for f in dataclasses.fields(t)} for t in types_.values()]
+    common = set.intersection(*names)
+    lines = _key_lines(types_["llama"], "model.", 2, width, only=common)
+    seen: dict[tuple, list[str]] = {}
+    for family, t in types_.items():
+        hints = typing.get_type_hints(t)
+        for f in dataclasses.fields(t):
+            if f.name not in common:
+                seen.setdefault((f.name, hints[f.name]), []).append(family)
+    for (name, _), families in seen.items():
+        t = types_[families[0]]
+        lines += _key_lines(t, "model.", 2, width, only={name},
+                            tag=f"(family {', '.join(families)}) ")
+    return lines
 
 
 def config_help(width: int = 100) -> str:
@@ -87,14 +115,8 @@ def config_help(width: int = 100) -> str:
     section_docs = field_docs(config_module.Config)
     for name, cls in config_module._sections().items():
         lines.append(f"{name}: {section_docs.get(name, '')}")
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            default = yaml.safe_dump(_default(f), default_flow_style=True).strip()
-            default = default.removesuffix("\n...").removesuffix(" ...").strip()
-            lines.append(f"  {name}.{f.name} = {default}")
-            text = " ".join(docs.get(f.name, "").split())
-            lines.extend(textwrap.wrap(text, width, initial_indent=" " * 6,
-                                       subsequent_indent=" " * 6))
+        lines += (_model_lines(width) if name == "model"
+                  else _key_lines(cls, f"{name}.", 2, width))
         lines.append("")
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 
 Layout of a config (every field has a docstring below):
 
-    model       shape of the decoder (the fields of ``models.ModelConfig``) + ``init_from``
+    model       ``family`` and the family's keys (the decoder's shape, ``vision``, ``moe``), and
+                the run-level ``init_from``, kernel choices, ``freeze_vision``, ``vision_cp``
     parallel    tp, cp, cp_mode, cp_layout, sequence_parallel, data_parallel, checkpointing
     data        dataset prefixes and blend weights, tokenizer, seq_len, batch sizes, seed
     optimizer   AdamW hyper-parameters, gradient clipping, backend
@@ -17,8 +18,11 @@ its field's type and validates it. Unknown keys raise ``ValueError`` naming the 
 key. :func:`save_config` writes the resolved config (every field) as YAML, which
 :func:`load_config` reads back to an equal config.
 
-This module sits low in the layering (it imports nothing of ours): the ``model`` section mirrors
-``models.ModelConfig`` by field name and the training loop converts it.
+The ``model`` section's keys depend on its family (``model.family``, or what ``auto`` resolves
+to, :func:`section_family`): each family's are a dataclass in its folder under ``models/``
+(``Family.section``, derived from the config it builds: ``models.common.section``), and
+:class:`ModelSection` adds the run-level ones; :func:`model_section` is the type of both. Keys of
+nested sections (``model.vision.depth``) are checked against the family's too.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from models.common.family import Family
+from models.registry import FAMILIES as REGISTRY
+from models.registry import family_named, family_of_hf
 from mpcore import atomic
 
 DTYPES = ("bfloat16", "float32")
@@ -42,8 +49,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
-# models.registry.FAMILIES (a test checks they agree)
-FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5", "qwen3_moe")
+FAMILIES = tuple(REGISTRY)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -60,46 +66,23 @@ def _choice(section: str, name: str, value: Any, choices: tuple) -> None:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """The decoder's shape (names as in ``models.ModelConfig``); defaults: the tiny model."""
+    """The model section's run-level keys, mpcore's own (no part of a model's shape). A
+    ``model`` section is an instance of ``model_section(family)``: these keys plus the family's
+    own (``Family.section``: the shared decoder's keys, defaults the tiny model, and the
+    family's ``vision`` or ``moe``), each defined once, in the family's folder under
+    ``models/``. A key of another family is refused, naming the families that take it."""
 
-    vocab_size: int = 2048
-    """Vocabulary size; every token id of the data must be below it."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    num_layers: int = 4
-    """Number of decoder layers."""
-    num_heads: int = 4
-    """Query heads (divisible by parallel.tp)."""
-    num_kv_heads: int = 2
-    """Key/value heads (GQA); divides num_heads."""
-    intermediate_size: int = 384
-    """Width of the SwiGLU hidden layer (divisible by parallel.tp)."""
-    head_dim: int | None = None
-    """Per-head width; null means hidden_size / num_heads."""
-    rope_theta: float = 10000.0
-    """RoPE base."""
-    rope_scaling: dict | None = None
-    """null, or Llama 3 scaling: {factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings}."""
-    rms_norm_eps: float = 1e-5
-    """Epsilon of every RMSNorm."""
-    tie_embeddings: bool = True
-    """Use the input embedding as the output head."""
-    qkv_bias: bool = False
-    """Biases on the q, k, v projections (Qwen2)."""
-    qk_norm: bool = False
-    """RMSNorm on q and k per head (Qwen3)."""
-    max_position_embeddings: int = 8192
-    """Longest position the model is meant for (exported to Hugging Face)."""
+    family: str = "auto"
+    """The model family (models.registry), whose keys the section takes: llama (Llama 3 /
+    Qwen2 / Qwen3 by the decoder keys), qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision),
+    qwen3_vl (Qwen3-VL: needs vision, qk_norm, mrope_interleaved), glm4v (GLM-4V / GLM-4.1V:
+    needs vision), qwen3_5 (Qwen3.5 text: Gated DeltaNet beside gated attention) or qwen3_moe
+    (Qwen3-MoE: needs moe); auto: the family of init_from's config.json, else the first of
+    that list whose keys include every key given (vision: qwen2_vl, moe: qwen3_moe), else
+    llama."""
     init_from: str | None = None
     """A Hugging Face checkpoint folder (not a file in it) to start from (its config.json
-    replaces the shape fields above), or null for a fresh initialisation from training.seed."""
-    family: str = "auto"
-    """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
-    qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision), qwen3_vl (Qwen3-VL: needs vision, qk_norm,
-    mrope_interleaved), glm4v (GLM-4V / GLM-4.1V: needs vision), qwen3_5 (Qwen3.5 text:
-    Gated DeltaNet beside gated attention) or qwen3_moe (Qwen3-MoE: needs moe); auto: the
-    family of init_from's config.json, else qwen2_vl when vision is set, else llama."""
+    replaces the shape keys), or null for a fresh initialisation from training.seed."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every
@@ -115,39 +98,15 @@ class ModelSection:
     on a GPU of compute capability >= 8.9 (Ada, Hopper): tensorwise (our kernel, per-tensor
     current scaling; linear_backend native), te_delayed (TE's DelayedScaling: scales from an
     amax history) or te_current (TE's Float8CurrentScaling); te_* need linear_backend te/auto."""
-    mrope_section: list[int] | None = None
-    """M-RoPE (vision-language models): frequency pairs of the temporal, height and width
-    position rows, summing to head_dim / 2; null for plain RoPE."""
-    mrope_interleaved: bool = False
-    """Qwen3-VL's interleaved M-RoPE (models.ModelConfig.mrope_interleaved); needs
-    mrope_section."""
-    rotary_dim: int | None = None
-    """Partial rotary: dims of each head RoPE rotates (models.ModelConfig.rotary_dim); null:
-    all of head_dim (a glm4v model defaults to half of it)."""
-    rope_style: str = "half"
-    """RoPE pairs: half (Llama) or gptj (adjacent dims; models.ModelConfig.rope_style; a glm4v
-    model always uses gptj)."""
-    vision: dict | None = None
-    """A vision tower trained from scratch (a Qwen2-VL-style model): the fields of
-    models.qwen2_vl.VisionConfig (arch, depth, hidden_size, num_heads, intermediate_size,
-    patch_size, ...; out_hidden_size defaults to hidden_size); needs mrope_section. Null: a
-    decoder-only model, unless init_from is a Qwen2-VL / Qwen2.5-VL checkpoint."""
     freeze_vision: bool = False
     """Keep the vision tower's weights fixed (VL models): no gradients, no optimizer state."""
-    moe: dict | None = None
-    """A mixture-of-experts model from scratch (model.family qwen3_moe): the MoE fields of
-    models.qwen3_moe.config.Qwen3MoeConfig (num_experts, num_experts_per_tok,
-    moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
-    router_aux_loss_coef, router_z_loss_coef). Null: the family's defaults."""
     vision_cp: str = "split"
     """VL models under cp: split (each cp rank runs the tower on its share of the images,
     balanced by patch count; rows all-gathered) or replicate (every rank runs every image)."""
 
+    resolved_family: ClassVar[str] = "llama"  # the family whose keys this section type holds
+
     def __post_init__(self):
-        _positive("model", self, "vocab_size", "hidden_size", "num_layers", "num_heads",
-                  "num_kv_heads", "intermediate_size", "head_dim", "max_position_embeddings")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ValueError("model.rope_theta and model.rms_norm_eps must be > 0")
         _choice("model", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("model", "fp8", self.fp8, FP8_RECIPES)
         _choice("model", "linear_backend", self.linear_backend, LINEAR_BACKENDS)
@@ -159,26 +118,51 @@ class ModelSection:
                              "native); with linear_backend=te use fp8=te_current or te_delayed")
         _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
         _choice("model", "family", self.family, ("auto", *FAMILIES))
-        if self.vision is not None and not isinstance(self.vision, dict):
-            raise ValueError(f"model.vision must be a mapping of VisionConfig fields or null, "
-                             f"got {self.vision!r}")
+        if self.family not in ("auto", self.resolved_family):
+            raise ValueError(f"model.family={self.family} but the section holds the "
+                             f"{self.resolved_family} family's keys; make it with "
+                             f"mpcore.config.from_dict")
         if self.init_from and Path(self.init_from).is_file():
             raise ValueError(f"model.init_from={self.init_from} is a file, not a folder; pass the "
                              f"Hugging Face checkpoint folder that holds config.json and the "
                              f"weights (here perhaps {Path(self.init_from).parent})")
-        if self.vision is not None and self.mrope_section is None and not self.init_from:
-            raise ValueError("model.vision is set but model.mrope_section is not; a VL decoder "
-                             "uses M-RoPE (e.g. mrope_section: [2, 3, 3] for head_dim 16)")
 
-    def shape_fields(self) -> dict:
-        """The keyword arguments of ``models.ModelConfig``: every field but ``init_from``, the
-        kernel choices (``attention_backend``, ``fp8``, ``linear_backend``; ``mpcore.build``),
-        and the family's own fields (``model.family``; the vision ones are qwen2_vl's)."""
-        out = dataclasses.asdict(self)
-        for name in ("init_from", "family", "attention_backend", "fp8", "linear_backend",
-                     "vision", "freeze_vision", "vision_cp", "moe"):
-            del out[name]
-        return out
+    def __reduce__(self):  # the type is made per family (model_section): pickle by family
+        return _section_of_family, (self.resolved_family, {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+def _combine(family: Family) -> type:
+    return dataclasses.make_dataclass(
+        f"ModelSection_{family.name}", [], bases=(family.section, ModelSection), frozen=True,
+        namespace={"resolved_family": family.name, "__module__": __name__})
+
+
+_MODEL_SECTIONS = {name: _combine(family) for name, family in REGISTRY.items()}
+
+
+def model_section(family: str) -> type:
+    """The type of a ``model`` section of ``family``: the family's keys and the run-level
+    ones (:class:`ModelSection`)."""
+    return _MODEL_SECTIONS[family]
+
+
+def _section_of_family(family: str, kwargs: dict) -> ModelSection:
+    return model_section(family)(**kwargs)
+
+
+def section_family(values: dict) -> Family:
+    """The family whose keys the raw ``model`` mapping ``values`` holds (``family``'s rule:
+    ``auto`` reads init_from's config.json when there is one)."""
+    name = values.get("family", "auto")
+    _choice("model", "family", name, ("auto", *FAMILIES))
+    if name != "auto":
+        return family_named(name)
+    init_from = values.get("init_from")
+    if isinstance(init_from, str) and (Path(init_from) / "config.json").is_file():
+        return family_of_hf(init_from)
+    given = {k for k, v in values.items() if v is not None}
+    return max(REGISTRY.values(), key=lambda f: len(given & set(f.section_extras)))
 
 
 @dataclass(frozen=True)
@@ -435,8 +419,8 @@ class TrainingSection:
 class Config:
     """A whole training run; see the module docstring."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    """The decoder."""
+    model: ModelSection = field(default_factory=lambda: _model_section({}))
+    """The model: its family's keys and the run-level ones."""
     parallel: ParallelSection = field(default_factory=ParallelSection)
     """The parallel layout."""
     data: DataSection = field(default_factory=DataSection)
@@ -482,14 +466,39 @@ def _sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-def valid_keys() -> list[str]:
-    """Every dotted key (``section.field``)."""
-    return [f"{name}.{f.name}" for name, cls in _sections().items()
-            for f in dataclasses.fields(cls)]
+def _nested(tp) -> type | None:
+    """The section dataclass a field of type ``tp`` holds (``vision``, ``moe``), else None."""
+    tp = _is_optional(tp)[1]
+    return tp if dataclasses.is_dataclass(tp) else None
 
 
-def _unknown(key: str) -> ValueError:
-    keys = valid_keys()
+def _keys(cls: type, prefix: str) -> list[str]:
+    """Dotted keys of section ``cls`` under ``prefix``, nested sections' keys included."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        sub = _nested(hints[f.name])
+        if sub is not None:
+            out += _keys(sub, f"{prefix}{f.name}.")
+    return out
+
+
+def valid_keys(family: str | None = None) -> list[str]:
+    """Every dotted key (``section.field``, ``model.vision.depth``): the model keys of
+    ``family``, or of every family when None."""
+    sections = {**_sections(), "model": None}
+    families = [family] if family else list(REGISTRY)
+    out = []
+    for name, cls in sections.items():
+        types_ = [cls] if cls is not None else [model_section(f) for f in families]
+        for t in types_:
+            out += [k for k in _keys(t, f"{name}.") if k not in out]
+    return out
+
+
+def _unknown(key: str, family: Family | None = None) -> ValueError:
+    keys = valid_keys(family and family.name)
     candidates = keys + list(_sections())
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     if not close:  # a bare field name, or the right field under the wrong section
@@ -497,8 +506,38 @@ def _unknown(key: str) -> ValueError:
         same = [k for k in keys if k.endswith("." + tail)]
         close = same or difflib.get_close_matches(tail, keys, n=1, cutoff=0.4)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if family is not None:
+        names = [f.name for f in dataclasses.fields(model_section(family.name))]
+        return ValueError(f"unknown config key {key!r}{hint} (the {family.name} family's "
+                          f"model keys: {', '.join(names)})")
     return ValueError(f"unknown config key {key!r}{hint} (valid sections: "
                       f"{', '.join(_sections())})")
+
+
+def _unknown_in(key: str, cls: type, family: Family | None) -> ValueError:
+    """A key ``where.name`` that nested section ``cls`` (e.g. ``model.vision``) lacks: the
+    closest of its keys, every one of them, and the families whose such section has it."""
+    where, _, name = key.rpartition(".")
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{where}.{close[0]}'?" if close else ""
+    owner = f"the {family.name} family's " if family is not None else ""
+    others = [f.name for f in REGISTRY.values() if f is not family
+              and name in _keys_at(model_section(f.name), where.split(".")[1:])]
+    also = (f"; it is a key of the {' / '.join(others)} family's {where} (model.family)"
+            if others else "")
+    return ValueError(f"unknown config key {key!r}{hint}{also} ({owner}{where} keys: "
+                      f"{', '.join(names)})")
+
+
+def _keys_at(cls: type, path: list[str]) -> set[str]:
+    """Field names of the section nested in ``cls`` at ``path`` (empty when there is none)."""
+    for part in path:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        cls = _nested(typing.get_type_hints(cls)[part]) if part in fields else None
+        if cls is None:
+            return set()
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def _is_optional(tp) -> tuple[bool, Any]:
@@ -510,12 +549,16 @@ def _is_optional(tp) -> tuple[bool, Any]:
     return False, tp
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def _coerce(value: Any, tp: Any, key: str, family: Family | None = None) -> Any:
     """``value`` (from YAML or an override string) as type ``tp``; ValueError naming ``key``."""
     optional, tp = _is_optional(tp)
     if optional and (value is None or (isinstance(value, str)
                                        and value.strip().lower() in ("null", "none", "~"))):
         return None
+    if dataclasses.is_dataclass(tp):  # a nested section (model.vision, model.moe)
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping of its keys or null, got {value!r}")
+        return _build(tp, value, key, family)
     bad = ValueError(f"{key}={value!r} is not a valid {getattr(tp, '__name__', tp)}"
                      + ("" if not optional else " (or null)"))
     origin = typing.get_origin(tp)
@@ -567,25 +610,57 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def _set(tree: dict, key: str, value: Any) -> None:
-    """Set dotted ``key`` in the nested dict ``tree`` (checked against the dataclasses)."""
+    """Set dotted ``key`` in the nested dict ``tree``. The model section's keys depend on its
+    family, which a later override may name: :func:`from_dict` checks them."""
     parts = key.split(".")
     sections = _sections()
-    if len(parts) < 2 or parts[0] not in sections:
+    if len(parts) < 2 or parts[0] not in sections or not all(parts):
         raise _unknown(key)
-    names = {f.name for f in dataclasses.fields(sections[parts[0]])}
-    if parts[1] not in names:
+    if parts[0] != "model" and (len(parts) > 2 or parts[1] not in {
+            f.name for f in dataclasses.fields(sections[parts[0]])}):
         raise _unknown(key)
-    section = tree.setdefault(parts[0], {})
-    if len(parts) == 2:
-        section[parts[1]] = value
-        return
-    # model.rope_scaling.factor=32: a key inside a dict-valued field.
-    hints = typing.get_type_hints(sections[parts[0]])
-    if _is_optional(hints[parts[1]])[1] is not dict or len(parts) != 3:
-        raise _unknown(key)
-    inner = section.get(parts[1]) or {}
-    section[parts[1]] = {**inner, parts[2]: yaml.safe_load(value) if isinstance(value, str)
-                         else value}
+    node = tree
+    for part in parts[:-1]:
+        inner = node.get(part)
+        node[part] = dict(inner) if isinstance(inner, dict) else {}
+        node = node[part]
+    # model.rope_scaling.factor=32, model.vision.depth=2: a key inside a mapping
+    node[parts[-1]] = yaml.safe_load(value) if len(parts) > 2 and isinstance(value, str) else value
+
+
+def _build(cls: type, values: dict, where: str, family: Family | None = None):
+    """Section ``cls`` of the mapping ``values`` (any subset of its fields) at ``where``."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:  # (model's own keys are sorted out by _model_section)
+            raise (_unknown_in(f"{where}.{key}", cls, family) if "." in where
+                   else _unknown(f"{where}.{key}"))
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}", family)
+    return cls(**kwargs)
+
+
+def _model_section(values: dict) -> ModelSection:
+    """The ``model`` section of the mapping ``values``: its family's type (section_family);
+    a key of another family is refused (left null, as older run folders' config.yaml wrote
+    them, it is dropped)."""
+    family = section_family(values)
+    cls = model_section(family.name)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kept = {}
+    for key, value in values.items():
+        if key in names:
+            kept[key] = value
+            continue
+        owners = [f.name for f in REGISTRY.values()
+                  if key in {x.name for x in dataclasses.fields(f.section)}]
+        if owners and value is not None:
+            raise ValueError(f"model.{key} is set but the {family.name} family takes none; "
+                             f"set model.family to one of {owners}, or remove model.{key}")
+        if not owners:
+            raise _unknown(f"model.{key}", family)
+    return _build(cls, kept, "model", family)
 
 
 def from_dict(tree: dict) -> Config:
@@ -601,14 +676,8 @@ def from_dict(tree: dict) -> Config:
             continue
         if not isinstance(values, dict):
             raise ValueError(f"config section {name!r} must be a mapping, got {values!r}")
-        cls = sections[name]
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, value in values.items():
-            if key not in hints:
-                raise _unknown(f"{name}.{key}")
-            kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
-        built[name] = cls(**kwargs)
+        built[name] = (_model_section(values) if name == "model"
+                       else _build(sections[name], values, name))
     return Config(**built)
 
 

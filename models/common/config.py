@@ -24,17 +24,18 @@ class ModelConfig:
     """Shape and variant switches of a decoder-only transformer."""
 
     vocab_size: int
-    """True vocabulary size (the embedding and head are padded to a multiple of tp)."""
+    """True vocabulary size: every token id must be below it (the embedding and head are
+    padded to a multiple of tp)."""
     hidden_size: int
     """Width of the residual stream."""
     num_layers: int
     """Number of decoder layers."""
     num_heads: int
-    """Query heads."""
+    """Query heads (divisible by tp)."""
     num_kv_heads: int
     """Key/value heads (GQA); must divide ``num_heads``."""
     intermediate_size: int
-    """Width of the SwiGLU hidden layer."""
+    """Width of the SwiGLU hidden layer (divisible by tp)."""
     head_dim: int | None = None
     """Per-head width; ``None`` means ``hidden_size // num_heads``. Must be even (RoPE)."""
     rope_theta: float = 10000.0
@@ -51,7 +52,8 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
     max_position_embeddings: int = 8192
-    """Longest position the model was trained for (informational; exported to HF)."""
+    """Longest position the model is meant for (a run's ``data.seq_len`` stays within it;
+    exported to HF)."""
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE (Qwen2-VL): ``(t, h, w)`` counts of rotary frequency pairs driven by the
     temporal, height and width rows of ``[3, T]`` position ids; sums to ``head_dim / 2``.
@@ -64,10 +66,11 @@ class ModelConfig:
     rotary_dim: int | None = None
     """Partial rotary (GLM-4V: half the head dim): RoPE rotates the first ``rotary_dim`` dims of
     each head, the rest pass through unchanged; even, at most ``head_dim``. ``None``: all of
-    ``head_dim``. ``mrope_section`` then sums to ``rotary_dim / 2``."""
+    ``head_dim`` (a glm4v model from our YAML: half of it). ``mrope_section`` then sums to
+    ``rotary_dim / 2``."""
     rope_style: str = "half"
     """Which dims RoPE pairs: ``"half"`` (Llama / GPT-NeoX: ``(i, i + r/2)``) or ``"gptj"``
-    (GLM-4V: adjacent ``(2i, 2i + 1)``), r the rotated width."""
+    (GLM-4V, which always uses it: adjacent ``(2i, 2i + 1)``), r the rotated width."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",

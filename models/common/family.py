@@ -11,8 +11,9 @@ Signatures (``cfg`` is the family's own frozen config dataclass, ``config_type``
     config_from_hf(hf: dict) -> cfg                 a config.json (both transformers forms)
     hf_config_dict(cfg) -> dict                     the config.json we write (transformers 5.x)
     config_from_dict(d: dict) -> cfg                ``dataclasses.asdict(cfg)`` back (meta.json)
-    config_from_section(section, token_ids) -> cfg  our YAML ``model`` section; ``token_ids``:
-                                                    the data tokenizer's special ids, or None
+    config_from_section(section, token_ids) -> cfg  our YAML ``model`` section (an instance of
+                                                    ``section``); ``token_ids``: the data
+                                                    tokenizer's special ids, or None
     build(cfg, state, *, seed, device, dtype, **options) -> model   fresh, same function at any tp
     load_hf(folder, state, *, device, dtype, **options) -> (model, cfg)
     export_hf(model, state, out_dir, progress=None)   collective over the world
@@ -27,18 +28,23 @@ Signatures (``cfg`` is the family's own frozen config dataclass, ``config_type``
 the build keyword arguments beyond the decoder's (``vision_cp``) that our YAML model section
 provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it; ``host_inputs``
 names forward arguments that stay on the host (planning metadata such as a tower's grids);
-``section_extras`` the YAML model keys beyond the decoder's that the family reads (``vision``,
-``moe``): one set for another family is refused, not ignored; ``image_processing`` (an
-image-text family's :class:`ImageProcessing`) what its transformers image processor does with an
-image, which the prepared data (``launch/prepare_vl_data.py``) and score.py's ``images`` form
-follow; ``image_size_rule`` / ``hf_image_processor`` read from it.
+``section`` the family's YAML model keys, a frozen dataclass (``models.common.section``: the
+shared ``DecoderSection``, or a subclass adding the family's nested sections, ``vision``,
+``moe``; ``section_extras`` names those); a key of another family is refused, not ignored;
+mpcore adds the run-level keys beside them; ``image_processing`` (an image-text family's
+:class:`ImageProcessing`) what its transformers image processor does with an image, which the
+prepared data (``launch/prepare_vl_data.py``) and score.py's ``images`` form follow;
+``image_size_rule`` / ``hf_image_processor`` read from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from models.common.section import DecoderSection
 
 MODALITIES = ("text", "image-text")
 
@@ -99,12 +105,19 @@ class Family:
     modality: str = "text"
     options: tuple[str, ...] = ()
     host_inputs: tuple[str, ...] = ()
-    section_extras: tuple[str, ...] = ()
+    section: type = DecoderSection
     image_processing: ImageProcessing | None = None
 
     def __post_init__(self):
         assert self.modality in MODALITIES, self.modality
+        assert issubclass(self.section, DecoderSection), self.section
         assert (self.image_processing is not None) == (self.modality == "image-text"), self.name
+
+    @property
+    def section_extras(self) -> tuple[str, ...]:
+        """The YAML model keys beyond the shared decoder's (``vision``, ``moe``)."""
+        shared = {f.name for f in dataclasses.fields(DecoderSection)}
+        return tuple(f.name for f in dataclasses.fields(self.section) if f.name not in shared)
 
     @property
     def image_size_rule(self) -> Callable[..., tuple[int, int]] | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from models.common.config import ModelConfig
 from models.common.hf_io import read_hf_config
+from models.common.section import VLSection, section_of
 from models.common.vision_geometry import VisionGeometry, check_tp_widths
 
 ARCH = "Glm4vForConditionalGeneration"
@@ -108,6 +109,21 @@ class Glm4vVisionConfig(VisionGeometry):
         check_tp_widths(tp, (("num_heads", self.num_heads),
                             ("out_hidden_size (the blocks' MLP width)", self.out_hidden_size),
                             ("intermediate_size (the merger's MLP width)", self.intermediate_size)))
+
+
+Glm4vVisionSection = section_of(Glm4vVisionConfig, "Glm4vVisionSection")
+"""The YAML ``model.vision`` keys of the glm4v family: ``Glm4vVisionConfig``'s fields."""
+
+
+@dataclass(frozen=True)
+class Glm4vSection(VLSection):
+    """Our YAML model section of the glm4v family: the decoder's keys (GLM's qkv biases and
+    GPT-J rotation always on, ``rotary_dim`` half the head dim unless set) and ``vision``."""
+
+    vision: Glm4vVisionSection | None = None
+    """The tower trained from scratch: ``Glm4vVisionConfig``'s fields (depth, hidden_size,
+    num_heads, intermediate_size, image_size, patch_size, ...; out_hidden_size defaults to
+    hidden_size); needs mrope_section."""
 
 
 @dataclass(frozen=True)

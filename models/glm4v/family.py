@@ -6,10 +6,12 @@ import torch
 
 from models.common import counts
 from models.common.family import Family, ImageProcessing
+from models.common.section import given
 from models.glm4v.config import (
     ARCH,
     MODEL_TYPE,
     Glm4vConfig,
+    Glm4vSection,
     Glm4vVisionConfig,
     config_from_dict,
     config_from_hf,
@@ -43,7 +45,7 @@ def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
     if section.vocab_size < top + 3:
         raise ValueError(f"model.vocab_size = {section.vocab_size} is smaller than {top + 3}: "
                          f"the VL tokenizer's ids plus GLM-4V's video start/end; raise it")
-    vision = dict(section.vision or {})
+    vision = given(section.vision)
     vision.setdefault("out_hidden_size", section.hidden_size)
     try:
         vision_cfg = Glm4vVisionConfig(**vision)
@@ -85,4 +87,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), image_processing=IMAGE_PROCESSING)
+    section=Glm4vSection, image_processing=IMAGE_PROCESSING)

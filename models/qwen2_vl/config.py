@@ -18,8 +18,14 @@ from pathlib import Path
 
 from models.common.config import ModelConfig
 from models.common.hf_io import read_hf_config
+from models.common.section import VLSection
 from models.llama.hf_config import config_from_hf, hf_config_dict
-from models.qwen2_vl.vision_config import VisionConfig, hf_vision_config_dict, vision_config_from_hf
+from models.qwen2_vl.vision_config import (
+    VisionConfig,
+    VisionSection,
+    hf_vision_config_dict,
+    vision_config_from_hf,
+)
 
 VL_ARCHS = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
             "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
@@ -80,6 +86,17 @@ class VLConfig:
         """Raise ``ValueError`` naming the fix when this config cannot run at ``tp`` x ``cp``."""
         self.text.check_parallel(tp, cp, cp_mode)
         self.vision.check_parallel(tp)
+
+
+@dataclass(frozen=True)
+class Qwen2VLSection(VLSection):
+    """Our YAML model section of the qwen2_vl family: the decoder's keys and ``vision``."""
+
+    vision: VisionSection | None = None
+    """A vision tower trained from scratch: ``VisionConfig``'s fields (arch, depth,
+    hidden_size, num_heads, intermediate_size, patch_size, ...; out_hidden_size defaults to
+    hidden_size); needs mrope_section. Null: a decoder-only model, unless init_from is a
+    Qwen2-VL / Qwen2.5-VL checkpoint."""
 
 
 def vl_config_from_dict(d: dict) -> VLConfig:

@@ -7,7 +7,14 @@ import torch
 from models.common import counts
 from models.common.config import ModelConfig
 from models.common.family import Family, ImageProcessing
-from models.qwen2_vl.config import VL_ARCHS, VLConfig, hf_vl_config_dict, vl_config_from_dict
+from models.common.section import given
+from models.qwen2_vl.config import (
+    VL_ARCHS,
+    Qwen2VLSection,
+    VLConfig,
+    hf_vl_config_dict,
+    vl_config_from_dict,
+)
 from models.qwen2_vl.config import vl_config_from_hf as _from_hf
 from models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
 from models.qwen2_vl.inputs import local_vl_inputs
@@ -31,7 +38,7 @@ def config_from_section(section, token_ids: dict | None) -> VLConfig:
         raise ValueError(f"model.vocab_size = {section.vocab_size} is smaller than the VL "
                          f"tokenizer's {max(token_ids.values()) + 1} ids (text vocab + 4 vision "
                          f"ids); raise it")
-    vision = dict(section.vision or {})
+    vision = given(section.vision)
     vision.setdefault("out_hidden_size", section.hidden_size)
     try:
         vision_cfg = VisionConfig(**vision)
@@ -65,4 +72,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), image_processing=IMAGE_PROCESSING)
+    section=Qwen2VLSection, image_processing=IMAGE_PROCESSING)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.section import section_of
 from models.common.vision_geometry import VisionGeometry, check_tp_widths
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
@@ -39,7 +40,8 @@ class VisionConfig(VisionGeometry):
     """Shape and variant of a Qwen2-VL / Qwen2.5-VL vision tower."""
 
     arch: str
-    """``"qwen2_vl"`` or ``"qwen2_5_vl"`` (module docstring)."""
+    """``"qwen2_vl"`` (LayerNorm blocks, quick_gelu MLP, per-frame attention) or
+    ``"qwen2_5_vl"`` (RMSNorm blocks, gated SiLU MLP, window attention; module docstring)."""
     depth: int
     """Number of transformer blocks."""
     hidden_size: int
@@ -124,6 +126,10 @@ class VisionConfig(VisionGeometry):
                             ("intermediate_size", self.intermediate_size),
                             ("hidden_size * spatial_merge_size**2 (the merger width)",
                              self.hidden_size * self.merge_unit)))
+
+
+VisionSection = section_of(VisionConfig, "VisionSection")
+"""The YAML ``model.vision`` keys of the qwen2_vl family: ``VisionConfig``'s fields."""
 
 
 def _rope_theta(d: dict) -> float:

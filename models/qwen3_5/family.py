@@ -26,11 +26,10 @@ def config_from_dict(d: dict) -> Qwen35Config:
 
 
 def config_from_section(section, token_ids: dict | None) -> Qwen35Config:
-    """The decoder of our YAML model section. The section has no DeltaNet fields (they live
-    in ``mpcore/config.py``'s ModelSection, which names only the shared decoder's), so they
-    follow from the shape fields: ``num_heads`` value heads and ``num_heads / 2`` key heads of
-    ``head_dim``, the conv of 4 taps, every 4th layer full attention, a quarter of each head
-    rotated. For other shapes start from a HF checkpoint (``model.init_from``)."""
+    """The decoder of our YAML model section. The section has no DeltaNet fields (the family
+    keeps the shared ``DecoderSection``), so they follow from the shape fields: ``num_heads``
+    value heads and ``num_heads / 2`` key heads of ``head_dim``, the conv of 4 taps, every
+    4th layer full attention, a quarter of each head rotated. For other shapes start from a HF checkpoint (``model.init_from``)."""
     del token_ids
     fields = section.shape_fields()
     for key, why in (("qkv_bias", "attention biases"), ("rope_scaling", "RoPE scaling"),

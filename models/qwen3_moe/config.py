@@ -15,6 +15,7 @@ from pathlib import Path
 
 from models.common.config import ModelConfig
 from models.common.hf_io import read_hf_config
+from models.common.section import DecoderSection, section_of
 
 ARCH, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
 
@@ -32,7 +33,8 @@ class Qwen3MoeConfig(ModelConfig):
     norm_topk_prob: bool = False
     """Divide the k routing weights by their sum."""
     decoder_sparse_step: int = 1
-    """Every ``decoder_sparse_step``-th layer is sparse (module docstring)."""
+    """Every ``decoder_sparse_step``-th layer is sparse: layer i iff ``(i + 1) % step == 0``
+    and i is not in ``mlp_only_layers``."""
     mlp_only_layers: tuple[int, ...] = field(default=())
     """Layers kept dense."""
     router_aux_loss_coef: float = 0.001
@@ -69,6 +71,21 @@ class Qwen3MoeConfig(ModelConfig):
         if self.num_experts % ep:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; "
                              f"choose an ep that divides {self.num_experts}")
+
+
+MoeSection = section_of(Qwen3MoeConfig, "MoeSection", skip=ModelConfig)
+"""The YAML ``model.moe`` keys: ``Qwen3MoeConfig``'s fields beyond the decoder's."""
+
+
+@dataclass(frozen=True)
+class Qwen3MoeSection(DecoderSection):
+    """Our YAML model section of the qwen3_moe family: the decoder's keys and ``moe``."""
+
+    moe: MoeSection | None = None
+    """A mixture-of-experts model from scratch: ``Qwen3MoeConfig``'s MoE fields
+    (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+    decoder_sparse_step, mlp_only_layers, router_aux_loss_coef, router_z_loss_coef). Null:
+    their defaults."""
 
 
 def config_from_dict(d: dict) -> Qwen3MoeConfig:

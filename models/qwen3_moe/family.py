@@ -6,10 +6,12 @@ import torch
 
 from models.common.family import Family
 from models.common.inputs import local_text_inputs
+from models.common.section import given
 from models.qwen3_moe.config import (
     ARCH,
     MODEL_TYPE,
     Qwen3MoeConfig,
+    Qwen3MoeSection,
     config_from_dict,
     config_from_hf,
     hf_config_dict,
@@ -24,7 +26,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3MoeConfig:
     fields); QK-norm always on."""
     del token_ids
     fields = dict(section.shape_fields())
-    fields.update(qk_norm=True, **(getattr(section, "moe", None) or {}))
+    fields.update(qk_norm=True, **given(section.moe))
     try:
         return Qwen3MoeConfig(**fields)
     except TypeError as e:
@@ -72,6 +74,6 @@ FAMILY = Family(
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=_decoder, section_extras=("moe",))
+    decoder=_decoder, section=Qwen3MoeSection)
 
 __all__ = ["FAMILY"]

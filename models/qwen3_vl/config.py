@@ -22,6 +22,7 @@ from pathlib import Path
 
 from models.common.config import ModelConfig
 from models.common.hf_io import read_hf_config
+from models.common.section import VLSection, section_of
 from models.common.vision_geometry import VisionGeometry, check_tp_widths
 from models.llama.hf_config import config_from_hf as text_config_from_hf
 from models.llama.hf_config import hf_config_dict as text_hf_config_dict
@@ -120,6 +121,21 @@ class Qwen3VisionConfig(VisionGeometry):
                             ("intermediate_size", self.intermediate_size),
                             ("hidden_size * spatial_merge_size**2 (the merger width)",
                              self.hidden_size * self.merge_unit)))
+
+
+Qwen3VisionSection = section_of(Qwen3VisionConfig, "Qwen3VisionSection")
+"""The YAML ``model.vision`` keys of the qwen3_vl family: ``Qwen3VisionConfig``'s fields."""
+
+
+@dataclass(frozen=True)
+class Qwen3VLSection(VLSection):
+    """Our YAML model section of the qwen3_vl family: the decoder's keys (the family needs
+    ``qk_norm`` and ``mrope_interleaved`` true) and ``vision``."""
+
+    vision: Qwen3VisionSection | None = None
+    """The tower trained from scratch: ``Qwen3VisionConfig``'s fields (depth, hidden_size,
+    num_heads, intermediate_size, num_position_embeddings, deepstack_visual_indexes, ...;
+    out_hidden_size defaults to hidden_size); needs mrope_section."""
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from models.common.family import Family, ImageProcessing
+from models.common.section import given
 from models.qwen3_vl.config import (
     ARCH,
     MODEL_TYPE,
     Qwen3VLConfig,
+    Qwen3VLSection,
     config_from_dict,
     config_from_hf,
     hf_config_dict,
@@ -29,7 +31,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3VLConfig:
     ``Qwen3VisionConfig`` fields), with the data tokenizer's four special ids."""
     if token_ids is None:
         raise ValueError("a VL model from scratch takes its token ids from the data's tokenizer")
-    return _from_fields({**section.shape_fields(), "vision": section.vision}, token_ids)
+    return _from_fields({**section.shape_fields(), "vision": given(section.vision)}, token_ids)
 
 
 FAMILY = Family(
@@ -41,4 +43,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section_extras=("vision",), image_processing=IMAGE_PROCESSING)
+    section=Qwen3VLSection, image_processing=IMAGE_PROCESSING)

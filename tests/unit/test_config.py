@@ -11,7 +11,7 @@ import pytest
 
 from models import ModelConfig, build_model
 from mpcore.backends import adam_backend, apex_fused_adam
-from mpcore.config import ModelSection, load_config, save_config
+from mpcore.config import ModelSection, load_config, model_section, save_config
 from mpcore.metrics import flops_per_token, num_params
 from mpcore.optim import lr_at
 from parallel.state import ParallelState
@@ -67,12 +67,84 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(tmp_path / "config.yaml") == cfg
 
 
-def test_model_section_mirrors_model_config():
-    kernels = {"init_from", "family", "attention_backend", "fp8", "linear_backend", "vision",
-               "freeze_vision", "vision_cp", "moe"}
-    ours = {f.name for f in dataclasses.fields(ModelSection)} - kernels
-    assert ours == {f.name for f in dataclasses.fields(ModelConfig)}
-    assert set(ModelSection().shape_fields()) == ours
+def test_model_section_is_the_family_section_plus_run_keys():
+    """No mirror: the decoder keys are ModelConfig's fields (derived), each family's section
+    adds its own nested sections (derived from its configs), mpcore adds only run-level keys."""
+    from models import FAMILIES
+    from models.common.section import DecoderSection
+    from models.qwen2_vl import VisionConfig
+    from models.qwen3_moe.config import Qwen3MoeConfig
+
+    run = {f.name for f in dataclasses.fields(ModelSection)}
+    assert run == {"family", "init_from", "attention_backend", "linear_backend", "fp8",
+                   "freeze_vision", "vision_cp"}
+    decoder = {f.name for f in dataclasses.fields(DecoderSection)}
+    assert decoder == {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, family in FAMILIES.items():
+        keys = {f.name for f in dataclasses.fields(model_section(name))}
+        assert keys == run | decoder | set(family.section_extras), name
+    cfg = load_config(CONFIGS / "vl_tiny.yaml")
+    assert {f.name for f in dataclasses.fields(cfg.model.vision)} == {
+        f.name for f in dataclasses.fields(VisionConfig)}
+    moe = load_config(CONFIGS / "qwen3_moe_tiny.yaml").model.moe
+    assert {f.name for f in dataclasses.fields(moe)} == {
+        f.name for f in dataclasses.fields(Qwen3MoeConfig)} - decoder
+    assert set(load_config(None).model.shape_fields()) == decoder
+
+
+def test_every_model_key_of_every_family_has_a_docstring():
+    """--help shows these docstrings: the reference docs of each key (derived ones included)."""
+    import typing
+
+    from models import FAMILIES
+    from models.common.section import field_docs
+
+    def undocumented(cls, prefix):
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not docs.get(f.name, "").strip():
+                yield prefix + f.name
+            nested = typing.get_args(hints[f.name])[:1]
+            if nested and dataclasses.is_dataclass(nested[0]):
+                yield from undocumented(nested[0], f"{prefix}{f.name}.")
+
+    for name in FAMILIES:
+        assert list(undocumented(model_section(name), "model.")) == [], name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.hiden_size=3"], r"did you mean 'model.hidden_size'\? \(the llama family's model "
+                             r"keys: family, init_from, .*vocab_size"),
+    (["model.vision.num_head=2", "model.mrope_section=[4,6,6]"],
+     r"'model.vision.num_head'; did you mean 'model.vision.num_heads'\? \(the qwen2_vl "
+     r"family's model.vision keys: arch, depth"),
+    (["model.family=qwen3_vl", "model.vision.arch=qwen2_vl", "model.mrope_section=[4,6,6]"],
+     r"'model.vision.arch'.*it is a key of the qwen2_vl family's model.vision"),
+    (["model.family=qwen3_moe", "model.moe.num_expert=2"],
+     r"did you mean 'model.moe.num_experts'\? \(the qwen3_moe family's model.moe keys"),
+    (["model.family=qwen3_5", "model.vision.depth=2"],
+     r"model.vision is set but the qwen3_5 family takes none; set model.family to one of "
+     r"\['qwen2_vl', 'qwen3_vl', 'glm4v'\]"),
+])
+def test_unknown_model_keys_per_family(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+def test_family_sections_round_trip_and_take_every_override_form(tmp_path):
+    for name in sorted(CONFIGS.glob("*.yaml")):
+        cfg = load_config(name)
+        save_config(cfg, tmp_path / "config.yaml")
+        assert load_config(tmp_path / "config.yaml") == cfg, name
+    cfg = load_config(CONFIGS / "vl_tiny.yaml", ["model.vision.depth=3",
+                                                 "model.vision.fullatt_block_indexes=[]"])
+    assert cfg.model.vision.depth == 3 and cfg.model.vision.fullatt_block_indexes == []
+    cfg = load_config(None, ["model.moe.num_experts=4", "model.moe.mlp_only_layers=[0]"])
+    assert (cfg.model.resolved_family, cfg.model.moe.num_experts) == ("qwen3_moe", 4)
+    assert cfg.model.moe.mlp_only_layers == [0] and cfg.model.moe.num_experts_per_tok == 2
+    old = tmp_path / "old.yaml"  # a run folder's config.yaml from before: others' keys null
+    old.write_text("model:\n  vision: null\n  moe: null\n  hidden_size: 64\n")
+    assert load_config(old).model == load_config(None, ["model.hidden_size=64"]).model
 
 
 def test_kernel_choices_mirror_the_library():

@@ -112,8 +112,8 @@ def test_tiny_yaml_trains_and_resumes_bit_identically(tmp_path, data_dir):
     assert rows
     for row in rows:  # the step's global router statistics, in every logged row
         load = row["expert_load"]
-        assert len(load) == moe["num_experts"] and row["dropped_tokens"] == 0
-        assert sum(load) % moe["num_experts_per_tok"] == 0 and sum(load) > 0
+        assert len(load) == moe.num_experts and row["dropped_tokens"] == 0
+        assert sum(load) % moe.num_experts_per_tok == 0 and sum(load) > 0
         assert row["expert_imbalance"] == pytest.approx(max(load) / (sum(load) / len(load)))
         assert row["aux_loss"] > 0 and math.isfinite(row["z_loss"])
     meta_cfg = FAMILY.config_from_dict(dataclasses.asdict(FAMILY.config_from_section(
