@@ -30,8 +30,8 @@ from models.qwen3_vl.config import (
     TOKEN_KEYS,
     Qwen3VisionConfig,
     Qwen3VLConfig,
-    _vision_config,
     vision_config_dict,
+    vision_config_from_hf,
 )
 
 ARCH = "Qwen3_5ForConditionalGeneration"
@@ -95,7 +95,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
                          f"DeepStack (a Qwen3-VL checkpoint? its architecture is "
                          f"Qwen3VLForConditionalGeneration)")
     vision["deepstack_visual_indexes"] = ()  # Qwen3-VL's reader would default it to 3 blocks
-    return Qwen35VLConfig(text=text, vision=_vision_config(vision),
+    return Qwen35VLConfig(text=text, vision=vision_config_from_hf(vision),
                           **{k: int(hf[k]) for k in TOKEN_KEYS})
 
 

@@ -29,8 +29,8 @@ def config_from_section(section, token_ids: dict | None) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of our YAML model section: the decoder as the qwen3_5 family
     derives it from the shape fields (``models.qwen3_5.family.config_from_section``) with the
     section's ``mrope_section`` (interleaved, summing to ``rotary_dim / 2``: a quarter of each
-    head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no DeepStack), and the
-    data tokenizer's four special ids."""
+    head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no
+    DeepStack), and the data tokenizer's four special ids."""
     if token_ids is None:
         raise ValueError("a VL model from scratch takes its token ids from the data's tokenizer")
     if section.vision is None or section.mrope_section is None:

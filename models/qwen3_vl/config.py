@@ -229,7 +229,9 @@ def _text_config(hf: dict) -> ModelConfig:
         raise ValueError(f"text_config mrope_section {section}: {e}") from None
 
 
-def _vision_config(d: dict) -> Qwen3VisionConfig:
+def vision_config_from_hf(d: dict) -> Qwen3VisionConfig:
+    """The tower of a ``vision_config`` dict (transformers' defaults where a key is absent,
+    three DeepStack blocks included); keys the tower does not implement raise ``ValueError``."""
     d = dict(d)
     num_heads = d.pop("num_heads", d.pop("num_attention_heads", 16))
     depth = d.pop("depth", d.pop("num_hidden_layers", 27))
@@ -272,7 +274,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen3VLConfig:
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3-VL checkpoint names its "
                          f"placeholder and vision start/end token ids")
-    return Qwen3VLConfig(text=_text_config(hf), vision=_vision_config(hf.get("vision_config")
+    return Qwen3VLConfig(text=_text_config(hf), vision=vision_config_from_hf(hf.get("vision_config")
                                                                       or {}),
                          **{k: int(hf[k]) for k in TOKEN_KEYS})
 
