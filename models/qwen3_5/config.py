@@ -9,7 +9,8 @@ vision-language model, ``models.qwen3_5_vl``) interleaved M-RoPE over those dims
 ``mrope_section`` summing to ``rotary_dim / 2`` and ``mrope_interleaved`` true. DeltaNet:
 ``linear_num_key_heads`` query/key heads of ``linear_key_head_dim``,
 ``linear_num_value_heads`` value heads of ``linear_value_head_dim`` (a multiple of the key
-heads: value head h reads key head ``h // (Hv / Hk)``), a depthwise causal conv of ``linear_conv_kernel_dim`` taps.
+heads: value head h reads key head ``h // (Hv / Hk)``), a depthwise causal conv of
+``linear_conv_kernel_dim`` taps.
 
 Parallel layout (``check_parallel``): DeltaNet key and value heads split over tp (each rank a
 contiguous run of key heads and the value heads grouped on them), then again over cp (the

@@ -274,8 +274,8 @@ def config_from_hf(source: str | Path | dict) -> Qwen3VLConfig:
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3-VL checkpoint names its "
                          f"placeholder and vision start/end token ids")
-    return Qwen3VLConfig(text=_text_config(hf), vision=vision_config_from_hf(hf.get("vision_config")
-                                                                      or {}),
+    return Qwen3VLConfig(text=_text_config(hf),
+                         vision=vision_config_from_hf(hf.get("vision_config") or {}),
                          **{k: int(hf[k]) for k in TOKEN_KEYS})
 
 
