@@ -38,6 +38,7 @@ EDGE = [BASE, RING2, (2, 2, "ulysses", True, False, "split")]
 GRAD_VS_BASE = 4e-5
 
 
+@pytest.mark.slow
 def test_layouts_match_one_process_and_transformers(tmp_path):
     visual = _run(tmp_path, QUICK, save=save_hf_model, grad_vs_base=GRAD_VS_BASE)
     # cp rank 1 of two holds the one visual token; rank 0 holds none but ran the tower.
