@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 from hf_qwen3_vl_tiny import IMAGE, VIDEO, load, reference_loss_grads, reference_scores, stream
-from hf_qwen35_vl_tiny import TEXT, make_hf_model, save_hf_model
+from hf_qwen35_vl_tiny import TEXT, save_hf_model
 from safetensors.torch import load_file, save_file
 from test_qwen3_vl_model import hf_named, rel, score_and_grads, vision_kwargs
 
@@ -137,8 +137,9 @@ def _config(checkpoint) -> dict:
 def test_a_checkpoint_of_another_family_and_bad_configs_raise(checkpoint):
     with pytest.raises(ValueError, match="is not Qwen3-VL"):
         family_named("qwen3_vl").load_hf(checkpoint, ParallelState())
+    qwen3_vl = {**_config(checkpoint), "architectures": ["Qwen3VLForConditionalGeneration"]}
     with pytest.raises(ValueError, match="is not Qwen3.5 vision-language"):
-        config_from_hf(make_hf_model_config("Qwen3VLForConditionalGeneration", checkpoint))
+        config_from_hf(qwen3_vl)
     with pytest.raises(ValueError, match="is not Qwen3.5 vision-language"):
         config_from_hf({**TEXT, "architectures": ["Qwen3_5ForCausalLM"]})
     hf = _config(checkpoint)
@@ -163,11 +164,6 @@ def test_a_checkpoint_of_another_family_and_bad_configs_raise(checkpoint):
                                                             deepstack_visual_indexes=(0,)))
 
 
-def make_hf_model_config(arch: str, checkpoint) -> dict:
-    """Our checkpoint's config.json relabelled as another architecture."""
-    return {**_config(checkpoint), "architectures": [arch]}
-
-
 def test_the_text_family_keeps_causal_lm_and_reads_the_decoder(checkpoint):
     """``Qwen3_5ForConditionalGeneration`` belongs to this family; the text family keeps
     ``Qwen3_5ForCausalLM`` (and, called directly, still reads the decoder of a VL folder)."""
@@ -176,4 +172,3 @@ def test_the_text_family_keeps_causal_lm_and_reads_the_decoder(checkpoint):
     assert family_of_hf({"architectures": ["Qwen3_5ForCausalLM"]}) is text
     decoder = text.config_from_hf(checkpoint)
     assert decoder.mrope_section is None and decoder.num_layers == TEXT["num_hidden_layers"]
-    assert make_hf_model(seed=0).config.vision_config.depth == 2
