@@ -2,8 +2,9 @@
 
 ``models.common`` holds the shared blocks; each family is a folder with one registry entry
 (``models.registry``): ``llama`` (Llama 3, Qwen2, Qwen3 by config), ``qwen2_vl`` (Qwen2-VL,
-Qwen2.5-VL), ``qwen3_vl`` (Qwen3-VL), ``glm4v`` (GLM-4V / GLM-4.1V) and ``qwen3_5`` (Qwen3.5
-text). The names below are the common surface; each family's own are in its package.
+Qwen2.5-VL), ``qwen3_vl`` (Qwen3-VL), ``glm4v`` (GLM-4V / GLM-4.1V), ``qwen3_5`` (Qwen3.5
+text), ``qwen3_5_vl`` (Qwen3.5 vision-language) and ``qwen3_moe`` (Qwen3-MoE). The names
+below are the common surface; each family's own are in its package.
 """
 
 from models.common.config import ModelConfig

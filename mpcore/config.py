@@ -76,8 +76,9 @@ class ModelSection:
     """The model family (models.registry), whose keys the section takes: llama (Llama 3 /
     Qwen2 / Qwen3 by the decoder keys), qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision),
     qwen3_vl (Qwen3-VL: needs vision, qk_norm, mrope_interleaved), glm4v (GLM-4V / GLM-4.1V:
-    needs vision), qwen3_5 (Qwen3.5 text: Gated DeltaNet beside gated attention) or qwen3_moe
-    (Qwen3-MoE: needs moe); auto: the family of init_from's config.json, else the first of
+    needs vision), qwen3_5 (Qwen3.5 text: Gated DeltaNet beside gated attention), qwen3_5_vl
+    (Qwen3.5 vision-language: needs vision, mrope_section) or qwen3_moe (Qwen3-MoE: needs
+    moe); auto: the family of init_from's config.json, else the first of
     that list whose keys include every key given (vision: qwen2_vl, moe: qwen3_moe), else
     llama."""
     init_from: str | None = None

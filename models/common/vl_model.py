@@ -18,7 +18,7 @@ each cp rank gets exactly the rows of the placeholders it owns, the gradient of 
 summed over the cp ranks that used it and, under sequence parallelism, over the tp ranks (each
 fills the placeholders of its own token slice; the tower is replicated over tp). A rank without
 a visual token runs the tower on a dummy window times zero and joins every collective. A family
-gives its tower class and, where its decoder block differs, its block class.
+gives its tower class and, where its decoder differs, its block class or its decoder class.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class VisionLanguageModel(nn.Module):
     ``rows(...)`` -> ``[R, (1 + K) * hidden]`` with K DeepStack features beside each row."""
     decoder_layer: type[nn.Module] | None = None
     """The family's decoder block class (None: ``DecoderLayer``)."""
+    decoder_cls: type[Transformer] = Transformer
+    """The family's decoder: ``Transformer`` or a subclass that chooses its own blocks (then
+    ``decoder_layer`` stays None)."""
 
     def __init__(self, cfg, state: ParallelState, *, sequence_parallel: bool = False,
                  cp_mode: str = "none", activation_checkpointing: bool = False,
@@ -57,9 +60,12 @@ class VisionLanguageModel(nn.Module):
         self.cfg, self.vision_cp = cfg, vision_cp
         self.tp, self.tp_rank, self.tp_group = state.tp, state.tp_rank, state.tp_group
         self.cp_group = state.cp_group
-        self.text = Transformer(cfg.text, state, sequence_parallel=sequence_parallel,
-                                cp_mode=cp_mode, activation_checkpointing=activation_checkpointing,
-                                dtype=dtype, layer=self.decoder_layer, **decoder_options)
+        if self.decoder_layer is not None:
+            decoder_options["layer"] = self.decoder_layer
+        self.text = self.decoder_cls(cfg.text, state, sequence_parallel=sequence_parallel,
+                                     cp_mode=cp_mode,
+                                     activation_checkpointing=activation_checkpointing,
+                                     dtype=dtype, **decoder_options)
         self.visual = self.tower_cls(cfg.vision, state,
                                      activation_checkpointing=activation_checkpointing,
                                      attention_kernel=vision_attention, dtype=dtype)

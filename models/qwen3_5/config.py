@@ -4,10 +4,13 @@ Layers are ``"linear_attention"`` (Gated DeltaNet) or ``"full_attention"`` (gate
 attention); ``layer_types`` lists them, or, when None, every ``full_attention_interval``-th
 layer is full attention (transformers' rule: layer i is full iff ``(i + 1) % interval == 0``).
 Full attention: ``num_heads`` query heads (each with an output gate), ``num_kv_heads``, QK-norm,
-RoPE on the first ``partial_rotary_factor * head_dim`` dims. DeltaNet: ``linear_num_key_heads``
-query/key heads of ``linear_key_head_dim``, ``linear_num_value_heads`` value heads of
-``linear_value_head_dim`` (a multiple of the key heads: value head h reads key head
-``h // (Hv / Hk)``), a depthwise causal conv of ``linear_conv_kernel_dim`` taps.
+RoPE on the first ``partial_rotary_factor * head_dim`` dims: plain 1-D RoPE on text, or (the
+vision-language model, ``models.qwen3_5_vl``) interleaved M-RoPE over those dims, with
+``mrope_section`` summing to ``rotary_dim / 2`` and ``mrope_interleaved`` true. DeltaNet:
+``linear_num_key_heads`` query/key heads of ``linear_key_head_dim``,
+``linear_num_value_heads`` value heads of ``linear_value_head_dim`` (a multiple of the key
+heads: value head h reads key head ``h // (Hv / Hk)``), a depthwise causal conv of
+``linear_conv_kernel_dim`` taps.
 
 Parallel layout (``check_parallel``): DeltaNet key and value heads split over tp (each rank a
 contiguous run of key heads and the value heads grouped on them), then again over cp (the
@@ -46,6 +49,11 @@ class Qwen35Config(ModelConfig):
 
     def __post_init__(self):
         object.__setattr__(self, "qk_norm", True)
+        # M-RoPE sections count the ROTATED pairs, known only once head_dim is resolved: the
+        # base check runs without them, then again below with rotary_dim set.
+        section, interleaved = self.mrope_section, self.mrope_interleaved
+        object.__setattr__(self, "mrope_section", None)
+        object.__setattr__(self, "mrope_interleaved", False)
         super().__post_init__()  # head_dim resolved
         # ModelConfig.rotary_dim, from the factor (a meta.json round trip gives both: they agree)
         rotary = int(self.head_dim * self.partial_rotary_factor)
@@ -70,9 +78,16 @@ class Qwen35Config(ModelConfig):
                              f"must be in (0, 1] with an even, non-zero count")
         if self.rope_scaling is not None:
             raise ValueError("Qwen3.5 uses plain RoPE; set rope_scaling null")
-        if self.mrope_section is not None:
-            raise ValueError("the Qwen3.5 text decoder takes 1-D positions (its M-RoPE rows "
-                             "are equal on text); set mrope_section null")
+        object.__setattr__(self, "mrope_section", section)
+        object.__setattr__(self, "mrope_interleaved", interleaved)
+        if section is not None:
+            if interleaved is not True:
+                raise ValueError("Qwen3.5's M-RoPE is interleaved (transformers always "
+                                 "interleaves it): set mrope_interleaved true with mrope_section")
+            self._check_mrope()
+        elif interleaved:
+            raise ValueError("mrope_interleaved needs mrope_section (the t, h, w counts); set "
+                             "both or neither")
         types = self.layer_types
         if types is None:
             types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0

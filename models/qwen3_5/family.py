@@ -1,4 +1,7 @@
-"""The Qwen3.5 text family: hybrid Gated DeltaNet / gated attention decoder (``models.qwen3_5``)."""
+"""The Qwen3.5 text family: hybrid Gated DeltaNet / gated attention decoder (``models.qwen3_5``).
+
+It owns ``Qwen3_5ForCausalLM``; the released ``Qwen3_5ForConditionalGeneration`` checkpoints
+belong to the vision-language family (``models.qwen3_5_vl``), whose decoder is this one."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from models.qwen3_5.hf import (
 )
 from models.qwen3_5.model import build
 
+TEXT_ARCH = "Qwen3_5ForCausalLM"
+
 
 def config_from_dict(d: dict) -> Qwen35Config:
     """``Qwen35Config`` of ``dataclasses.asdict(cfg)`` (a checkpoint's meta.json)."""
@@ -31,11 +36,23 @@ def config_from_section(section, token_ids: dict | None) -> Qwen35Config:
     value heads and ``num_heads / 2`` key heads of ``head_dim``, the conv of 4 taps, every
     4th layer full attention, a quarter of each head rotated. For other shapes start from a HF checkpoint (``model.init_from``)."""
     del token_ids
-    fields = section.shape_fields()
-    for key, why in (("qkv_bias", "attention biases"), ("rope_scaling", "RoPE scaling"),
-                     ("mrope_section", "M-RoPE sections")):
+    return decoder_from_fields(section.shape_fields(), "qwen3_5")
+
+
+def decoder_from_fields(fields: dict, family: str, mrope: bool = False) -> Qwen35Config:
+    """The ``Qwen35Config`` of a YAML model section's shape fields, the DeltaNet fields derived
+    (``config_from_section``); ``mrope``: the section's M-RoPE sections are the decoder's (the
+    vision-language family, interleaved), else they are refused like the other keys the
+    ``family`` has no use for."""
+    fields = dict(fields)
+    refused = [("qkv_bias", "attention biases"), ("rope_scaling", "RoPE scaling")]
+    if mrope:
+        fields["mrope_interleaved"] = fields.get("mrope_section") is not None
+    else:
+        refused.append(("mrope_section", "M-RoPE sections"))
+    for key, why in refused:
         if fields.pop(key):
-            raise ValueError(f"model.{key} is set but the qwen3_5 family has no {why}; "
+            raise ValueError(f"model.{key} is set but the {family} family has no {why}; "
                              f"remove it")
     cfg = Qwen35Config(**fields)
     return Qwen35Config(**{**fields, "linear_num_key_heads": max(1, cfg.num_heads // 2),
@@ -49,8 +66,8 @@ def _decoder(model):
 
 
 FAMILY = Family(
-    name="qwen3_5", config_type=Qwen35Config, hf_architectures=tuple(ARCHITECTURES),
-    hf_model_types=tuple(ARCHITECTURES.values()),
+    name="qwen3_5", config_type=Qwen35Config, hf_architectures=(TEXT_ARCH,),
+    hf_model_types=(ARCHITECTURES[TEXT_ARCH],),
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,

@@ -1,12 +1,14 @@
 """Qwen3.5 text checkpoints: ``config.json`` <-> ``Qwen35Config``, tensor names, load, export.
 
-Reads ``Qwen3_5ForCausalLM`` (keys ``model.layers.*``) and the text decoder of a released
-``Qwen3_5ForConditionalGeneration`` (its ``text_config``; keys ``model.language_model.*``; the
-vision tower's ``model.visual.*`` is not read); v5 (``rope_parameters``) and v4 (top-level
-``rope_theta`` / ``partial_rotary_factor``) configs. The M-RoPE section of a released config is
-accepted and not used: on text every position row is equal, so interleaved M-RoPE is plain RoPE.
-Tensors the model has no use for (multi-token prediction ``mtp.*``, the tower) are skipped
-with one log line. Export writes ``Qwen3_5ForCausalLM``.
+Reads ``Qwen3_5ForCausalLM`` (keys ``model.layers.*``), the text family's architecture, and,
+as a library call, the text decoder of a released ``Qwen3_5ForConditionalGeneration`` (its
+``text_config``; keys ``model.language_model.*``; the vision tower's ``model.visual.*`` is not
+read; the registry gives that architecture to ``models.qwen3_5_vl``, which reads it whole); v5
+(``rope_parameters``) and v4 (top-level ``rope_theta`` / ``partial_rotary_factor``) configs. The
+M-RoPE section of a released config is accepted and not used here: on text every position row
+is equal, so interleaved M-RoPE is plain RoPE. Tensors the model has no use for (multi-token
+prediction ``mtp.*``, the tower) are skipped with one log line. Export writes
+``Qwen3_5ForCausalLM``.
 
 Shard map, our parameter -> HF pieces of tp rank r (dim 0 unless noted; ``P`` the prefix):
     layers.i.attention.wqkv.weight       self_attn.q_proj rows of heads r (query and gate rows
@@ -61,14 +63,15 @@ def _architecture(hf: dict) -> str:
         return ("Qwen3_5ForCausalLM" if hf["model_type"] == "qwen3_5_text"
                 else "Qwen3_5ForConditionalGeneration")
     raise ValueError(f"{archs or hf.get('model_type')!r} is not a Qwen3.5 checkpoint (the "
-                     f"qwen3_5 family reads {sorted(ARCHITECTURES)}); load it with its own "
+                     f"qwen3_5 families read {sorted(ARCHITECTURES)}); load it with its own "
                      f"family (models.registry.family_of_hf)")
 
 
 def text_fields(hf: dict) -> dict:
-    """The text decoder's fields (a VL config nests them in ``text_config``)."""
+    """The text decoder's fields (a VL config nests them in ``text_config``; its outer
+    ``tie_word_embeddings`` wins, as in transformers 5.x, which writes both)."""
     text = dict(hf.get("text_config") or hf)
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+    if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
 
@@ -203,14 +206,16 @@ def shard_map(cfg: Qwen35Config, tp: int, rank: int, prefix: str = "model."
     return out
 
 
-def _log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]]) -> None:
+def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> None:
+    """One log line naming the checkpoint's tensors that ``table`` (a shard map) does not read,
+    counted by kind (``mtp.*``, ``model.visual.*``); ``what``: the model that skips them."""
     used = {p.name for pieces in table.values() for p in pieces}
     unused = sorted(set(ckpt.files) - used)
     if unused:
         kinds = Counter(".".join(n.split(".")[:2]) if not n.startswith("mtp.") else "mtp"
                         for n in unused)
-        log.info("%s: skipping %d tensors the text decoder does not use (%s)", ckpt.folder,
-                 len(unused), ", ".join(f"{k}.*: {c}" for k, c in sorted(kinds.items())))
+        log.info("%s: skipping %d tensors the %s does not use (%s)", ckpt.folder,
+                 len(unused), what, ", ".join(f"{k}.*: {c}" for k, c in sorted(kinds.items())))
 
 
 def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | str = "cpu",
@@ -229,7 +234,7 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
     ckpt = Checkpoint(Path(folder))
     table = shard_map(cfg, state.tp, state.tp_rank, prefix)
     fill_from_table(model, ckpt, table)
-    _log_unused(ckpt, table)
+    log_unused(ckpt, table, "text decoder")
     return model, cfg
 
 

@@ -2,8 +2,9 @@
 
 What differs from ``models.common.decoder.Transformer`` (whose forward, packing, head and
 layout rules it keeps): each layer is a ``Qwen35Block`` (gated attention or Gated DeltaNet by
-``cfg.layer_types``), the final norm is zero-centred, and the RoPE tables cover only the
-``rotary_dim`` rotated dims of each head (partial rotary). Built on the meta device and
+``cfg.layer_types``) and the final norm is zero-centred. The shared RoPE tables cover only the
+``rotary_dim`` rotated dims of each head (partial rotary), by M-RoPE rows when the config has
+``mrope_section`` (the vision-language model, ``models.qwen3_5_vl``). Built on the meta device and
 initialised per shard like ``build_model``: the same function at any tp degree.
 """
 
@@ -16,7 +17,6 @@ import torch
 from kernels.fp8_linear import check_fp8
 from models.common.decoder import Transformer, init_weights
 from models.common.norm import RMSNorm
-from models.common.rope import RotaryEmbedding
 from models.qwen3_5.config import Qwen35Config
 from models.qwen3_5.kernels import check_available, check_kernel
 from models.qwen3_5.layers import Qwen35Block
@@ -33,7 +33,6 @@ class Qwen35Transformer(Transformer):
         check_kernel(gdn_kernel)
         super().__init__(cfg, state, layer=functools.partial(Qwen35Block, gdn_kernel=gdn_kernel),
                          **kwargs)
-        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
                             sum_grad_over_tp=self.sequence_parallel, zero_centred=True,
                             dtype=kwargs.get("dtype"))

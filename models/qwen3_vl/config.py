@@ -245,7 +245,9 @@ def _text_config(hf: dict) -> ModelConfig:
         raise ValueError(f"text_config mrope_section {section}: {e}") from None
 
 
-def _vision_config(d: dict) -> Qwen3VisionConfig:
+def vision_config_from_hf(d: dict) -> Qwen3VisionConfig:
+    """The tower of a ``vision_config`` dict (transformers' defaults where a key is absent,
+    three DeepStack blocks included); keys the tower does not implement raise ``ValueError``."""
     d = dict(d)
     num_heads = d.pop("num_heads", d.pop("num_attention_heads", 16))
     depth = d.pop("depth", d.pop("num_hidden_layers", 27))
@@ -288,8 +290,8 @@ def config_from_hf(source: str | Path | dict) -> Qwen3VLConfig:
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3-VL checkpoint names its "
                          f"placeholder and vision start/end token ids")
-    return Qwen3VLConfig(text=_text_config(hf), vision=_vision_config(hf.get("vision_config")
-                                                                      or {}),
+    return Qwen3VLConfig(text=_text_config(hf),
+                         vision=vision_config_from_hf(hf.get("vision_config") or {}),
                          **{k: int(hf[k]) for k in TOKEN_KEYS})
 
 
@@ -306,16 +308,22 @@ def hf_config_dict(cfg: Qwen3VLConfig) -> dict:
                 rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta,
                                  "mrope_section": list(t.mrope_section),
                                  "mrope_interleaved": True})
-    v = cfg.vision
-    vision = {"model_type": "qwen3_vl_vision", "depth": v.depth, "hidden_size": v.hidden_size,
-              "hidden_act": v.hidden_act, "intermediate_size": v.intermediate_size,
-              "num_heads": v.num_heads, "in_channels": v.in_channels,
-              "patch_size": v.patch_size, "spatial_merge_size": v.spatial_merge_size,
-              "temporal_patch_size": v.temporal_patch_size,
-              "out_hidden_size": v.out_hidden_size,
-              "num_position_embeddings": v.num_position_embeddings,
-              "deepstack_visual_indexes": list(v.deepstack_visual_indexes),
-              "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
     return {"architectures": [ARCH], "model_type": MODEL_TYPE, "text_config": text,
-            "vision_config": vision, "tie_word_embeddings": t.tie_embeddings,
+            "vision_config": vision_config_dict(cfg.vision, "qwen3_vl_vision"),
+            "tie_word_embeddings": t.tie_embeddings,
             **{k: getattr(cfg, k) for k in TOKEN_KEYS}}
+
+
+def vision_config_dict(v: Qwen3VisionConfig, model_type: str, deepstack: bool = True) -> dict:
+    """The ``vision_config`` dict (5.x form) of tower ``v``; ``deepstack``: with the
+    ``deepstack_visual_indexes`` key (Qwen3.5's tower config has none)."""
+    out = {"model_type": model_type, "depth": v.depth, "hidden_size": v.hidden_size,
+           "hidden_act": v.hidden_act, "intermediate_size": v.intermediate_size,
+           "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
+           "spatial_merge_size": v.spatial_merge_size,
+           "temporal_patch_size": v.temporal_patch_size, "out_hidden_size": v.out_hidden_size,
+           "num_position_embeddings": v.num_position_embeddings,
+           "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+    if deepstack:
+        out["deepstack_visual_indexes"] = list(v.deepstack_visual_indexes)
+    return out

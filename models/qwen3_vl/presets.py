@@ -66,8 +66,16 @@ def config_from_section(model: dict, token_ids: dict[str, int]) -> Qwen3VLConfig
     text.setdefault("mrope_interleaved", True)
     if isinstance(text.get("mrope_section"), list):
         text["mrope_section"] = tuple(text["mrope_section"])
-    vision = dict(model.get("vision") or {})
-    vision.setdefault("out_hidden_size", text.get("hidden_size"))
-    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes", ()))
     return Qwen3VLConfig(text=_build(ModelConfig, text, "model"),
-                         vision=_build(Qwen3VisionConfig, vision, "model.vision"), **token_ids)
+                         vision=vision_from_section(model.get("vision"), text.get("hidden_size")),
+                         **token_ids)
+
+
+def vision_from_section(vision: dict | None, hidden_size: int) -> Qwen3VisionConfig:
+    """The ``Qwen3VisionConfig`` of a YAML ``model.vision`` mapping (``out_hidden_size``
+    defaults to the decoder's ``hidden_size``); unknown keys raise ``ValueError`` naming the
+    closest field."""
+    vision = dict(vision or {})
+    vision.setdefault("out_hidden_size", hidden_size)
+    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes", ()))
+    return _build(Qwen3VisionConfig, vision, "model.vision")

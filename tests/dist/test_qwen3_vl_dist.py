@@ -22,7 +22,8 @@ from hf_qwen3_vl_tiny import stream as make_stream
 from test_qwen3_vl_model import rel, score_and_grads
 
 from models.common.hf_io import gather_full
-from models.qwen3_vl import config_from_hf, load_hf_model, local_inputs, shard_map
+from models.qwen3_vl import config_from_hf, local_inputs
+from models.registry import family_of, family_of_hf
 from parallel.state import ParallelState
 
 # (tp, cp, cp_mode, sequence_parallel, activation_checkpointing, vision_cp)
@@ -46,26 +47,30 @@ def _stream(name: str):
 
 def _logical(grads, cfg, state):
     """Every gradient as the logical (tp=1) HF tensor, on tp rank 0 of cp rank 0; else None."""
-    maps = [shard_map(cfg, state.tp, r) for r in range(state.tp)]
+    maps = [family_of(cfg).shard_map(cfg, state.tp, r) for r in range(state.tp)]
     full = gather_full(grads, maps, state.tp_group)
     return full if state.tp_rank == 0 and state.cp_rank == 0 else None
 
 
 def _visual_tokens(state, cfg, s, sp: bool) -> int:
-    _, inputs = local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg, sequence_parallel=sp,
-                             image_grid_thw=s["image_grid_thw"],
-                             video_grid_thw=s["video_grid_thw"])
+    _, inputs = family_of(cfg).local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg,
+                                            sequence_parallel=sp,
+                                            image_grid_thw=s["image_grid_thw"],
+                                            video_grid_thw=s["video_grid_thw"])
     return int((inputs["vision_rows"] >= 0).sum())
 
 
 def _worker(rank, world, folder, refs, cases):
+    """Every case's differences on this rank; the family is the checkpoint's (this test's
+    Qwen3-VL, or test_qwen35_vl_dist's Qwen3.5 VL)."""
     states, results, base = {}, {}, {}
+    load_hf = family_of_hf(folder).load_hf
     for name, layout in cases:
         s = _stream(name)
         tp, cp, mode, sp, ckpt, vision_cp = layout
         state = states.setdefault((tp, cp), ParallelState.build(tp, cp))
-        model, cfg = load_hf_model(folder, state, sequence_parallel=sp, cp_mode=mode,
-                                   activation_checkpointing=ckpt, vision_cp=vision_cp)
+        model, cfg = load_hf(folder, state, sequence_parallel=sp, cp_mode=mode,
+                             activation_checkpointing=ckpt, vision_cp=vision_cp)
         logprobs, entropy, loss, grads = score_and_grads(model, cfg, state, s)
         ref = refs[name]
         out = {"logprobs": float((logprobs.double() - ref["logprobs"]).abs().max()),
@@ -78,8 +83,8 @@ def _worker(rank, world, folder, refs, cases):
             out["grad"], out["worst"] = max(worst.values()), max(worst, key=worst.get)
             out["visual_grad_max"] = max(float(g.abs().max()) for n, g in gathered.items()
                                          if n.startswith("model.visual."))
-            out["deepstack_grad_max"] = max(float(g.abs().max()) for n, g in gathered.items()
-                                            if "deepstack" in n)
+            deep = [float(g.abs().max()) for n, g in gathered.items() if "deepstack" in n]
+            out["deepstack_grad_max"] = max(deep) if deep else None  # None: no DeepStack
             if layout == BASE:
                 base[name] = (logprobs, gathered)
             else:
@@ -89,8 +94,11 @@ def _worker(rank, world, folder, refs, cases):
     return results
 
 
-def _run(tmp_path, cases, world: int = 4):
-    save_hf_model(seed=0, folder=tmp_path)
+def _run(tmp_path, cases, world: int = 4, save=save_hf_model, grad_vs_base: float = 1e-5):
+    """Run ``cases`` ((stream name, layout) pairs) on the checkpoint ``save`` writes; assert
+    every bound (``grad_vs_base``: gradients vs tp = cp = 1, rel); return the visual token
+    count of each case per rank."""
+    save(seed=0, folder=tmp_path)
     refs = {}
     for name in {n for n, _ in cases}:
         s = _stream(name)
@@ -109,9 +117,10 @@ def _run(tmp_path, cases, world: int = 4):
                 if key[0] == "no_image":
                     assert out["visual_grad_max"] == 0.0, (key, out)
                 else:
-                    assert out["visual_grad_max"] > 0 and out["deepstack_grad_max"] > 0
+                    assert out["visual_grad_max"] > 0
+                    assert out["deepstack_grad_max"] is None or out["deepstack_grad_max"] > 0
             if "vs_base" in out:
-                assert out["vs_base"] <= 1e-5 and out["grad_vs_base"] <= 1e-5, (key, out)
+                assert out["vs_base"] <= 1e-5 and out["grad_vs_base"] <= grad_vs_base, (key, out)
     return visual
 
 

@@ -34,8 +34,8 @@ from models.qwen3_vl import (
     load_hf_model,
     local_inputs,
     num_params,
-    shard_map,
 )
+from models.registry import family_of
 from parallel.state import ParallelState
 
 
@@ -44,9 +44,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def hf_named(cfg, grads: dict) -> dict:
-    """tp=1 gradients (or weights) of our parameters as HF tensors (fused parts put back)."""
+    """tp=1 gradients (or weights) of our parameters as HF tensors (fused parts put back);
+    ``cfg``'s family gives the shard map (also the Qwen3.5 VL tests')."""
     out: dict[str, torch.Tensor] = {}
-    for name, pieces in shard_map(cfg, 1, 0).items():
+    for name, pieces in family_of(cfg).shard_map(cfg, 1, 0).items():
         _scatter_back(grads[name].detach(), pieces, out)
     return out
 
@@ -58,8 +59,9 @@ def vision_kwargs(s: dict) -> dict:
 
 def score_and_grads(model, cfg, state, s: dict):
     """``(logprobs [T], entropy [T], loss, {name: grad})`` at this rank's layout (cp gathered;
-    gradients summed over cp, as the dp x cp reduction would)."""
-    plan, inputs = local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg,
+    gradients summed over cp, as the dp x cp reduction would); ``cfg``'s family makes the
+    inputs."""
+    plan, inputs = family_of(cfg).local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg,
                                 sequence_parallel=model.sequence_parallel, **vision_kwargs(s))
     with torch.no_grad():
         logprobs, entropy = model(**inputs, output="logprobs")

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import save_file
 
 from models.common.hf_io import Checkpoint, _scatter_back, fill_from_table
-from models.qwen3_vl.config import Qwen3VisionConfig, _vision_config
+from models.qwen3_vl.config import Qwen3VisionConfig, vision_config_from_hf
 from models.qwen3_vl.hf import vision_shard_map
 from models.qwen3_vl.vision import Qwen3VisionTower
 
@@ -39,7 +39,7 @@ def _hf_tower(seed: int):
 def _ours(hf_model, folder) -> Qwen3VisionTower:
     save_file({f"model.visual.{k}": v.contiguous() for k, v in hf_model.state_dict().items()},
               folder / "model.safetensors")
-    cfg = _vision_config(hf_model.config.to_dict())
+    cfg = vision_config_from_hf(hf_model.config.to_dict())
     with torch.device("meta"):
         tower = Qwen3VisionTower(cfg)
     tower.to_empty(device="cpu")
@@ -48,7 +48,7 @@ def _ours(hf_model, folder) -> Qwen3VisionTower:
 
 
 def test_config_reads_the_transformers_vision_config():
-    cfg = _vision_config(transformers.Qwen3VLVisionConfig(**VISION).to_dict())
+    cfg = vision_config_from_hf(transformers.Qwen3VLVisionConfig(**VISION).to_dict())
     assert cfg == Qwen3VisionConfig(**{**VISION, "deepstack_visual_indexes": (2, 0)})
     assert cfg.grid_side == 4 and cfg.patch_dim == 24
 

@@ -1,0 +1,121 @@
+"""Qwen3.5 vision-language configuration and its HF ``config.json`` (transformers
+``Qwen3_5ForConditionalGeneration``).
+
+The model is Qwen3-VL's with two pieces swapped: the decoder is Qwen3.5's hybrid one
+(``models.qwen3_5.Qwen35Config``: Gated DeltaNet beside gated full attention, partial rotary)
+with interleaved M-RoPE over the ROTATED dims (``mrope_section`` sums to ``rotary_dim / 2``;
+transformers' default ``[11, 11, 10]`` for the released ``head_dim`` 256 at a quarter rotated),
+and the tower is Qwen3-VL's without DeepStack (``models.qwen3_vl.Qwen3VisionConfig`` with
+``deepstack_visual_indexes = ()``; transformers deletes the DeepStack mergers and the key).
+
+``config.json``: ``text_config`` is read by the text family's reader
+(``models.qwen3_5.hf.config_from_hf``), its ``rope_parameters`` (or v4 ``rope_scaling``) giving
+the M-RoPE section; ``vision_config`` by Qwen3-VL's; 5.x is written. Every check raises
+``ValueError`` naming the field, before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.common.hf_io import read_hf_config
+from models.qwen3_5.config import Qwen35Config
+from models.qwen3_5.family import config_from_dict as text_config_from_dict
+from models.qwen3_5.hf import config_from_hf as text_config_from_hf
+from models.qwen3_5.hf import hf_config_dict as text_hf_config_dict
+from models.qwen3_5.hf import text_fields
+from models.qwen3_vl.config import (
+    TOKEN_KEYS,
+    Qwen3VisionConfig,
+    Qwen3VLConfig,
+    vision_config_dict,
+    vision_config_from_hf,
+)
+
+ARCH = "Qwen3_5ForConditionalGeneration"
+MODEL_TYPE = "qwen3_5"
+DEFAULT_MROPE = (11, 11, 10)  # transformers' Qwen3_5TextRotaryEmbedding default
+
+
+@dataclass(frozen=True)
+class Qwen35VLConfig(Qwen3VLConfig):
+    """A Qwen3.5 decoder with interleaved M-RoPE, a Qwen3-VL tower without DeepStack and the
+    ids between them (the fields of ``Qwen3VLConfig``)."""
+
+    def __post_init__(self):
+        if not isinstance(self.text, Qwen35Config):
+            raise TypeError(f"Qwen35VLConfig.text must be a Qwen35Config, got "
+                            f"{type(self.text).__name__}")
+        if self.vision.deepstack_visual_indexes:
+            raise ValueError(f"deepstack_visual_indexes = "
+                             f"{list(self.vision.deepstack_visual_indexes)}: the Qwen3.5 tower "
+                             f"has no DeepStack mergers; leave it empty (a tower with them is "
+                             f"Qwen3-VL's, model.family qwen3_vl)")
+        super().__post_init__()
+
+
+def _mrope_section(text: dict) -> tuple[int, ...]:
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            if rope.get("mrope_interleaved", True) is not True:
+                raise ValueError(f"text_config.{key}.mrope_interleaved = "
+                                 f"{rope['mrope_interleaved']!r}: Qwen3.5's M-RoPE is "
+                                 f"interleaved (transformers always interleaves it)")
+            return tuple(rope["mrope_section"])
+    return DEFAULT_MROPE
+
+
+def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
+    """``Qwen35VLConfig`` of a ``Qwen3_5ForConditionalGeneration`` config.json (folder, file or
+    dict). Another architecture (a Qwen3-VL or text-only Qwen3.5 checkpoint) raises
+    ``ValueError`` naming it."""
+    hf = read_hf_config(source)
+    archs = hf.get("architectures") or []
+    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
+        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3.5 "
+                         f"vision-language ({ARCH}); load it with its own family "
+                         f"(models.registry.family_of_hf)")
+    missing = [k for k in TOKEN_KEYS if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}; a Qwen3.5 VL checkpoint names its "
+                         f"placeholder and vision start/end token ids")
+    section = _mrope_section(text_fields(hf))
+    try:
+        text = dataclasses.replace(text_config_from_hf(hf), mrope_section=section,
+                                   mrope_interleaved=True)
+    except ValueError as e:
+        raise ValueError(f"text_config mrope_section {list(section)}: {e}") from None
+    vision = dict(hf.get("vision_config") or {})
+    if vision.get("deepstack_visual_indexes"):
+        raise ValueError(f"vision_config.deepstack_visual_indexes = "
+                         f"{vision['deepstack_visual_indexes']}: the Qwen3.5 tower has no "
+                         f"DeepStack (a Qwen3-VL checkpoint? its architecture is "
+                         f"Qwen3VLForConditionalGeneration)")
+    vision["deepstack_visual_indexes"] = ()  # Qwen3-VL's reader would default it to 3 blocks
+    return Qwen35VLConfig(text=text, vision=vision_config_from_hf(vision),
+                          **{k: int(hf[k]) for k in TOKEN_KEYS})
+
+
+def hf_config_dict(cfg: Qwen35VLConfig) -> dict:
+    """The transformers 5.x ``config.json`` dict of ``cfg`` (nested text and vision configs)."""
+    text = text_hf_config_dict(dataclasses.replace(cfg.text, mrope_section=None,
+                                                   mrope_interleaved=False))
+    del text["architectures"]
+    text["rope_parameters"].update(mrope_section=list(cfg.text.mrope_section),
+                                   mrope_interleaved=True)
+    return {"architectures": [ARCH], "model_type": MODEL_TYPE, "text_config": text,
+            "vision_config": vision_config_dict(cfg.vision, "qwen3_5_vision", deepstack=False),
+            "tie_word_embeddings": cfg.text.tie_embeddings,
+            **{k: getattr(cfg, k) for k in TOKEN_KEYS}}
+
+
+def config_from_dict(d: dict) -> Qwen35VLConfig:
+    """The ``Qwen35VLConfig`` of ``dataclasses.asdict(cfg)`` (e.g. a checkpoint's meta.json)."""
+    vision = dict(d["vision"])
+    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
+    rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
+    return Qwen35VLConfig(text=text_config_from_dict(d["text"]),
+                          vision=Qwen3VisionConfig(**vision), **rest)

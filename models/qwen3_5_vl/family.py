@@ -1,0 +1,90 @@
+"""The Qwen3.5 vision-language family: Qwen3-VL's tower without DeepStack, the Qwen3.5 hybrid
+decoder with interleaved M-RoPE, Qwen3-VL's position rule (``models.qwen3_vl.inputs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.common.family import Family
+from models.common.section import VLSection, given
+from models.qwen3_5 import counts as text_counts
+from models.qwen3_5.family import decoder_from_fields
+from models.qwen3_5_vl.config import (
+    ARCH,
+    MODEL_TYPE,
+    Qwen35VLConfig,
+    config_from_dict,
+    config_from_hf,
+    hf_config_dict,
+)
+from models.qwen3_5_vl.hf import export_hf, load_hf_model, shard_map
+from models.qwen3_5_vl.model import build_model
+from models.qwen3_vl.config import Qwen3VisionSection
+from models.qwen3_vl.family import IMAGE_PROCESSING
+from models.qwen3_vl.inputs import local_inputs
+from models.qwen3_vl.presets import vision_from_section
+from models.qwen3_vl.vision import Qwen3VisionTower
+
+NAME = "qwen3_5_vl"
+
+
+@dataclass(frozen=True)
+class Qwen35VLSection(VLSection):
+    """Our YAML model section of the qwen3_5_vl family: the decoder's keys (the DeltaNet heads
+    follow from them, as for qwen3_5; ``mrope_section`` over the rotated quarter of each head)
+    and ``vision``."""
+
+    vision: Qwen3VisionSection | None = None
+    """The tower trained from scratch: ``Qwen3VisionConfig``'s fields (depth, hidden_size,
+    num_heads, intermediate_size, num_position_embeddings, ...; no DeepStack;
+    out_hidden_size defaults to hidden_size); needs mrope_section."""
+
+
+def config_from_section(section, token_ids: dict | None) -> Qwen35VLConfig:
+    """The ``Qwen35VLConfig`` of our YAML model section: the decoder as the qwen3_5 family
+    derives it from the shape fields (``models.qwen3_5.family.config_from_section``) with the
+    section's ``mrope_section`` (interleaved, summing to ``rotary_dim / 2``: a quarter of each
+    head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no
+    DeepStack), and the data tokenizer's four special ids."""
+    if token_ids is None:
+        raise ValueError("a VL model from scratch takes its token ids from the data's tokenizer")
+    if section.vision is None or section.mrope_section is None:
+        raise ValueError("model.family=qwen3_5_vl from scratch needs model.vision (the tower's "
+                         "fields) and model.mrope_section (summing to head_dim / 8, the pairs "
+                         "of the rotated quarter: e.g. [2, 1, 1] for head_dim 32); or set "
+                         "model.init_from")
+    text = decoder_from_fields(section.shape_fields(), NAME, mrope=True)
+    return Qwen35VLConfig(text=text, vision=vision_from_section(given(section.vision),
+                                                                text.hidden_size),
+                          **token_ids)
+
+
+def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
+    """Logical parameter counts: the decoder's (``models.qwen3_5.counts``) plus ``vision``
+    (the tower with its merger), included in ``total``."""
+    with torch.device("meta"):
+        tower = Qwen3VisionTower(cfg.vision)
+    vision = sum(p.numel() for p in tower.parameters())
+    text = text_counts.num_params(cfg.text)
+    return {**text, "total": text["total"] + vision, "vision": vision}
+
+
+def flops_per_token(cfg: Qwen35VLConfig, seq_len: int) -> float:
+    """The decoder's training FLOPs per token (``models.qwen3_5.counts``); the tower's work
+    depends on each batch's share of visual tokens and is left out (TFLOP/s and MFU are lower
+    bounds, as for the other VL families)."""
+    return text_counts.flops_per_token(cfg.text, seq_len)
+
+
+FAMILY = Family(
+    name=NAME, config_type=Qwen35VLConfig, hf_architectures=(ARCH,),
+    hf_model_types=(MODEL_TYPE,), config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
+    config_from_dict=config_from_dict, config_from_section=config_from_section,
+    build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
+    local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
+    decoder=lambda model: model.text, vision=lambda model: model.visual,
+    placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
+    options=("vision_cp",), host_inputs=("grid_thw",),
+    section=Qwen35VLSection, image_processing=IMAGE_PROCESSING)

@@ -1,0 +1,65 @@
+"""Hugging Face ``Qwen3_5ForConditionalGeneration`` checkpoints <-> shards of ``Qwen35VLModel``.
+
+Key layout (the released checkpoints' and transformers' ``save_pretrained``):
+``model.language_model.*`` (the Qwen3.5 decoder, ``models.qwen3_5.hf.shard_map`` under that
+prefix: ``linear_attn.*``, ``self_attn.q_proj`` with query and gate rows per head),
+``lm_head.weight`` (untied only) and ``model.visual.*`` (Qwen3-VL's tower keys,
+``models.qwen3_vl.hf.vision_shard_map``, without ``deepstack_merger_list``). Tensors the model
+does not use (multi-token prediction ``mtp.*`` of the released checkpoints) are skipped with one
+log line. Each rank reads only its slices (``models.common.hf_io.Checkpoint``); export gathers
+every parameter over the tp group of global rank 0, which writes ``config.json`` (5.x form) and
+``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.common.decoder import init_weights
+from models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
+from models.qwen3_5.hf import log_unused
+from models.qwen3_5.hf import shard_map as text_shard_map
+from models.qwen3_5_vl.config import Qwen35VLConfig, config_from_hf, hf_config_dict
+from models.qwen3_5_vl.model import Qwen35VLModel, make_model
+from models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
+from parallel.state import ParallelState
+
+
+def shard_map(cfg: Qwen35VLConfig, tp: int, rank: int) -> dict[str, list[Piece]]:
+    """Our ``Qwen35VLModel`` parameter name -> the HF pieces of tp rank ``rank``'s shard."""
+    out = {f"text.{k}": v for k, v in text_shard_map(cfg.text, tp, rank, TEXT_PREFIX).items()}
+    out.update({f"visual.{k}": v for k, v in vision_shard_map(cfg.vision, tp, rank).items()})
+    return out
+
+
+def load_hf_model(folder: str | Path, state: ParallelState, **options
+                  ) -> tuple[Qwen35VLModel, Qwen35VLConfig]:
+    """Build the ``Qwen35VLModel`` of a checkpoint folder for ``state`` and load this rank's
+    shards (``build_model``'s keyword arguments, no seed). Returns ``(model, cfg)``; another
+    family's checkpoint, a missing tensor or a shape that disagrees with the config raise
+    ``ValueError``."""
+    cfg = config_from_hf(folder)
+    device = options.pop("device", "cpu")
+    model = make_model(cfg, state, device=device, **options)
+    model.to_empty(device=device)
+    init_weights(model, 0)  # buffers (rotary tables); every parameter is overwritten below
+    ckpt = Checkpoint(Path(folder))
+    table = shard_map(cfg, state.tp, state.tp_rank)
+    with torch.no_grad():
+        fill_from_table(model, ckpt, table)
+    log_unused(ckpt, table, "vision-language model")
+    return model, cfg
+
+
+@torch.no_grad()
+def export_hf(model: Qwen35VLModel, state: ParallelState, out_dir: str | Path,
+              progress=None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` of ``model`` to ``out_dir`` (the layout
+    transformers loads as ``Qwen3_5ForConditionalGeneration``). Collective over the world: call
+    it on every rank. ``progress(done, total)`` is called after each parameter is gathered."""
+    cfg = model.cfg
+    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
+    write_hf(model, state, out_dir, hf_dict,
+             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
