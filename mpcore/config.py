@@ -50,6 +50,7 @@ FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 FAMILIES = tuple(REGISTRY)
+GDN_KERNELS = ("auto", "fla", "reference")  # models.qwen3_5.kernels.GDN_KERNELS (a test checks)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -104,6 +105,11 @@ class ModelSection:
     vision_cp: str = "split"
     """VL models under cp: split (each cp rank runs the tower on its share of the images,
     balanced by patch count; rows all-gathered) or replicate (every rank runs every image)."""
+    gdn_kernel: str = "auto"
+    """Gated DeltaNet kernels (the Qwen3.5 families): auto (fla-core's Triton ops on CUDA when
+    installed and a first forward + backward there passes, else our PyTorch reference, with one
+    warning saying why), fla (fla-core; missing or refused: an error with the install command
+    or fla's reason) or reference (any device)."""
 
     resolved_family: ClassVar[str] = "llama"  # the family whose keys this section type holds
 
@@ -118,6 +124,12 @@ class ModelSection:
             raise ValueError("model.fp8=tensorwise is mpcore's own kernel (linear_backend "
                              "native); with linear_backend=te use fp8=te_current or te_delayed")
         _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
+        _choice("model", "gdn_kernel", self.gdn_kernel, GDN_KERNELS)
+        takers = [n for n, f in REGISTRY.items() if "gdn_kernel" in f.options]
+        if self.gdn_kernel != "auto" and self.resolved_family not in takers:
+            raise ValueError(f"model.gdn_kernel={self.gdn_kernel} is set but the "
+                             f"{self.resolved_family} family has no Gated DeltaNet layers (the "
+                             f"families that have: {takers}); remove it")
         _choice("model", "family", self.family, ("auto", *FAMILIES))
         if self.family not in ("auto", self.resolved_family):
             raise ValueError(f"model.family={self.family} but the section holds the "

@@ -5,8 +5,12 @@ belong to the vision-language family (``models.qwen3_5_vl``), whose decoder is t
 
 from __future__ import annotations
 
+import dataclasses
+
+from models.common.config import ModelConfig
 from models.common.family import Family
 from models.common.inputs import local_text_inputs
+from models.common.section import DecoderSection, section_of
 from models.qwen3_5 import counts
 from models.qwen3_5.config import Qwen35Config
 from models.qwen3_5.hf import (
@@ -30,20 +34,42 @@ def config_from_dict(d: dict) -> Qwen35Config:
     return Qwen35Config(**d)
 
 
+DERIVED = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+           "linear_value_head_dim")
+"""The DeltaNet widths a YAML section may leave out (null): they then follow from the shape
+fields (``decoder_from_fields``)."""
+
+Qwen35Section = section_of(Qwen35Config, "Qwen35Section", skip=ModelConfig,
+                           bases=(DecoderSection,), defaults=dict.fromkeys(DERIVED),
+                           module=__name__)
+"""Our YAML model section of the qwen3_5 family: the decoder's keys plus ``Qwen35Config``'s
+own (``layer_types`` / ``full_attention_interval``, ``partial_rotary_factor``, the DeltaNet
+heads and widths, ``linear_conv_kernel_dim``)."""
+
+
+def hybrid_fields(section) -> dict:
+    """The ``Qwen35Config`` keyword arguments of a section's own keys (``Qwen35Section``'s
+    beyond the decoder's) that are given (not null)."""
+    own = set(dataclasses.fields(Qwen35Section)) - set(dataclasses.fields(DecoderSection))
+    return {f.name: getattr(section, f.name) for f in own
+            if getattr(section, f.name, None) is not None}
+
+
 def config_from_section(section, token_ids: dict | None) -> Qwen35Config:
-    """The decoder of our YAML model section. The section has no DeltaNet fields (the family
-    keeps the shared ``DecoderSection``), so they follow from the shape fields: ``num_heads``
-    value heads and ``num_heads / 2`` key heads of ``head_dim``, the conv of 4 taps, every
-    4th layer full attention, a quarter of each head rotated. For other shapes start from a HF checkpoint (``model.init_from``)."""
+    """The decoder of our YAML model section (``Qwen35Section``): the shape fields and the
+    hybrid layers' keys; DeltaNet widths left null follow from the shape fields
+    (``decoder_from_fields``)."""
     del token_ids
-    return decoder_from_fields(section.shape_fields(), "qwen3_5")
+    return decoder_from_fields({**section.shape_fields(), **hybrid_fields(section)}, "qwen3_5")
 
 
 def decoder_from_fields(fields: dict, family: str, mrope: bool = False) -> Qwen35Config:
-    """The ``Qwen35Config`` of a YAML model section's shape fields, the DeltaNet fields derived
-    (``config_from_section``); ``mrope``: the section's M-RoPE sections are the decoder's (the
-    vision-language family, interleaved), else they are refused like the other keys the
-    ``family`` has no use for."""
+    """The ``Qwen35Config`` of a YAML model section's fields. Each DeltaNet width not among
+    them follows from the shape: ``num_heads`` value heads and ``num_heads / 2`` key heads,
+    ``head_dim`` wide (the conv of 4 taps, every 4th layer full attention and a quarter of
+    each head rotated are ``Qwen35Config``'s defaults). ``mrope``: the section's M-RoPE
+    sections are the decoder's (the vision-language family, interleaved), else they are
+    refused like the other keys the ``family`` has no use for."""
     fields = dict(fields)
     refused = [("qkv_bias", "attention biases"), ("rope_scaling", "RoPE scaling")]
     if mrope:
@@ -54,11 +80,13 @@ def decoder_from_fields(fields: dict, family: str, mrope: bool = False) -> Qwen3
         if fields.pop(key):
             raise ValueError(f"model.{key} is set but the {family} family has no {why}; "
                              f"remove it")
-    cfg = Qwen35Config(**fields)
-    return Qwen35Config(**{**fields, "linear_num_key_heads": max(1, cfg.num_heads // 2),
-                           "linear_num_value_heads": cfg.num_heads,
-                           "linear_key_head_dim": cfg.head_dim,
-                           "linear_value_head_dim": cfg.head_dim})
+    if fields.get("layer_types") is not None:
+        fields["layer_types"] = tuple(fields["layer_types"])
+    shape = Qwen35Config(**{k: v for k, v in fields.items() if k not in DERIVED})
+    derived = {"linear_num_key_heads": max(1, shape.num_heads // 2),
+               "linear_num_value_heads": shape.num_heads,
+               "linear_key_head_dim": shape.head_dim, "linear_value_head_dim": shape.head_dim}
+    return Qwen35Config(**{**derived, **fields})
 
 
 def _decoder(model):
@@ -72,6 +100,7 @@ FAMILY = Family(
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
     local_inputs=local_text_inputs, num_params=counts.num_params,
-    flops_per_token=counts.flops_per_token, decoder=_decoder)
+    flops_per_token=counts.flops_per_token, decoder=_decoder, section=Qwen35Section,
+    options=("gdn_kernel",))
 
 __all__ = ["FAMILY", "config_from_dict", "config_from_section"]

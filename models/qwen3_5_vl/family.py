@@ -86,5 +86,5 @@ FAMILY = Family(
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
-    options=("vision_cp",), host_inputs=("grid_thw",),
+    options=("vision_cp", "gdn_kernel"), host_inputs=("grid_thw",),
     section=Qwen35VLSection, image_processing=IMAGE_PROCESSING)

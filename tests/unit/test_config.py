@@ -77,7 +77,7 @@ def test_model_section_is_the_family_section_plus_run_keys():
 
     run = {f.name for f in dataclasses.fields(ModelSection)}
     assert run == {"family", "init_from", "attention_backend", "linear_backend", "fp8",
-                   "freeze_vision", "vision_cp"}
+                   "freeze_vision", "vision_cp", "gdn_kernel"}
     decoder = {f.name for f in dataclasses.fields(DecoderSection)}
     assert decoder == {f.name for f in dataclasses.fields(ModelConfig)}
     for name, family in FAMILIES.items():
