@@ -40,6 +40,16 @@ LAYOUTS = [(1, 1, "none", False, False), (2, 1, "none", True, False),
            (1, 4, "ulysses", False, False)]
 
 
+def _base_tol(name: str) -> float:
+    """The bound on a gradient's relative distance from tp = cp = 1, as a multiple of 1e-5 (the
+    test divides by this and checks <= 1e-5). ``A_log`` and ``dt_bias`` get 5x: their gradient
+    is one sum per head over every token whose terms nearly cancel, so fp32 rounding of the
+    same terms summed in another order (other ranks' shares added after the all-reduce) is
+    larger relative to the result (measured 1.56e-5 at tp 2 x cp 2 on one CPU, under 1e-5 on
+    another); a layout bug moves it by orders of magnitude more."""
+    return 5.0 if name.endswith(("A_log", "dt_bias")) else 1.0
+
+
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
@@ -89,7 +99,7 @@ def _worker(rank, world, folder, ids, cu, ref, export_dir):
             "vs_base": float((logprobs - base[0]).abs().max()),
             "loss": abs(loss - ref["loss"]) / ref["loss"],
             "grad": max(rel.values()), "worst": max(rel, key=rel.get),
-            "grad_vs_base": max(_rel(g, _expected(base[1], pieces[n]))
+            "grad_vs_base": max(_rel(g, _expected(base[1], pieces[n])) / _base_tol(n)
                                 for n, g in grads.items())}
     export_hf(load_hf(folder, states[(2, 2)], cp_mode="ring")[0], states[(2, 2)], export_dir)
     try:  # 8 value heads, 2 key heads: not divisible by tp x cp = 4
