@@ -169,9 +169,11 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
     p = cfg.parallel
     try:
         model_cfg.check_parallel(p.tp, p.cp, p.cp_mode if p.cp > 1 else "none")
+        family.check_experts(model_cfg, p.ep)
     except ValueError as e:
         raise ValueError(f"model and parallel sections do not fit (parallel.tp={p.tp}, "
-                         f"parallel.cp={p.cp}, parallel.cp_mode={p.cp_mode}): {e}") from None
+                         f"parallel.cp={p.cp}, parallel.cp_mode={p.cp_mode}, parallel.ep="
+                         f"{p.ep}, model.family {family.name}): {e}") from None
     return cfg, model_cfg
 
 

@@ -66,12 +66,16 @@ def _decoder(model):
     return model
 
 
+def check_experts(cfg: Qwen3MoeConfig, ep: int) -> None:
+    cfg.check_experts(ep)
+
+
 FAMILY = Family(
     name="qwen3_moe", config_type=Qwen3MoeConfig, hf_architectures=(ARCH,),
     hf_model_types=(MODEL_TYPE,), config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=_decoder, section_extras=("moe",))
+    decoder=_decoder, section_extras=("moe",), check_experts=check_experts)
 
 __all__ = ["FAMILY"]

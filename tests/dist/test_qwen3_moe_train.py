@@ -18,7 +18,7 @@ from harness import run_distributed
 
 from models.common.moe_loss import aux_share, global_counts
 from models.qwen3_moe.family import FAMILY, local_inputs
-from mpcore.build import build, resolve_device, setup
+from mpcore.build import _expert_parallel_state, build, resolve_device, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.logical import LogicalLayout
@@ -143,3 +143,8 @@ def test_bad_expert_parallel_layouts_are_refused(tmp_path, data_dir):
         _cfg(data_dir, tmp_path, "parallel.ep=2", "parallel.data_parallel=ddp")
     with pytest.raises(ValueError, match="parallel.ep=2 must divide dp x cp = 1"):
         setup(_cfg(data_dir, tmp_path, "parallel.ep=2"))
+    # tp x ep does not fit the world: 4 ranks at tp = 2 leave dp x cp = 2 for ep = 4
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide dp x cp = 2 \(world 4 / "
+                                         r"tp 2\); choose an ep that divides 2"):
+        _expert_parallel_state(_cfg(data_dir, tmp_path, "parallel.tp=2", "parallel.ep=4"), 4,
+                               "the config")
