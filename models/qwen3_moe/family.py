@@ -6,6 +6,7 @@ import torch
 
 from models.common.family import Family
 from models.common.inputs import local_text_inputs
+from models.common.moe_model import moe_mask
 from models.qwen3_moe.config import (
     ARCH,
     MODEL_TYPE,
@@ -36,8 +37,7 @@ def local_inputs(state, input_ids, cu_seqlens, cfg=None, **kwargs):
     """``local_text_inputs`` plus ``moe_mask [L]``: true at real tokens (not cp padding), the
     rows the routing statistics count."""
     plan, inputs = local_text_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
-    real = plan.rank_layout(state.cp_rank).global_index >= 0
-    inputs["moe_mask"] = real.to(input_ids.device)
+    inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
     return plan, inputs
 
 
