@@ -43,7 +43,8 @@ FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 # models.registry.FAMILIES (a test checks they agree)
-FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5", "qwen3_moe")
+FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5", "qwen3_moe",
+            "qwen3_vl_moe")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:

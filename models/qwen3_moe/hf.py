@@ -50,18 +50,25 @@ def shard_map(cfg: Qwen3MoeConfig, tp: int, rank: int, prefix: str = "model."
     return out
 
 
-def _read_experts(ckpt: Checkpoint, cfg: Qwen3MoeConfig, mlp: str, first: int, count: int,
-                  transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w13 [count, 2I, H], w2 [count, H, I])`` of experts ``first ..`` in either layout;
-    ``transposed``: the fused tensors are stored ``[E, H, 2I]`` and ``[E, I, H]`` (released
-    Qwen3-VL-MoE checkpoints, which transformers transposes on load)."""
+def _read_experts(ckpt: Checkpoint, cfg: Qwen3MoeConfig, mlp: str, first: int, count: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [count, 2I, H], w2 [count, H, I])`` of experts ``first ..`` in either layout.
+    Fused tensors come in both orientations: transformers 5.x's ``[E, 2I, H]`` / ``[E, H, I]``
+    and the released Qwen3-VL-MoE checkpoints' ``[E, H, 2I]`` / ``[E, I, H]`` (transformers
+    transposes those on load); the stored shapes say which (the pair is never ambiguous:
+    that would need both 2I = H and I = H)."""
     h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    if mlp + "experts.gate_up_proj" in ckpt.files:
-        shapes = ((e, h, 2 * inter), (e, inter, h)) if transposed else (
-            (e, 2 * inter, h), (e, h, inter))
-        w13, w2 = (ckpt.read(Piece(mlp + f"experts.{kind}", shape, 0, first, first + count))
-                   for kind, shape in zip(("gate_up_proj", "down_proj"), shapes, strict=True))
-        return (w13.transpose(1, 2), w2.transpose(1, 2)) if transposed else (w13, w2)
+    names = (mlp + "experts.gate_up_proj", mlp + "experts.down_proj")
+    if names[0] in ckpt.files:
+        ours, flipped = ((e, 2 * inter, h), (e, h, inter)), ((e, h, 2 * inter), (e, inter, h))
+        stored = tuple(ckpt.shape(n) for n in names)
+        if stored not in (ours, flipped):
+            raise ValueError(f"{ckpt.folder}: {names[0]} / down_proj have shapes {stored} but "
+                             f"the config implies {ours} (or transposed, {flipped}); check "
+                             f"config.json against the weights")
+        w13, w2 = (ckpt.read(Piece(n, shape, 0, first, first + count))
+                   for n, shape in zip(names, stored, strict=True))
+        return (w13.transpose(1, 2), w2.transpose(1, 2)) if stored == flipped else (w13, w2)
     if mlp + f"experts.{first}.gate_proj.weight" not in ckpt.files:
         raise ValueError(f"{ckpt.folder} has neither {mlp}experts.gate_up_proj (transformers "
                          f"5.x) nor {mlp}experts.{first}.gate_proj.weight (released layout): "
@@ -78,7 +85,7 @@ def _read_experts(ckpt: Checkpoint, cfg: Qwen3MoeConfig, mlp: str, first: int, c
 @torch.no_grad()
 def load_moe_weights(model: nn.Module, folder: str | Path, state: ParallelState,
                      cfg: Qwen3MoeConfig, table: dict[str, list[Piece]], ours: str = "",
-                     hf: str = "model.", transposed: bool = False) -> None:
+                     hf: str = "model.") -> None:
     """Fill this rank's shards of ``model``: the experts of decoder ``cfg``'s sparse layers
     (our ``{ours}layers.i.feed_forward.experts.*``, HF ``{hf}layers.i.mlp.experts*``) with
     this ep rank's experts, every other parameter with its tp pieces of ``table``."""
@@ -89,7 +96,7 @@ def load_moe_weights(model: nn.Module, folder: str | Path, state: ParallelState,
     for i in cfg.moe_layers:
         name = f"{ours}layers.{i}.feed_forward.experts."
         w13, w2 = _read_experts(ckpt, cfg, f"{hf}layers.{i}.mlp.", state.ep_rank * local,
-                                local, transposed)
+                                local)
         params[name + "w13"].copy_(w13.to(params[name + "w13"].dtype))
         params[name + "w2"].copy_(w2.to(params[name + "w2"].dtype))
     for name, pieces in table.items():

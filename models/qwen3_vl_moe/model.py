@@ -1,0 +1,74 @@
+"""The Qwen3-VL-MoE model: ``models.qwen3_vl``'s model (tower, DeepStack, interleaved M-RoPE)
+whose decoder layers are Qwen3-MoE's (``models.qwen3_moe.model.Qwen3MoeLayer``: a
+``models.common.moe.MoeBlock`` in each sparse layer, experts split over ``state.ep_group``).
+
+Layout as ``models.qwen3_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
+padding; ``models.common.moe_model``), so the routing statistics count real tokens only;
+``router_stats()`` pools them for the load-balancing loss of the step (``mpcore.moe_step``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.common.decoder import init_weights
+from models.common.moe_model import MoeRouting, check_moe_layout
+from models.qwen3_moe.model import Qwen3MoeLayer
+from models.qwen3_vl.model import Qwen3VLModel
+from models.qwen3_vl_moe.config import Qwen3VLMoeConfig
+from parallel.state import ParallelState
+
+
+class Qwen3VLMoeModel(MoeRouting, Qwen3VLModel):
+    """The model of the module docstring (``Qwen3VLModel``'s arguments)."""
+
+    decoder_layer = Qwen3MoeLayer
+
+    def __init__(self, cfg: Qwen3VLMoeConfig, state: ParallelState, **kwargs):
+        check_moe_layout(cfg.text, state, bool(kwargs.get("sequence_parallel")))
+        super().__init__(cfg, state, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                moe_mask: torch.Tensor | None = None, **kwargs):
+        """``Qwen3VLModel.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
+        count (None: all)."""
+        self.set_moe_mask(moe_mask, input_ids)
+        return super().forward(input_ids, position_ids, **kwargs)
+
+
+def build_model(cfg: Qwen3VLMoeConfig, state: ParallelState, *, device="cpu",
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                **kwargs) -> Qwen3VLMoeModel:
+    """On meta, materialised on ``device``, initialised from ``seed`` (the same function at any
+    tp and ep); ``kwargs``: ``Qwen3VLModel``'s (sequence_parallel, cp_mode, vision_cp, ...)."""
+    with torch.device("meta"):
+        model = Qwen3VLMoeModel(cfg, state, dtype=dtype, **kwargs)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model
+
+
+def num_params(cfg: Qwen3VLMoeConfig) -> dict[str, int]:
+    """``total``, ``embedding``, ``head``, ``vision`` and ``active`` (k of the E experts of
+    every sparse layer) parameter counts (the module tree on meta, tp = ep = 1)."""
+    with torch.device("meta"):
+        model = Qwen3VLMoeModel(cfg, ParallelState())
+    t = cfg.text
+    vision = sum(p.numel() for p in model.visual.parameters())
+    embedding = model.text.tok_embeddings.weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    head = embedding if t.tie_embeddings else model.text.output.weight.numel()
+    idle = len(t.moe_layers) * (t.num_experts - t.num_experts_per_tok) * (
+        3 * t.hidden_size * t.moe_intermediate_size)
+    return {"total": total, "embedding": embedding, "head": head, "vision": vision,
+            "active": total - idle}
+
+
+def flops_per_token(cfg: Qwen3VLMoeConfig, seq_len: int) -> float:
+    """``models.qwen3_vl.model.flops_per_token``'s convention over the ACTIVE decoder weights
+    (k of the E experts per token); the tower's work is left out (lower bounds)."""
+    counts = num_params(cfg)
+    dense = counts["active"] - counts["vision"]
+    if not cfg.text.tie_embeddings:
+        dense -= counts["embedding"]
+    return 6.0 * dense + 12.0 * cfg.text.num_layers * cfg.text.q_size * seq_len
