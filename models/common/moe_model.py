@@ -2,6 +2,7 @@
 trainer's hooks (``mpcore.moe_step``) and the inputs' ``moe_mask``, shared by every MoE family.
 
     model.router_stats()     the MoE layers' statistics of the last forward, pooled
+    model.moe_cfg            the config with the MoE fields (router_aux_loss_coef, ...)
     forward(..., moe_mask)   ``moe_mask [L]`` bool: the local tokens the statistics count (real
                              tokens, not cp padding); ``set_moe_mask`` hands it to every block
     moe_mask(plan, state)    that mask for this cp rank's tokens of a ``ContextPlan``
@@ -36,6 +37,11 @@ def moe_mask(plan, state: ParallelState, device) -> torch.Tensor:
 
 class MoeRouting:
     """Mixin of a ``nn.Module`` holding ``MoeBlock``s: the hooks of the module docstring."""
+
+    @property
+    def moe_cfg(self):
+        """The config holding the MoE fields: the model's own (a VL model: its decoder's)."""
+        return self.cfg
 
     def moe_blocks(self) -> list[MoeBlock]:
         return [m for m in self.modules() if isinstance(m, MoeBlock)]

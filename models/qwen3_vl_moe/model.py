@@ -28,6 +28,10 @@ class Qwen3VLMoeModel(MoeRouting, Qwen3VLModel):
         check_moe_layout(cfg.text, state, bool(kwargs.get("sequence_parallel")))
         super().__init__(cfg, state, **kwargs)
 
+    @property
+    def moe_cfg(self):
+        return self.cfg.text
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
                 moe_mask: torch.Tensor | None = None, **kwargs):
         """``Qwen3VLModel.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
