@@ -30,6 +30,13 @@ def check_moe_layout(text_cfg, state: ParallelState, sequence_parallel: bool) ->
     text_cfg.check_experts(state.ep)
 
 
+def idle_expert_params(cfg) -> int:
+    """Expert parameters a token's forward does not multiply: the E - k experts of each sparse
+    layer it is not routed to (``active = total - idle``). ``cfg``: a ``Qwen3MoeConfig``."""
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return len(cfg.moe_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * expert
+
+
 def moe_mask(plan, state: ParallelState, device) -> torch.Tensor:
     """``[L]`` bool: true at this cp rank's real tokens of ``plan`` (false at cp padding)."""
     return (plan.rank_layout(state.cp_rank).global_index >= 0).to(device)

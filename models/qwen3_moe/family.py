@@ -6,7 +6,7 @@ import torch
 
 from models.common.family import Family
 from models.common.inputs import local_text_inputs
-from models.common.moe_model import moe_mask
+from models.common.moe_model import idle_expert_params, moe_mask
 from models.qwen3_moe.config import (
     ARCH,
     MODEL_TYPE,
@@ -48,10 +48,8 @@ def num_params(cfg: Qwen3MoeConfig) -> dict[str, int]:
         model = Qwen3MoeTransformer(cfg, ParallelState())
     total = sum(p.numel() for p in model.parameters())
     embedding = cfg.vocab_size * cfg.hidden_size
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    idle = len(cfg.moe_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * expert
     return {"total": total, "embedding": embedding,
-            "head": embedding, "active": total - idle}
+            "head": embedding, "active": total - idle_expert_params(cfg)}
 
 
 def flops_per_token(cfg: Qwen3MoeConfig, seq_len: int) -> float:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 from models.common.decoder import init_weights
-from models.common.moe_model import MoeRouting, check_moe_layout
+from models.common.moe_model import MoeRouting, check_moe_layout, idle_expert_params
 from models.qwen3_moe.model import Qwen3MoeLayer
 from models.qwen3_vl.model import Qwen3VLModel
+from models.qwen3_vl.model import flops_per_token as dense_flops_per_token
+from models.qwen3_vl.model import num_params as dense_num_params
 from models.qwen3_vl_moe.config import Qwen3VLMoeConfig
 from parallel.state import ParallelState
 
@@ -53,26 +55,12 @@ def build_model(cfg: Qwen3VLMoeConfig, state: ParallelState, *, device="cpu",
 
 
 def num_params(cfg: Qwen3VLMoeConfig) -> dict[str, int]:
-    """``total``, ``embedding``, ``head``, ``vision`` and ``active`` (k of the E experts of
-    every sparse layer) parameter counts (the module tree on meta, tp = ep = 1)."""
-    with torch.device("meta"):
-        model = Qwen3VLMoeModel(cfg, ParallelState())
-    t = cfg.text
-    vision = sum(p.numel() for p in model.visual.parameters())
-    embedding = model.text.tok_embeddings.weight.numel()
-    total = sum(p.numel() for p in model.parameters())
-    head = embedding if t.tie_embeddings else model.text.output.weight.numel()
-    idle = len(t.moe_layers) * (t.num_experts - t.num_experts_per_tok) * (
-        3 * t.hidden_size * t.moe_intermediate_size)
-    return {"total": total, "embedding": embedding, "head": head, "vision": vision,
-            "active": total - idle}
+    """``models.qwen3_vl.model.num_params``' counts of this model plus ``active`` (k of the E
+    experts of every sparse layer)."""
+    counts = dense_num_params(cfg, Qwen3VLMoeModel)
+    return {**counts, "active": counts["total"] - idle_expert_params(cfg.text)}
 
 
 def flops_per_token(cfg: Qwen3VLMoeConfig, seq_len: int) -> float:
-    """``models.qwen3_vl.model.flops_per_token``'s convention over the ACTIVE decoder weights
-    (k of the E experts per token); the tower's work is left out (lower bounds)."""
-    counts = num_params(cfg)
-    dense = counts["active"] - counts["vision"]
-    if not cfg.text.tie_embeddings:
-        dense -= counts["embedding"]
-    return 6.0 * dense + 12.0 * cfg.text.num_layers * cfg.text.q_size * seq_len
+    """``models.qwen3_vl.model.flops_per_token`` over the ACTIVE decoder weights."""
+    return dense_flops_per_token(cfg, seq_len, num_params(cfg))

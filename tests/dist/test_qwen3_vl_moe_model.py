@@ -106,6 +106,9 @@ def test_export_round_trip_and_configs(tmp_path):
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
         assert torch.equal(ours[name], t), name
+    counts = FAMILY.num_params(cfg)  # untied: the state dict holds every parameter once
+    assert counts["total"] == sum(t.numel() for t in theirs.values())
+    assert counts["total"] - counts["active"] == 2 * 2 * 3 * 32 * MOE["moe_intermediate_size"]
     assert config_from_hf(hf_config_dict(cfg)) == cfg
     assert config_from_dict(dataclasses.asdict(cfg)) == cfg
     # The released checkpoints' orientation ([E, H, 2I] / [E, I, H]) loads to the same model.
