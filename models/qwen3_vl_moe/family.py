@@ -45,5 +45,5 @@ FAMILY = Family(
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
     decoder=QWEN3_VL.decoder, vision=QWEN3_VL.vision, placeholder_ids=QWEN3_VL.placeholder_ids,
     modality="image-text", options=QWEN3_VL.options, host_inputs=QWEN3_VL.host_inputs,
-    section_extras=("vision", "moe"), hf_image_processor=QWEN3_VL.hf_image_processor,
+    section_extras=("vision", "moe"), image_processing=QWEN3_VL.image_processing,
     check_experts=check_experts)
