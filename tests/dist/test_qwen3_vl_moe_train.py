@@ -21,7 +21,7 @@ from mpcore.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "qwen3_vl_moe_tiny.yaml"
-STEPS = 5
+STEPS = 8
 
 
 def tiny(tmp, run: str, *overrides: str):
@@ -47,7 +47,7 @@ def test_trains_and_cp2_ep2_equals_one_process(tmp_path):
     prepare_vl_default(tmp_path / "data", 512)
     ref = train(tiny(tmp_path, "ref")).losses
     assert len(ref) == STEPS and all(torch.isfinite(torch.tensor(ref)))
-    assert ref[-1] < ref[0]
+    assert sum(ref[-3:]) < sum(ref[:3]) - 0.3, ref  # falls (each step has other images)
     rows = [json.loads(r) for r in (tmp_path / "ref" / "metrics.jsonl").read_text()
             .splitlines()]
     assert len(rows) == STEPS
