@@ -22,8 +22,8 @@ Loading reads the full logical tensors on EVERY rank, a batch of parameters at a
 (``LOAD_BATCH_BYTES``), and keeps this rank's shard of each: tp pieces, then the FSDP2 dim-0
 chunk (expert tensors: this ep rank's experts first). Reads cost world x checkpoint size of
 I/O; memory stays one batch at a time. A checkpoint from any (tp, cp, dp, ep, fsdp|ddp) layout
-loads at any other. RNG states are restored
-only when the layout is the same (their meaning depends on the rank).
+loads at any other. RNG states are restored only when the layout is the same (their meaning
+depends on the rank).
 """
 
 from __future__ import annotations
