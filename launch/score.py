@@ -128,13 +128,18 @@ def score_sequences(model, state: ParallelState, sequences: list[list[int]],
     return score_items(model, state, items, device, temperature)
 
 
-def checkpoint_spec(folder: Path) -> InputSpec:
+def checkpoint_spec(folder: Path, ep: int = 1) -> InputSpec:
     """What the checkpoint at ``folder`` accepts, from its config.json alone (no weights):
     a vision-language family's checkpoint takes images, a decoder's text only. ``ValueError``
-    for architectures no family supports."""
+    for architectures no family supports, or experts that do not split over ``ep`` ranks (a
+    dense model at ep > 1 included)."""
     hf = read_hf_config(folder)
     family = family_of_hf(hf)
     cfg = family.config_from_hf(hf)
+    try:
+        family.check_experts(cfg, ep)
+    except ValueError as e:
+        raise ValueError(f"--ep {ep} does not fit {folder}: {e}") from None
     if family.modality == "image-text":
         return vl_spec(cfg, folder, family.image_processing, stream_check(family, cfg))
     archs = hf.get("architectures") or ["?"]
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = ParallelState.build(args.tp, args.cp, ep=args.ep)
         lock = claim_output(args, state)
-        spec = checkpoint_spec(args.hf_checkpoint)
+        spec = checkpoint_spec(args.hf_checkpoint, args.ep)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
         model = load_model(args, state, device)
         start = time.perf_counter()

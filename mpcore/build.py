@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from models import (
     family_of_hf,
     read_hf_config,
 )
+from models.common.moe import MoeBlock, expert_param_names
 from mpcore.backends import resolve_linear_backend, use_te
 from mpcore.batches import data_loaders
 from mpcore.config import Config
@@ -104,9 +104,6 @@ def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelStat
     if dp_cp % p.ep:
         raise ValueError(f"{source}: parallel.ep={p.ep} must divide dp x cp = {dp_cp} (world "
                          f"{world} / tp {p.tp}); choose an ep that divides {dp_cp}")
-    if cfg.checkpoint.every or cfg.checkpoint.resume and Path(cfg.checkpoint_dir).exists():
-        raise ValueError(f"{source}: parallel.ep={p.ep}: checkpoints of ep-split experts are "
-                         f"not written yet; set checkpoint.every=0 (and start a fresh run dir)")
     return ParallelState.build(p.tp, p.cp, ep=p.ep)
 
 
@@ -159,9 +156,11 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
     p = cfg.parallel
     try:
         model_cfg.check_parallel(p.tp, p.cp, p.cp_mode if p.cp > 1 else "none")
+        family.check_experts(model_cfg, p.ep)
     except ValueError as e:
         raise ValueError(f"model and parallel sections do not fit (parallel.tp={p.tp}, "
-                         f"parallel.cp={p.cp}, parallel.cp_mode={p.cp_mode}): {e}") from None
+                         f"parallel.cp={p.cp}, parallel.cp_mode={p.cp_mode}, parallel.ep="
+                         f"{p.ep}, model.family {family.name}): {e}") from None
     return cfg, model_cfg
 
 
@@ -199,8 +198,6 @@ def _shard_experts(model: nn.Module, state: ParallelState, device: torch.device,
     expert gradients are SUMS over edp like every other gradient's over dp x cp."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-
-    from models.common.moe import MoeBlock
 
     mesh = DeviceMesh.from_group(state.edp_group, device.type)
     for block in model.modules():
@@ -269,7 +266,8 @@ def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
              summary=None, family: Family | None = None) -> Run:
     """The ``Run`` around a built ``model`` (decoder or VL): data-parallel wrapping, optimizer
     over the parameters that train, the true global grad norm, the checkpointed train state."""
-    layout = LogicalLayout(model_cfg, state.tp, state.tp_rank)
+    layout = LogicalLayout(model_cfg, state.tp, state.tp_rank, ep=state.ep,
+                           ep_rank=state.ep_rank, experts=expert_param_names(model))
     module = _wrap(model, cfg, state, device)
     names = {id(param): name for name, param in model.named_parameters()}
     optimizer = build_optimizer(model, cfg, device.type)

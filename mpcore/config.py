@@ -189,8 +189,8 @@ class ParallelSection:
     ep: int = 1
     """Expert-parallel degree of a MoE model: its experts split over ep of the dp x cp ranks
     (ep divides dp * cp; ep fastest inside dp x cp, parallel.state). Needs data_parallel
-    fsdp (expert weights sharded over the expert-data-parallel group) and, for now,
-    checkpoint.every 0 (checkpoints of ep-split experts are not written yet)."""
+    fsdp (expert weights sharded over the expert-data-parallel group). Checkpoints hold every
+    expert, so a run resumes at any ep (mpcore.logical)."""
     cp_mode: str = "ring"
     """Context-parallel attention when cp > 1: ring or ulysses."""
     cp_layout: str = "zigzag"

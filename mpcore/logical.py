@@ -15,9 +15,21 @@ Norm weights: a logical element may be held by several tp ranks (norms on every 
 replicated when tp > num_kv_heads) and padding rows by none. ``norm_weight`` gives each local
 element 1 / (number of tp ranks holding it), 0 for padding, so summing ``weight * g**2`` over the
 tp group counts every logical element exactly once (the true global gradient norm).
+
+Expert parallelism: the experts of a MoE layer (``experts``: our names of the tensors split
+over ep, ``models.common.moe.expert_param_names``) are split on dim 0 over the ep group, ep
+rank r holding the global experts ``[r E / ep, (r + 1) E / ep)`` (``parallel.experts``). Their
+logical form holds all ``E`` experts, the same at every ep: ``gather_experts`` all-gathers the
+ep slices back into the ``[E, ...]`` tensor the tp maps describe (expert tensors are whole on
+every tp rank), ``shard`` keeps this ep rank's rows.
+
+    gather:  ep-local [E / ep, ...]  --all-gather over ep-->  [E, ...]  --tp, as above-->  HF
+    shard:   HF  --tp pieces-->  [E, ...]  --rows of this ep rank-->  [E / ep, ...]
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -38,8 +50,10 @@ class LogicalLayout:
     ``owners``: our parameter name -> the HF names its pieces come from (in piece order).
     """
 
-    def __init__(self, cfg, tp: int, tp_rank: int):
+    def __init__(self, cfg, tp: int, tp_rank: int, *, ep: int = 1, ep_rank: int = 0,
+                 experts: Iterable[str] = ()):
         self.cfg, self.tp, self.tp_rank = cfg, tp, tp_rank
+        self.ep, self.ep_rank = ep, ep_rank
         table = family_of(cfg).shard_map  # the family's HF pieces per tp rank
         self.maps = [table(cfg, tp, r) for r in range(tp)]
         self.hf_shapes: dict[str, tuple[int, ...]] = {}
@@ -48,6 +62,11 @@ class LogicalLayout:
             self.owners[name] = list(dict.fromkeys(p.name for p in pieces))
             for p in pieces:
                 self.hf_shapes[p.name] = p.shape
+        self.experts = frozenset(experts)
+        for name in self.experts:  # internal invariants of the ep split (module docstring)
+            pieces = self.maps[0].get(name)
+            assert pieces is not None and len(pieces) == 1, (name, pieces)
+            assert pieces[0].dim == 0 and pieces[0].shape[0] % ep == 0, (name, pieces, ep)
         self._count = self._multiplicity()
 
     @property
@@ -57,6 +76,25 @@ class LogicalLayout:
 
     def dim(self, name: str) -> int:
         return self.maps[0][name][0].dim
+
+    def _ep_rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This ep rank's experts (dim-0 rows) of an expert tensor holding all of them; any
+        other tensor (and every tensor at ep 1) as it is."""
+        if name not in self.experts or self.ep == 1:
+            return t
+        local = t.shape[0] // self.ep
+        return t.narrow(0, self.ep_rank * local, local)
+
+    @torch.no_grad()
+    def gather_experts(self, name: str, local: torch.Tensor,
+                       ep_group: ProcessGroup | None) -> torch.Tensor:
+        """The tp-local tensor of parameter ``name`` with every expert: ``[E, ...]`` from this
+        ep rank's ``[E / ep, ...]`` (ep ranks in order hold consecutive experts). Collective
+        over ``ep_group`` for an expert tensor at ep > 1 (every rank of it calls this for the
+        same names, in the same order); any other tensor is returned as it is."""
+        if name not in self.experts or self.ep == 1:
+            return local
+        return all_gather(local.detach(), 0, ep_group)
 
     def _multiplicity(self) -> dict[str, torch.Tensor]:
         """HF name -> int64 [shape[dim]]: how many tp ranks hold each index along the dim."""
@@ -79,12 +117,13 @@ class LogicalLayout:
             if stop > p.start:
                 w[: stop - p.start] = 1.0 / self._count[p.name][p.start:stop].float()
             parts.append(w)
-        return torch.cat(parts)
+        return self._ep_rows(name, torch.cat(parts))
 
     @torch.no_grad()
     def gather(self, name: str, local: torch.Tensor, group: ProcessGroup | None,
                out_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Full HF tensors (on the CPU) of our parameter ``name`` from every rank's ``local``.
+        """Full HF tensors (on the CPU) of our parameter ``name`` from every rank's ``local``
+        (an expert tensor with all its experts: ``gather_experts`` first).
 
         Collective over the tp ``group``: every rank of it calls this with its own shard.
         """
@@ -105,7 +144,8 @@ class LogicalLayout:
         return full
 
     def shard(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:
-        """This tp rank's local tensor of our parameter ``name`` from the full HF tensors."""
+        """This rank's local tensor of our parameter ``name`` from the full HF tensors: its tp
+        pieces, and of an expert tensor its ep rank's experts."""
         pieces = self.maps[self.tp_rank][name]
         dim = pieces[0].dim
         parts = []
@@ -123,4 +163,4 @@ class LogicalLayout:
                 shape[dim] = pad
                 part = torch.cat([part, part.new_zeros(shape)], dim=dim)
             parts.append(part)
-        return torch.cat(parts, dim=dim)
+        return self._ep_rows(name, torch.cat(parts, dim=dim))

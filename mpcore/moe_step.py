@@ -55,7 +55,7 @@ class MoeStep:
         stats = self.model.router_stats()
         if self.counts is None:
             self.counts, self.rows = global_counts([stats], self.state.dp_cp_group)
-        cfg = self.model.cfg
+        cfg = self.model.moe_cfg
         aux = aux_share(stats, self.counts, self.rows)
         z = z_share(stats, self.rows)
         self.aux = self.aux.to(aux.device) + aux.detach()

@@ -18,7 +18,9 @@ Refused (they change the data order or what a step means), listed as ``key: save
                                  init_from, family (auto or the name it resolves to: the
                                  fields say what the model is), max_position_embeddings,
                                  attention_backend, fp8, linear_backend, vision_cp
-A key named in ``checkpoint.accept_changes`` is accepted instead (logged).
+A key named in ``checkpoint.accept_changes`` is accepted instead (logged). A checkpoint of
+another model family (meta.json ``model_family``: a MoE model's for a dense config, or the
+reverse) is refused outright: its tensors belong to another model.
 
 Allowed and logged: everything else (logging.*, checkpoint.every / keep_last, the parallel
 layout, optimizer.*, training.max_steps, ...), including keys added later outside ``model``
@@ -148,10 +150,26 @@ def compare(meta: dict, cfg: Config, dp: int, fingerprint: dict | None) -> tuple
     return refused, allowed
 
 
+def _check_family(folder: Path, meta: dict, cfg: Config) -> None:
+    """``ValueError`` when the checkpoint was saved from another model family (a MoE model's
+    checkpoint resumed by a dense config, or the reverse): its tensors are another model's,
+    so no ``accept_changes`` can make it load. Checkpoints that predate ``model_family`` in
+    meta.json are left to the config comparison."""
+    saved, now = meta.get("model_family"), run_family(cfg).name
+    if saved is not None and saved != now:
+        raise ValueError(
+            f"cannot resume {folder}: it holds a {saved} model (meta.json model_family) and "
+            f"this config builds a {now} model; a checkpoint loads only into the family it was "
+            f"saved from. Set model.family={saved} and the model section it was saved with "
+            f"(see {folder}/meta.json, key config), or start a new run in another folder "
+            f"(logging.run_dir=...)")
+
+
 def check_resume(folder: Path, meta: dict, cfg: Config, dp: int,
                  fingerprint: dict | None) -> list[str]:
     """Raise ``ValueError`` listing what may not change (and how to proceed); else return the
     allowed changes as ``key: saved -> now`` lines to log."""
+    _check_family(folder, meta, cfg)
     refused, allowed = compare(meta, cfg, dp, fingerprint)
     accepted = set(cfg.checkpoint.accept_changes)
     allowed += [(f"{k} (checkpoint.accept_changes)", a, b) for k, a, b in refused

@@ -132,7 +132,7 @@ class Trainer:
         s = self.run.state
         return {"format": CHECKPOINT_FORMAT, "step": self.step,
                 "loader": self.run.loader.state_dict(),
-                "layout": {"tp": s.tp, "cp": s.cp, "dp": s.dp,
+                "layout": {"tp": s.tp, "cp": s.cp, "dp": s.dp, "ep": s.ep,
                            "data_parallel": self.cfg.parallel.data_parallel},
                 "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                 "group_steps": [g.get("step") for g in self.run.optimizer.param_groups],
@@ -190,7 +190,8 @@ class Trainer:
             for line in verdict:
                 log.info("resume: allowed change since %s: %s", folder.name, line)
         saved = meta["layout"]
-        same = (saved["tp"], saved["cp"], saved["dp"]) == (s.tp, s.cp, s.dp)
+        same = (saved["tp"], saved["cp"], saved["dp"], saved.get("ep", 1)) == (
+            s.tp, s.cp, s.dp, s.ep)
         self.run.train_state.restore(folder, same_layout=same)
         for group, value in zip(self.run.optimizer.param_groups, meta["group_steps"],
                                 strict=False):
@@ -201,8 +202,8 @@ class Trainer:
         self.bad_steps = int(meta["bad_steps"])
         self.consecutive_bad = int(meta["consecutive_bad"])
         if s.rank == 0:
-            log.info("resumed from %s (step %d, saved at tp=%d cp=%d dp=%d)", folder,
-                     self.step, saved["tp"], saved["cp"], saved["dp"])
+            log.info("resumed from %s (step %d, saved at tp=%d cp=%d dp=%d ep=%d)", folder,
+                     self.step, saved["tp"], saved["cp"], saved["dp"], saved.get("ep", 1))
         return folder
 
     # ------------------------------------------------------------------ one step

@@ -12,14 +12,18 @@ Keys of the DCP state (every tensor on the CPU):
 Saving gathers each parameter to its full logical form: FSDP2 shards are all-gathered over
 dp x cp (``full_tensor``), then the tp shards of ONE replica (dp x cp rank ``i % (dp*cp)`` for
 the i-th parameter) are gathered over its tp group and kept by one of its ranks, so the writes
-spread over the world. Memory: each rank holds the full tensors it owns (about 1/world of the
-model + optimizer, in fp32, on the CPU) plus one parameter's full tensor at a time.
+spread over the world. Expert tensors of a MoE model split over ep ranks are first
+all-gathered over the ep group (after FSDP2's gather over the expert-data-parallel group), so
+the checkpoint holds every expert of every layer: the same keys at any ep (``mpcore.logical``).
+Memory: each rank holds the full tensors it owns (about 1/world of the model + optimizer, in
+fp32, on the CPU) plus one parameter's full tensor at a time.
 
 Loading reads the full logical tensors on EVERY rank, a batch of parameters at a time
 (``LOAD_BATCH_BYTES``), and keeps this rank's shard of each: tp pieces, then the FSDP2 dim-0
-chunk. Reads cost world x checkpoint size of I/O; memory stays one batch at a time.
-A checkpoint from any (tp, cp, dp, fsdp|ddp) layout loads at any other. RNG states are restored
-only when the layout is the same (their meaning depends on the rank).
+chunk (expert tensors: this ep rank's experts first). Reads cost world x checkpoint size of
+I/O; memory stays one batch at a time. A checkpoint from any (tp, cp, dp, ep, fsdp|ddp) layout
+loads at any other. RNG states are restored only when the layout is the same (their meaning
+depends on the rank).
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ class TrainState:
                     if s.rank == replica * s.tp + keeper:
                         out[f"optim_scalar/{name}/{key}"] = value.detach().cpu().clone()
             for prefix, tensor in entries:
-                local = _tp_local(tensor)  # collective over dp x cp under FSDP2
+                local = _tp_local(tensor)  # collective over dp x cp (edp) under FSDP2
+                local = self.layout.gather_experts(name, local, s.ep_group)  # over ep
                 if s.dp_cp_rank != replica:
                     continue
                 full = self.layout.gather(name, local, s.tp_group)  # collective over tp

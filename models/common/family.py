@@ -24,6 +24,9 @@ Signatures (``cfg`` is the family's own frozen config dataclass, ``config_type``
     decoder(model) -> the ``Transformer`` inside (TE linears, FP8 regions)
     vision(model) -> the vision tower, or None (``model.freeze_vision``)
     placeholder_ids(cfg) -> ids whose rows come from a tower (never targets; () for text)
+    check_experts(cfg, ep)                          ``ValueError`` naming the fix when the
+                                                    model's experts cannot split over ``ep``
+                                                    ranks (a dense family: any ep > 1)
 ``hf_architectures`` / ``hf_model_types`` are the config.json names it reads; ``options`` names
 the build keyword arguments beyond the decoder's (``vision_cp``) that our YAML model section
 provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it; ``host_inputs``
@@ -80,6 +83,14 @@ def _no_vision(model):
     return None
 
 
+def _no_experts(cfg, ep: int) -> None:
+    """A dense family's ``check_experts``: expert parallelism has nothing to split."""
+    del cfg
+    if ep > 1:
+        raise ValueError(f"ep={ep} but this model has no experts (a dense family); set ep to "
+                         f"1, or train a family with MoE layers")
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's entry in ``models.registry`` (module docstring)."""
@@ -102,6 +113,7 @@ class Family:
     decoder: Callable[[Any], Any]
     vision: Callable[[Any], Any] = _no_vision
     placeholder_ids: Callable[[Any], tuple[int, ...]] = _no_placeholders
+    check_experts: Callable[[Any, int], None] = _no_experts
     modality: str = "text"
     options: tuple[str, ...] = ()
     host_inputs: tuple[str, ...] = ()

@@ -116,14 +116,21 @@ class Checkpoint:
             raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
         self.folder, self._open = folder, {}
 
-    def read(self, piece: Piece) -> torch.Tensor:
-        """The piece's slice; rows past the tensor's end come back as zeros."""
-        if piece.name not in self.files:
-            raise ValueError(f"tensor {piece.name} is missing from the checkpoint {self.folder}")
-        path = self.files[piece.name]
+    def _view(self, name: str):
+        if name not in self.files:
+            raise ValueError(f"tensor {name} is missing from the checkpoint {self.folder}")
+        path = self.files[name]
         if path not in self._open:
             self._open[path] = _safe_open(path)
-        view = self._open[path].get_slice(piece.name)
+        return self._open[path].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor ``name`` (read from the file's header only)."""
+        return tuple(self._view(name).get_shape())
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        """The piece's slice; rows past the tensor's end come back as zeros."""
+        view = self._view(piece.name)
         shape = tuple(view.get_shape())
         if shape != piece.shape:
             raise ValueError(f"tensor {piece.name} has shape {shape} in the checkpoint but the "

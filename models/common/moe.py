@@ -119,6 +119,14 @@ class Experts(_Weights):
         return run_experts(x, self.w13, self.w2, counts, self.backend)
 
 
+def expert_param_names(model: nn.Module) -> set[str]:
+    """Names (as ``model.named_parameters`` gives them) of the expert weights: the tensors
+    split on dim 0 over the ep group (each ``Experts`` module's ``w13`` and ``w2``)."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules() if isinstance(module, Experts)
+            for name, _ in module.named_parameters(recurse=False)}
+
+
 class MoeBlock(nn.Module):
     """The block of the module docstring. ``ep_group``: the ranks splitting the experts (None:
     all here); ``shared_intermediate``: width of a shared expert gated by

@@ -6,6 +6,7 @@ import torch
 
 from models.common.family import Family
 from models.common.inputs import local_text_inputs
+from models.common.moe_model import idle_expert_params, moe_mask
 from models.common.section import given
 from models.qwen3_moe.config import (
     ARCH,
@@ -38,8 +39,7 @@ def local_inputs(state, input_ids, cu_seqlens, cfg=None, **kwargs):
     """``local_text_inputs`` plus ``moe_mask [L]``: true at real tokens (not cp padding), the
     rows the routing statistics count."""
     plan, inputs = local_text_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
-    real = plan.rank_layout(state.cp_rank).global_index >= 0
-    inputs["moe_mask"] = real.to(input_ids.device)
+    inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
     return plan, inputs
 
 
@@ -50,10 +50,8 @@ def num_params(cfg: Qwen3MoeConfig) -> dict[str, int]:
         model = Qwen3MoeTransformer(cfg, ParallelState())
     total = sum(p.numel() for p in model.parameters())
     embedding = cfg.vocab_size * cfg.hidden_size
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    idle = len(cfg.moe_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * expert
     return {"total": total, "embedding": embedding,
-            "head": embedding, "active": total - idle}
+            "head": embedding, "active": total - idle_expert_params(cfg)}
 
 
 def flops_per_token(cfg: Qwen3MoeConfig, seq_len: int) -> float:
@@ -68,12 +66,16 @@ def _decoder(model):
     return model
 
 
+def check_experts(cfg: Qwen3MoeConfig, ep: int) -> None:
+    cfg.check_experts(ep)
+
+
 FAMILY = Family(
     name="qwen3_moe", config_type=Qwen3MoeConfig, hf_architectures=(ARCH,),
     hf_model_types=(MODEL_TYPE,), config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=_decoder, section=Qwen3MoeSection)
+    decoder=_decoder, section=Qwen3MoeSection, check_experts=check_experts)
 
 __all__ = ["FAMILY"]

@@ -16,8 +16,8 @@ import torch
 
 from kernels.fp8_linear import check_fp8
 from models.common.decoder import DecoderLayer, Transformer, init_weights
-from models.common.moe import MoeBlock, RouterStats
-from models.common.moe_loss import pool_layers
+from models.common.moe import MoeBlock
+from models.common.moe_model import MoeRouting, check_moe_layout
 from models.qwen3_moe.config import Qwen3MoeConfig
 from parallel.state import ParallelState
 
@@ -35,33 +35,18 @@ class Qwen3MoeLayer(DecoderLayer):
                 ep_group=state.ep_group, dtype=dtype)
 
 
-class Qwen3MoeTransformer(Transformer):
+class Qwen3MoeTransformer(MoeRouting, Transformer):
     """The decoder of the module docstring (``Transformer``'s arguments)."""
 
     def __init__(self, cfg: Qwen3MoeConfig, state: ParallelState, **kwargs):
-        if kwargs.get("sequence_parallel") and state.tp > 1:
-            raise ValueError("sequence parallelism is not supported with MoE layers yet (the "
-                             "experts run on every tp rank's full tokens); set "
-                             "sequence_parallel false")
-        cfg.check_experts(state.ep)
+        check_moe_layout(cfg, state, bool(kwargs.get("sequence_parallel")))
         super().__init__(cfg, state, layer=Qwen3MoeLayer, **kwargs)
-
-    def moe_blocks(self) -> list[MoeBlock]:
-        return [m for m in self.modules() if isinstance(m, MoeBlock)]
-
-    def router_stats(self) -> RouterStats:
-        """The MoE layers' statistics of the last forward, pooled (``moe_loss.pool_layers``)."""
-        return pool_layers(b.last_stats for b in self.moe_blocks())
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
                 moe_mask: torch.Tensor | None = None, **kwargs):
         """``Transformer.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
         count (None: all)."""
-        if moe_mask is not None and tuple(moe_mask.shape) != tuple(input_ids.shape):
-            raise ValueError(f"moe_mask has shape {tuple(moe_mask.shape)} but input_ids "
-                             f"{tuple(input_ids.shape)}; split it with the same plan")
-        for block in self.moe_blocks():
-            block.token_mask = moe_mask
+        self.set_moe_mask(moe_mask, input_ids)
         return super().forward(input_ids, position_ids, **kwargs)
 
 

@@ -56,11 +56,12 @@ def build_model(cfg: Qwen3VLConfig, state: ParallelState, *, sequence_parallel: 
     return model
 
 
-def num_params(cfg: Qwen3VLConfig) -> dict[str, int]:
+def num_params(cfg: Qwen3VLConfig, model_cls: type | None = None) -> dict[str, int]:
     """Logical parameter counts: ``total`` (a tied matrix once), ``embedding``, ``head``
-    (the embedding when tied) and ``vision`` (tower with its mergers, included in total)."""
+    (the embedding when tied) and ``vision`` (tower with its mergers, included in total) of
+    ``model_cls`` (default ``Qwen3VLModel``; a variant's model class, e.g. Qwen3-VL-MoE's)."""
     with torch.device("meta"):
-        model = Qwen3VLModel(cfg, ParallelState())  # a world of one: logical shapes
+        model = (model_cls or Qwen3VLModel)(cfg, ParallelState())  # world of one: logical
     vision = sum(p.numel() for p in model.visual.parameters())
     embedding = model.text.tok_embeddings.weight.numel()
     total = sum(p.numel() for p in model.parameters())
@@ -68,13 +69,15 @@ def num_params(cfg: Qwen3VLConfig) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "head": head, "vision": vision}
 
 
-def flops_per_token(cfg: Qwen3VLConfig, seq_len: int) -> float:
+def flops_per_token(cfg: Qwen3VLConfig, seq_len: int, counts: dict | None = None) -> float:
     """Training FLOPs per token of the decoder (``mpcore.metrics``' convention: 6 per weight
     that multiplies activations, the head included, the input lookup not; plus ``12 * layers *
     heads * head_dim * seq`` of attention). The tower's and DeepStack's work depends on each
-    batch's share of visual tokens and is left out (TFLOP/s and MFU are lower bounds)."""
-    counts = num_params(cfg)
-    dense = counts["total"] - counts["vision"]
+    batch's share of visual tokens and is left out (TFLOP/s and MFU are lower bounds).
+    ``counts``: ``num_params``' (default: this family's); with ``active`` (a MoE variant: k of
+    the E experts of a layer multiply each token) that, not ``total``, is counted."""
+    counts = counts or num_params(cfg)
+    dense = counts.get("active", counts["total"]) - counts["vision"]
     if not cfg.text.tie_embeddings:
         dense -= counts["embedding"]
     return 6.0 * dense + 12.0 * cfg.text.num_layers * cfg.text.q_size * seq_len

@@ -115,16 +115,19 @@ def doc_inputs(s: dict, d: int, dtype=torch.float64) -> tuple[dict, int, int]:
     return kwargs, a, b
 
 
-def load(folder, dtype=torch.float64):
+def load(folder, dtype=torch.float64, **options):
+    """transformers' model of ``folder``; ``options``: ``from_pretrained``'s (a MoE model's
+    ``experts_implementation="eager"``: its grouped GEMM takes no float64)."""
     import transformers
 
-    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).eval()
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype,
+                                                                    **options).eval()
 
 
-def reference_scores(folder, s: dict):
+def reference_scores(folder, s: dict, **options):
     """transformers (float64, per document): ``logprobs [T]`` (0 at each document's last token
     and where the target is a placeholder), ``entropy [T]``."""
-    model = load(folder)
+    model = load(folder, **options)
     total = s["input_ids"].numel()
     logprobs = torch.zeros(total, dtype=torch.float64)
     entropy = torch.zeros(total, dtype=torch.float64)
@@ -140,10 +143,10 @@ def reference_scores(folder, s: dict):
     return logprobs, entropy
 
 
-def reference_loss_grads(folder, s: dict):
+def reference_loss_grads(folder, s: dict, **options):
     """transformers (float64): mean next-token loss over every valid target of the stream and
     every parameter's gradient by HF name (``lm_head`` dropped when tied)."""
-    model = load(folder)
+    model = load(folder, **options)
     total, count = torch.zeros((), dtype=torch.float64), 0
     for d in range(len(s["per_doc"])):
         kwargs, _, _ = doc_inputs(s, d)

@@ -133,7 +133,7 @@ def test_parameter_count_of_qwen3_30b_a3b_equals_transformers():
     assert 3.0e9 < ours["active"] < 3.6e9  # "A3B": 3.3 B active
 
 
-def test_bad_inputs_raise_before_compute():
+def test_bad_inputs_raise_before_compute(tmp_path):
     base = dict(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
                 intermediate_size=8, qk_norm=True)
     with pytest.raises(ValueError, match="num_experts_per_tok 9 is above num_experts 8"):
@@ -150,3 +150,16 @@ def test_bad_inputs_raise_before_compute():
 
         Qwen3MoeTransformer(Qwen3MoeConfig(**base), ParallelState(tp=2),
                             sequence_parallel=True)
+    # launch/score.py --ep: checked on config.json alone, before the weights load
+    from hf_tiny import save_hf_model as save_dense_model
+
+    from launch.score import checkpoint_spec
+
+    save_dense_model("qwen3", 0, tmp_path / "dense")
+    with pytest.raises(ValueError, match="--ep 2 does not fit .*ep=2 but this model has no "
+                                         "experts"):
+        checkpoint_spec(tmp_path / "dense", 2)
+    save_hf_model(0, tmp_path / "moe3", num_experts=3)
+    with pytest.raises(ValueError, match="num_experts 3 is not divisible by ep 2"):
+        checkpoint_spec(tmp_path / "moe3", 2)
+    assert checkpoint_spec(tmp_path / "moe3", 3).vocab_size == CONFIG["vocab_size"]

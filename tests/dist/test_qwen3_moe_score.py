@@ -69,5 +69,6 @@ def test_score_bad_ep_exits_2_naming_the_fix(tmp_path):
     assert rc != 0 and "error: ep = 3 must be a positive integer dividing dp*cp" in stderr
     save_hf_model(0, tmp_path / "hf3", num_experts=3)
     rc, stderr = _score(tmp_path / "hf3", tmp_path, [[1, 2, 3]], "--ep", "2")
-    assert rc != 0 and "error: num_experts 3 is not divisible by ep 2" in stderr, stderr[-3000:]
+    assert rc != 0 and "error: --ep 2 does not fit" in stderr, stderr[-3000:]
+    assert "num_experts 3 is not divisible by ep 2" in stderr, stderr[-3000:]
     assert not (tmp_path / "out.jsonl").exists()

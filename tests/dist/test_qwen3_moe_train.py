@@ -1,10 +1,12 @@
-"""Training a Qwen3-MoE with parallel.ep = 2 under FSDP2 (2 gloo processes: dp = 2, ep = 2).
+"""Training a Qwen3-MoE with parallel.ep = 2 under FSDP2 through mpcore's trainer (gloo):
+2 processes (dp = 2, ep = 2) and 4 processes (tp = 2 x dp = 2, ep = 2).
 
-One step of two micro-batches per rank, through mpcore's trainer: the loss (ce + coef * aux
-over the WHOLE step: both ranks, both micro-batches), every gradient (experts sharded over
-edp, each ep rank holding half the experts; the rest over dp x cp) and the global gradient
-norm equal one process on all four micro-batches' documents as one stream. The bad layouts
-(ep not dividing dp x cp, ep with DDP, ep with checkpoints) are refused before any compute.
+One step of two micro-batches per dp rank: the loss (ce + coef * aux over the WHOLE step:
+every rank, every micro-batch), the global gradient norm and every gradient (in its logical
+form: FSDP2 shards over dp x cp or, for the experts, over edp gathered, the ep ranks' experts
+and the tp pieces put together) equal one process on all four micro-batches' documents as
+one stream, same seed. The bad layouts (ep not dividing dp x cp, ep with DDP) are refused
+before any compute.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from harness import run_distributed
 
 from models.common.moe_loss import aux_share, global_counts
 from models.qwen3_moe.family import FAMILY, local_inputs
-from models.qwen3_moe.model import is_expert_param
-from mpcore.build import build, resolve_device, setup
+from mpcore.build import _expert_parallel_state, build, resolve_device, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default
+from mpcore.logical import LogicalLayout
 from mpcore.train import Trainer
 from parallel.state import ParallelState
 
@@ -46,23 +48,51 @@ def _one_stream(batches):
     return ids, cu
 
 
-def _worker(rank, world, data_dir, run_dir):
-    cfg = _cfg(data_dir, run_dir, "parallel.ep=2")
+def _logical_grads(run) -> dict[str, torch.Tensor]:
+    """Every gradient in its logical form (HF names, all experts): FSDP2 shards gathered, then
+    the ep slices, then the tp pieces (``mpcore.logical``). Collective over the world."""
+    s, layout, out = run.state, run.train_state.layout, {}
+    for name, p in run.model.named_parameters():  # same order on every rank: collectives
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        g = layout.gather_experts(name, g.detach(), s.ep_group)
+        out.update(layout.gather(name, g, s.tp_group))
+    return out
+
+
+def _worker(rank, world, data_dir, run_dir, overrides):
+    cfg = _cfg(data_dir, run_dir, *overrides)
     state = setup(cfg)
-    assert (state.ep, state.dp) == (2, 2)
     run = build(cfg, state, resolve_device(cfg))
     trainer = Trainer(run)
     batches = run.loader.next_step()
     loss = float(trainer._forward_backward(batches))
     norm = float(run.grad_norm())
-    grads = {}
-    for name, p in run.model.named_parameters():  # same order on every rank: collectives
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name] = g.detach().clone()
+    grads = _logical_grads(run)
     everyone = [None] * world
-    dist.all_gather_object(everyone, [{k: v.clone() for k, v in b.items()} for b in batches])
-    return {"loss": loss, "norm": norm, "grads": grads, "ep_rank": state.ep_rank,
+    # numpy, pickled by value: a tensor travels to the parent as a shared file descriptor,
+    # which may be gone with its rank before the parent reads it
+    mine = [{k: v.numpy() for k, v in b.items()} for b in batches] if state.tp_rank == 0 else []
+    dist.all_gather_object(everyone, mine)  # one copy of each dp rank's micro-batches
+    grads = {k: v.numpy() for k, v in grads.items()} if rank == 0 else None
+    return {"loss": loss, "norm": norm, "grads": grads,
+            "layout": (state.tp, state.dp, state.ep, state.tp_rank, state.ep_rank),
             "batches": [b for per_rank in everyone for b in per_rank]}
+
+
+def _check_against_one_process(out, data_dir, tmp_path):
+    """Loss, grad norm and every logical gradient of each rank vs one process on the whole
+    step (the same seed)."""
+    batches = [{k: torch.from_numpy(v) for k, v in b.items()} for b in out[0]["batches"]]
+    assert len(batches) == 4  # 2 dp ranks x 2 micro-batches, different documents per rank
+    assert not torch.equal(batches[0]["input_ids"], batches[2]["input_ids"])
+    loss, norm, ref = _reference(_cfg(data_dir, tmp_path / "ref"), batches)
+    for r in out:
+        assert abs(r["loss"] - loss) / loss < 1e-5, (r["layout"], r["loss"], loss)
+        assert abs(r["norm"] - norm) / norm < 1e-5, (r["layout"], r["norm"], norm)
+    assert set(out[0]["grads"]) == set(ref)
+    for name, g in out[0]["grads"].items():
+        rel = float((torch.from_numpy(g) - ref[name]).norm() / ref[name].norm())
+        assert rel < 1e-4, (name, rel)
 
 
 def _reference(cfg, batches):
@@ -78,7 +108,11 @@ def _reference(cfg, batches):
     loss.backward()
     grads = {n: p.grad for n, p in one.named_parameters()}
     norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
-    return float(loss.detach()), norm, grads
+    layout = LogicalLayout(model_cfg, 1, 0)
+    logical = {}
+    for name, g in grads.items():
+        logical.update(layout.gather(name, g, None))
+    return float(loss.detach()), norm, logical
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +124,18 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_ep2_fsdp_step_equals_one_process_on_the_whole_step(tmp_path, data_dir):
-    out = run_distributed(_worker, 2, str(data_dir), str(tmp_path / "run"))
-    batches = out[0]["batches"]
-    assert len(batches) == 4  # 2 ranks x 2 micro-batches, different documents per rank
-    assert not torch.equal(batches[0]["input_ids"], batches[2]["input_ids"])
-    loss, norm, ref = _reference(_cfg(data_dir, tmp_path / "ref"), batches)
-    for r in out:
-        assert abs(r["loss"] - loss) / loss < 1e-5, (r["loss"], loss)
-        assert abs(r["norm"] - norm) / norm < 1e-5, (r["norm"], norm)
-        for name, g in r["grads"].items():
-            want = ref[name]
-            if is_expert_param(name):  # this ep rank's half of the experts
-                half = want.shape[0] // 2
-                want = want[r["ep_rank"] * half:(r["ep_rank"] + 1) * half]
-            rel = float((g - want).norm() / want.norm())
-            assert rel < 1e-4, (name, rel)
-    assert {r["ep_rank"] for r in out} == {0, 1}
+    out = run_distributed(_worker, 2, str(data_dir), str(tmp_path / "run"), ["parallel.ep=2"])
+    assert {r["layout"] for r in out} == {(1, 2, 2, 0, 0), (1, 2, 2, 0, 1)}
+    _check_against_one_process(out, data_dir, tmp_path)
+
+
+@pytest.mark.slow
+def test_tp2_ep2_fsdp_step_equals_one_process_on_the_whole_step(tmp_path, data_dir):
+    out = run_distributed(_worker, 4, str(data_dir), str(tmp_path / "run"),
+                          ["parallel.tp=2", "parallel.ep=2"], timeout=400)
+    # rank = tp_rank + 2 * dp_rank; ep_rank = dp_rank (dp x cp = 2 = ep, edp = 1)
+    assert [r["layout"] for r in out] == [(2, 2, 2, t, e) for e in (0, 1) for t in (0, 1)]
+    _check_against_one_process(out, data_dir, tmp_path)
 
 
 def test_bad_expert_parallel_layouts_are_refused(tmp_path, data_dir):
@@ -113,8 +143,8 @@ def test_bad_expert_parallel_layouts_are_refused(tmp_path, data_dir):
         _cfg(data_dir, tmp_path, "parallel.ep=2", "parallel.data_parallel=ddp")
     with pytest.raises(ValueError, match="parallel.ep=2 must divide dp x cp = 1"):
         setup(_cfg(data_dir, tmp_path, "parallel.ep=2"))
-    with pytest.raises(ValueError, match="checkpoints of ep-split experts are not written"):
-        from mpcore.build import _expert_parallel_state
-
-        _expert_parallel_state(_cfg(data_dir, tmp_path, "parallel.ep=2", "checkpoint.every=5"),
-                               2, "the config")
+    # tp x ep does not fit the world: 4 ranks at tp = 2 leave dp x cp = 2 for ep = 4
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide dp x cp = 2 \(world 4 / "
+                                         r"tp 2\); choose an ep that divides 2"):
+        _expert_parallel_state(_cfg(data_dir, tmp_path, "parallel.tp=2", "parallel.ep=4"), 4,
+                               "the config")

@@ -19,7 +19,7 @@ import torch
 
 from models.common.moe_loss import aux_share, global_counts
 from models.qwen3_moe.family import FAMILY, local_inputs
-from mpcore.build import build, resolve_device, setup
+from mpcore.build import build, resolve_device, resolve_model_config, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import Trainer, train
@@ -36,15 +36,18 @@ def data_dir(tmp_path_factory):
     return folder
 
 
-def _cfg(tmp, data_dir, *extra):
+def _dense_cfg(tmp, data_dir, *extra):
     return load_config(None, [
         "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=128",
         f"data.cache_dir={data_dir}", "data.default_vocab_size=512", "data.seq_len=64",
         "data.micro_batch=2", "data.grad_accum=2", "optimizer.lr=1e-2",
         "schedule.warmup_steps=2", "training.max_steps=6", "training.device=cpu",
-        f"logging.run_dir={tmp}/run", "logging.log_every=100", "checkpoint.every=0", *MOE,
-        *extra])
+        f"logging.run_dir={tmp}/run", "logging.log_every=100", "checkpoint.every=0", *extra])
+
+
+def _cfg(tmp, data_dir, *extra):
+    return _dense_cfg(tmp, data_dir, *MOE, *extra)
 
 
 def _one_stream(batches):
@@ -119,3 +122,29 @@ def test_tiny_yaml_trains_and_resumes_bit_identically(tmp_path, data_dir):
     meta_cfg = FAMILY.config_from_dict(dataclasses.asdict(FAMILY.config_from_section(
         load_config(yaml).model, None)))
     assert meta_cfg.num_experts == 8 and meta_cfg.norm_topk_prob
+
+
+def test_bad_expert_layouts_and_models_are_refused_before_the_model_is_built(tmp_path,
+                                                                              data_dir):
+    fit = "model and parallel sections do not fit"
+    with pytest.raises(ValueError, match=f"{fit}.*num_experts 4 is not divisible by ep 3"):
+        resolve_model_config(_cfg(tmp_path, data_dir, "parallel.ep=3"))
+    with pytest.raises(ValueError, match=f"{fit}.*ep=2 but this model has no experts"):
+        resolve_model_config(_dense_cfg(tmp_path, data_dir, "parallel.ep=2"))
+    with pytest.raises(ValueError, match="num_experts_per_tok 5 is above num_experts 4"):
+        resolve_model_config(_cfg(tmp_path, data_dir, "model.moe.num_experts_per_tok=5"))
+
+
+@pytest.mark.parametrize("saved_moe", [True, False], ids=["moe_to_dense", "dense_to_moe"])
+def test_checkpoint_of_the_other_family_is_refused_before_any_step(tmp_path, data_dir,
+                                                                   saved_moe):
+    one_step = ["training.max_steps=1", "checkpoint.every=1"]
+    saved, other = (_cfg, _dense_cfg) if saved_moe else (_dense_cfg, _cfg)
+    assert train(saved(tmp_path, data_dir, *one_step)).step == 1
+    names = ("qwen3_moe", "llama") if saved_moe else ("llama", "qwen3_moe")
+    with pytest.raises(ValueError, match=f"holds a {names[0]} model .* this config builds a "
+                                         f"{names[1]} model"):
+        train(other(tmp_path, data_dir, "training.max_steps=2"))
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1]  # no step of the other model ran
+    assert (tmp_path / "run" / "checkpoints" / "step-1").is_dir()  # kept, not set aside

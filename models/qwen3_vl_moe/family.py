@@ -1,0 +1,64 @@
+"""The Qwen3-VL-MoE family: Qwen3-VL (tower, DeepStack) over the Qwen3-MoE decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.common.family import Family
+from models.common.moe_model import moe_mask
+from models.common.section import given
+from models.qwen3_moe.config import MoeSection
+from models.qwen3_vl.config import Qwen3VLSection
+from models.qwen3_vl.family import FAMILY as QWEN3_VL
+from models.qwen3_vl.inputs import local_inputs as dense_local_inputs
+from models.qwen3_vl_moe.config import (
+    ARCH,
+    MODEL_TYPE,
+    Qwen3VLMoeConfig,
+    config_from_dict,
+    config_from_hf,
+    hf_config_dict,
+    with_experts,
+)
+from models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
+from models.qwen3_vl_moe.model import build_model, flops_per_token, num_params
+
+
+@dataclass(frozen=True)
+class Qwen3VLMoeSection(Qwen3VLSection):
+    """Our YAML model section of the qwen3_vl_moe family: Qwen3-VL's keys and ``moe``."""
+
+    moe: MoeSection | None = None
+    """The decoder's experts from scratch: ``Qwen3MoeConfig``'s MoE fields (num_experts,
+    num_experts_per_tok, moe_intermediate_size, ...; norm_topk_prob must stay true). Null:
+    their defaults."""
+
+
+def config_from_section(section, token_ids: dict | None) -> Qwen3VLMoeConfig:
+    """Qwen3-VL's YAML model section (decoder fields, ``vision``) plus ``moe`` (the MoE fields
+    of ``Qwen3MoeConfig``; ``norm_topk_prob`` is always true)."""
+    return with_experts(QWEN3_VL.config_from_section(section, token_ids),
+                        given(section.moe))
+
+
+def local_inputs(state, input_ids, cu_seqlens, cfg, **kwargs):
+    """``models.qwen3_vl.inputs.local_inputs`` plus ``moe_mask [L]`` (real tokens)."""
+    plan, inputs = dense_local_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
+    inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
+    return plan, inputs
+
+
+def check_experts(cfg: Qwen3VLMoeConfig, ep: int) -> None:
+    cfg.text.check_experts(ep)
+
+
+FAMILY = Family(
+    name="qwen3_vl_moe", config_type=Qwen3VLMoeConfig, hf_architectures=(ARCH,),
+    hf_model_types=(MODEL_TYPE,), config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
+    config_from_dict=config_from_dict, config_from_section=config_from_section,
+    build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
+    local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
+    decoder=QWEN3_VL.decoder, vision=QWEN3_VL.vision, placeholder_ids=QWEN3_VL.placeholder_ids,
+    modality="image-text", options=QWEN3_VL.options, host_inputs=QWEN3_VL.host_inputs,
+    section=Qwen3VLMoeSection, image_processing=QWEN3_VL.image_processing,
+    check_experts=check_experts)

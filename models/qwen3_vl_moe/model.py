@@ -1,0 +1,66 @@
+"""The Qwen3-VL-MoE model: ``models.qwen3_vl``'s model (tower, DeepStack, interleaved M-RoPE)
+whose decoder layers are Qwen3-MoE's (``models.qwen3_moe.model.Qwen3MoeLayer``: a
+``models.common.moe.MoeBlock`` in each sparse layer, experts split over ``state.ep_group``).
+
+Layout as ``models.qwen3_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
+padding; ``models.common.moe_model``), so the routing statistics count real tokens only;
+``router_stats()`` pools them for the load-balancing loss of the step (``mpcore.moe_step``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.common.decoder import init_weights
+from models.common.moe_model import MoeRouting, check_moe_layout, idle_expert_params
+from models.qwen3_moe.model import Qwen3MoeLayer
+from models.qwen3_vl.model import Qwen3VLModel
+from models.qwen3_vl.model import flops_per_token as dense_flops_per_token
+from models.qwen3_vl.model import num_params as dense_num_params
+from models.qwen3_vl_moe.config import Qwen3VLMoeConfig
+from parallel.state import ParallelState
+
+
+class Qwen3VLMoeModel(MoeRouting, Qwen3VLModel):
+    """The model of the module docstring (``Qwen3VLModel``'s arguments)."""
+
+    decoder_layer = Qwen3MoeLayer
+
+    def __init__(self, cfg: Qwen3VLMoeConfig, state: ParallelState, **kwargs):
+        check_moe_layout(cfg.text, state, bool(kwargs.get("sequence_parallel")))
+        super().__init__(cfg, state, **kwargs)
+
+    @property
+    def moe_cfg(self):
+        return self.cfg.text
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                moe_mask: torch.Tensor | None = None, **kwargs):
+        """``Qwen3VLModel.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
+        count (None: all)."""
+        self.set_moe_mask(moe_mask, input_ids)
+        return super().forward(input_ids, position_ids, **kwargs)
+
+
+def build_model(cfg: Qwen3VLMoeConfig, state: ParallelState, *, device="cpu",
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                **kwargs) -> Qwen3VLMoeModel:
+    """On meta, materialised on ``device``, initialised from ``seed`` (the same function at any
+    tp and ep); ``kwargs``: ``Qwen3VLModel``'s (sequence_parallel, cp_mode, vision_cp, ...)."""
+    with torch.device("meta"):
+        model = Qwen3VLMoeModel(cfg, state, dtype=dtype, **kwargs)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model
+
+
+def num_params(cfg: Qwen3VLMoeConfig) -> dict[str, int]:
+    """``models.qwen3_vl.model.num_params``' counts of this model plus ``active`` (k of the E
+    experts of every sparse layer)."""
+    counts = dense_num_params(cfg, Qwen3VLMoeModel)
+    return {**counts, "active": counts["total"] - idle_expert_params(cfg.text)}
+
+
+def flops_per_token(cfg: Qwen3VLMoeConfig, seq_len: int) -> float:
+    """``models.qwen3_vl.model.flops_per_token`` over the ACTIVE decoder weights."""
+    return dense_flops_per_token(cfg, seq_len, num_params(cfg))
