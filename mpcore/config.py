@@ -44,7 +44,7 @@ LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 # models.registry.FAMILIES (a test checks they agree)
 FAMILIES = ("llama", "qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5", "qwen3_moe",
-            "qwen3_vl_moe")
+            "qwen3_vl_moe", "qwen3_5_moe")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -99,8 +99,10 @@ class ModelSection:
     """The model family (models.registry): llama (Llama 3 / Qwen2 / Qwen3 by the fields above),
     qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision), qwen3_vl (Qwen3-VL: needs vision, qk_norm,
     mrope_interleaved), glm4v (GLM-4V / GLM-4.1V: needs vision), qwen3_5 (Qwen3.5 text:
-    Gated DeltaNet beside gated attention) or qwen3_moe (Qwen3-MoE: needs moe); auto: the
-    family of init_from's config.json, else qwen2_vl when vision is set, else llama."""
+    Gated DeltaNet beside gated attention), qwen3_moe (Qwen3-MoE: needs moe) or qwen3_5_moe
+    (Qwen3.5-MoE: Qwen3.5's layers with MoE blocks; needs moe, intermediate_size is the
+    shared expert's width); auto: the family of init_from's config.json, else qwen2_vl when
+    vision is set, else llama."""
     attention_backend: str = "auto"
     """Attention kernels: auto (per call the fastest that takes it, measured on an H200; the
     exact reference on CPU), flash (PyTorch flash varlen), sdpa_cudnn (dense cuDNN SDPA: every

@@ -203,14 +203,16 @@ def shard_map(cfg: Qwen35Config, tp: int, rank: int, prefix: str = "model."
     return out
 
 
-def _log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]]) -> None:
+def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> None:
+    """One log line naming the checkpoint's tensors that ``table`` (a shard map) does not read,
+    counted by kind (``mtp.*``, ``model.visual.*``); ``what``: the model that skips them."""
     used = {p.name for pieces in table.values() for p in pieces}
     unused = sorted(set(ckpt.files) - used)
     if unused:
         kinds = Counter(".".join(n.split(".")[:2]) if not n.startswith("mtp.") else "mtp"
                         for n in unused)
-        log.info("%s: skipping %d tensors the text decoder does not use (%s)", ckpt.folder,
-                 len(unused), ", ".join(f"{k}.*: {c}" for k, c in sorted(kinds.items())))
+        log.info("%s: skipping %d tensors the %s does not use (%s)", ckpt.folder,
+                 len(unused), what, ", ".join(f"{k}.*: {c}" for k, c in sorted(kinds.items())))
 
 
 def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | str = "cpu",
@@ -229,7 +231,7 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
     ckpt = Checkpoint(Path(folder))
     table = shard_map(cfg, state.tp, state.tp_rank, prefix)
     fill_from_table(model, ckpt, table)
-    _log_unused(ckpt, table)
+    log_unused(ckpt, table, "text decoder")
     return model, cfg
 
 

@@ -29,14 +29,20 @@ def make_hf_model(seed: int, **overrides):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**HF_CONFIG, **overrides})).eval()
+    return randomize_(model, seed)
+
+
+def randomize_(model, seed: int):
+    """Fresh random weights in place (returns ``model``): weak DeltaNet decays, zero-centred
+    decoder norms near 0, the gated norm and a tower's LayerNorms (``visual.``) near 1."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("A_log"):  # weak decays: the state reaches far (a leak shows)
                 p.copy_(torch.log(0.02 + 0.3 * torch.rand(p.shape, generator=gen)))
-            elif "norm" in name and "linear_attn.norm" not in name:  # zero-centred
-                p.copy_(0.2 * noise)
+            elif "norm" in name and "linear_attn.norm" not in name and "visual." not in name:
+                p.copy_(0.2 * noise)  # zero-centred
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             else:
