@@ -1,0 +1,154 @@
+"""Qwen3.5-MoE text checkpoints: ``config.json`` <-> ``Qwen35MoeConfig``, tensor names, load,
+export.
+
+Reads ``Qwen3_5MoeForCausalLM`` (keys ``model.layers.*``) and the text decoder of a released
+``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A3B: nested ``text_config``, keys
+``model.language_model.*``; the tower ``model.visual.*`` and the multi-token-prediction
+``mtp.*`` tensors are skipped with one log line). The text fields are read as Qwen3.5's
+(``models.qwen3_5.hf.config_from_hf``: the same keys, both transformers forms), the shared
+expert's width standing in for the dense MLP's; the MoE keys are transformers'
+``Qwen3_5MoeTextConfig``'s (its defaults where absent).
+
+Shard map: Qwen3.5's (``models.qwen3_5.hf.shard_map``) with each layer's MLP replaced by
+(``M`` = ``{prefix}layers.i.mlp.``; every tensor whole on each tp rank):
+
+    feed_forward.gate.weight                [E, hidden]       M gate.weight (the router)
+    feed_forward.experts.w13                [E/ep, 2I, hidden] released: M experts.{e}.gate_proj
+                                                                ; up_proj (per expert)
+                                                              fused: M experts.gate_up_proj
+    feed_forward.experts.w2                 [E/ep, hidden, I]  M experts.{e}.down_proj / fused
+                                                              M experts.down_proj
+    feed_forward.shared_expert.w13          [2S, hidden]      M shared_expert.gate_proj ; up_proj
+    feed_forward.shared_expert.w2           [hidden, S]       M shared_expert.down_proj
+    feed_forward.shared_expert_gate.weight  [1, hidden]       M shared_expert_gate.weight
+
+Released Qwen3.5-MoE checkpoints store one tensor per expert (transformers 5.x fuses them on
+load and splits them again on save: its conversion mapping for ``qwen3_5_moe_text``); both
+layouts load, found per layer by name, each ep rank reading only its experts' slices
+(``models.qwen3_moe.hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
+released per-expert layout (``models.qwen3_moe.hf.export_moe``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from kernels.fp8_linear import check_fp8
+from models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
+from models.qwen3_5.config import Qwen35Config
+from models.qwen3_5.hf import config_from_hf as dense_config_from_hf
+from models.qwen3_5.hf import hf_config_dict as dense_hf_config_dict
+from models.qwen3_5.hf import log_unused, text_fields
+from models.qwen3_5.hf import shard_map as dense_shard_map
+from models.qwen3_5.kernels import check_available
+from models.qwen3_5_moe.config import Qwen35MoeConfig
+from models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
+from models.qwen3_moe import hf as moe_hf
+from parallel.state import ParallelState
+
+ARCHITECTURES = {"Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+                 "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+PREFIX = {"Qwen3_5MoeForCausalLM": "model.",
+          "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
+# transformers' Qwen3_5MoeTextConfig defaults (the Qwen3.5-35B-A3B shape)
+MOE_DEFAULTS = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001}
+
+
+def _architecture(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    by_type = {t: a for a, t in ARCHITECTURES.items()}
+    arch = archs[0] if len(archs) == 1 else None if archs else by_type.get(hf.get("model_type"))
+    if arch not in ARCHITECTURES:
+        dense = " (a dense Qwen3.5: load it with the qwen3_5 family)" if any(
+            str(a).startswith("Qwen3_5For") for a in archs) else ""
+        raise ValueError(f"{archs or hf.get('model_type')!r} is not a Qwen3.5-MoE checkpoint "
+                         f"(the qwen3_5_moe family reads {sorted(ARCHITECTURES)}){dense}; load "
+                         f"it with its own family (models.registry.family_of_hf)")
+    return arch
+
+
+def config_from_hf(source: str | Path | dict) -> Qwen35MoeConfig:
+    """``Qwen35MoeConfig`` of a Qwen3.5-MoE config.json (module docstring); ``ValueError``
+    naming the key for a feature this model does not have, or the architecture for another
+    model (a dense Qwen3.5 included)."""
+    hf = read_hf_config(source)
+    _architecture(hf)
+    t = text_fields(hf)
+    moe = {k: t.get(k, v) for k, v in MOE_DEFAULTS.items()}
+    if not moe["num_experts"] or not moe["shared_expert_intermediate_size"]:
+        raise ValueError("config.json has num_experts or shared_expert_intermediate_size 0; "
+                         "every Qwen3.5-MoE layer has routed experts and a shared expert")
+    dense = dense_config_from_hf({**t, "architectures": ["Qwen3_5ForCausalLM"],
+                                  "intermediate_size": moe.pop("shared_expert_intermediate_size")})
+    fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(Qwen35Config)}
+    return Qwen35MoeConfig(**fields, **moe)
+
+
+def hf_config_dict(cfg: Qwen35MoeConfig) -> dict:
+    """A config.json dict that transformers loads as ``Qwen3_5MoeForCausalLM`` of ``cfg``."""
+    out = dense_hf_config_dict(cfg)
+    out.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+               num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               moe_intermediate_size=cfg.moe_intermediate_size,
+               shared_expert_intermediate_size=out.pop("intermediate_size"),
+               router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
+    return out
+
+
+def shard_map(cfg: Qwen35MoeConfig, tp: int, rank: int, prefix: str = "model."
+              ) -> dict[str, list[Piece]]:
+    """Our parameter name -> the HF pieces of tp rank ``rank`` (experts: fused names, all E;
+    module docstring)."""
+    out = dense_shard_map(cfg, tp, rank, prefix)
+    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    s = cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        ours, mlp = f"layers.{i}.feed_forward.", f"{prefix}layers.{i}.mlp."
+        del out[ours + "w13.weight"], out[ours + "w2.weight"]
+        out[ours + "gate.weight"] = whole(mlp + "gate.weight", (e, h))
+        out[ours + "experts.w13"] = whole(mlp + "experts.gate_up_proj", (e, 2 * inter, h))
+        out[ours + "experts.w2"] = whole(mlp + "experts.down_proj", (e, h, inter))
+        out[ours + "shared_expert.w13"] = [
+            *whole(mlp + "shared_expert.gate_proj.weight", (s, h)),
+            *whole(mlp + "shared_expert.up_proj.weight", (s, h))]
+        out[ours + "shared_expert.w2"] = whole(mlp + "shared_expert.down_proj.weight", (h, s))
+        out[ours + "shared_expert_gate.weight"] = whole(mlp + "shared_expert_gate.weight", (1, h))
+    return out
+
+
+def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | str = "cpu",
+            dtype: torch.dtype = torch.float32, fp8: str = "none", **options
+            ) -> tuple[Qwen35MoeTransformer, Qwen35MoeConfig]:
+    """The model of a Qwen3.5-MoE checkpoint folder for ``state``, each rank reading its
+    slices (``build``'s keyword arguments, no seed). Returns ``(model, cfg)``."""
+    check_fp8(fp8, device)
+    check_available(options.get("gdn_kernel", "auto"), device)
+    hf = read_hf_config(folder)
+    prefix = PREFIX[_architecture(hf)]
+    cfg = config_from_hf(hf)
+    model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
+    model.to_empty(device=device)
+    model.rope.reset_parameters()
+    table = shard_map(cfg, state.tp, state.tp_rank, prefix)
+    moe_hf.load_moe_weights(model, folder, state, cfg, table, hf=prefix)
+    ckpt = Checkpoint(Path(folder))
+    experts = re.compile(rf"{re.escape(prefix)}layers\.\d+\.mlp\.experts\.")
+    ckpt.files = {n: f for n, f in ckpt.files.items() if not experts.match(n)}  # read above
+    log_unused(ckpt, table, "text decoder")
+    return model, cfg
+
+
+@torch.no_grad()
+def export_hf(model: Qwen35MoeTransformer, state: ParallelState, out_dir: str | Path,
+              progress=None) -> None:
+    """``config.json`` + ``model.safetensors`` (``Qwen3_5MoeForCausalLM``, released expert
+    layout) of ``model`` in ``out_dir``; collective over the world."""
+    cfg = model.cfg
+    moe_hf.export_moe(model, state, out_dir, hf_config_dict(cfg), cfg,
+                      [shard_map(cfg, state.tp, r) for r in range(state.tp)],
+                      moe_hf.released_experts, progress=progress)
