@@ -54,8 +54,11 @@ def test_run_family_auto_rules_and_refusals(tmp_path):
     assert run_family(load_config(None, ["model.moe.num_experts=4"])).name == "qwen3_moe"
     with pytest.raises(ValueError, match="model.vision is set but the llama family takes none"):
         run_family(load_config(None, ["model.family=llama", *VISION]))
+    assert run_family(load_config(None, [*VISION, "model.moe.num_experts=4"])).name == \
+        "qwen3_vl_moe"  # the one family with both
     with pytest.raises(ValueError, match="model.moe is set but the qwen2_vl family"):
-        run_family(load_config(None, [*VISION, "model.moe.num_experts=4"]))
+        run_family(load_config(None, ["model.family=qwen2_vl", *VISION,
+                                      "model.moe.num_experts=4"]))
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))

@@ -36,7 +36,7 @@ def test_hybrid_keys_are_the_family_s_and_widths_follow_the_shape():
     assert cfg.layer_types == ("full_attention", "linear_attention", "linear_attention",
                                "full_attention")
     with pytest.raises(ValueError, match=r"linear_num_key_heads is set but the llama family takes "
-                                         r"none; set model.family to one of \[.qwen3_5.\]"):
+                                         r"none; set model.family to one of \['qwen3_5', 'qwen3_5_moe'\]"):
         load_config(None, ["model.family=llama", "model.linear_num_key_heads=2"])
     with pytest.raises(ValueError, match="layer_types must list 4 entries"):
         resolve_model_config(load_config(CONFIGS / "qwen35_tiny.yaml",
