@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import adamw, autocast, timed  # noqa: E402
+
 from models.common.moe import run_experts  # noqa: E402
 from models.registry import family_named  # noqa: E402
 from mpcore.moe_step import MoeStep  # noqa: E402
@@ -57,35 +58,9 @@ TINY = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 64, "intermediate_siz
 HF_EXPERTS = ("grouped_mm", "batched_mm", "eager")
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(step, steps: int, warmup: int, device) -> dict:
-    losses, times = [], []
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        _sync(device)
-        start = time.perf_counter()
-        losses.append(step())
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"step_s": statistics.median(times), "peak_gib": peak, "loss_first": losses[0],
-            "loss_last": losses[-1]}
-
-
-def _autocast(device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 def _train_step(model, opt, device, loss_of):
     def step() -> float:
-        with _autocast(device):
+        with autocast(device):
             loss = loss_of()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -100,7 +75,7 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
     cfg = family.config_from_hf(hf)
     state = ParallelState()
     model = family.build(cfg, state, seed=0, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = adamw(model.parameters(), device)
     it = iter(batches)
 
     def loss_of():
@@ -111,7 +86,7 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
         ce = model(**inputs, output="loss_sum") / (ids.numel() - 1)
         return ce + moe.share()
 
-    return _timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    return timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
 
 
 def hf_experts_available() -> tuple[str, ...]:
@@ -136,14 +111,14 @@ def bench_hf(hf: dict, batches, device, steps, warmup, experts: str) -> dict:
     with torch.device(device):
         model = Qwen3MoeForCausalLM._from_config(config, **kwargs)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = adamw(model.parameters(), device)
     it = iter(batches)
 
     def loss_of():
         ids = next(it).to(device)[None]
         return model(input_ids=ids, labels=ids).loss  # includes coef * aux loss
 
-    return _timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    return timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
 
 
 def bench_experts(hf: dict, seq: int, device, steps, warmup) -> dict | None:
@@ -174,7 +149,7 @@ def bench_experts(hf: dict, seq: int, device, steps, warmup) -> dict | None:
         run_experts(x, dense13, dense2, [rows], "grouped").float().sum().backward()
         return 0.0
 
-    a, b = _timed(grouped, steps, warmup, device), _timed(dense, steps, warmup, device)
+    a, b = timed(grouped, steps, warmup, device), timed(dense, steps, warmup, device)
     return {"rows": rows, "experts": e, "min_rows": min(counts), "max_rows": max(counts),
             "grouped_ms": 1e3 * a["step_s"], "grouped_tflops": flops / a["step_s"] / 1e12,
             "dense_ms": 1e3 * b["step_s"], "dense_tflops": flops / b["step_s"] / 1e12}

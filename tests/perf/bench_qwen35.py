@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import adamw, autocast, timed  # noqa: E402
+
 from models.common.decoder import init_weights  # noqa: E402
 from models.common.inputs import local_text_inputs  # noqa: E402
 from models.qwen3_5 import kernels  # noqa: E402
@@ -46,47 +47,18 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "qwen35_h200.json"
 DEFAULT_CONFIG = REPO / "tests" / "dist" / "qwen35_0p8b_config.json"
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(step, steps: int, warmup: int, device) -> dict:
-    losses, times = [], []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        _sync(device)
-        start = time.perf_counter()
-        losses.append(step())
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"step_s": statistics.median(times), "peak_gib": peak, "loss_first": losses[0],
-            "loss_last": losses[-1]}
-
-
-def _autocast(device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-def _optimizer(params, device):
-    return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-
-
 def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
     cfg = config_from_hf(hf)
     state = ParallelState()
     model = build(cfg, state, seed=0, device=device)
-    opt = _optimizer(model.parameters(), device)
+    opt = adamw(model.parameters(), device)
     it = iter(batches)
 
     def step() -> float:
         ids = next(it).to(device)
         cu = torch.tensor([0, ids.numel()], device=device)
         _, inputs = local_text_inputs(state, ids, cu)
-        with _autocast(device):
+        with autocast(device):
             loss = model(**inputs, output="loss_sum") / (ids.numel() - 1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -94,7 +66,7 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    out = _timed(step, steps, warmup, device)
+    out = timed(step, steps, warmup, device)
     out["gdn_kernel"] = kernels.resolve("auto", torch.empty(1, device=device,
                                                             dtype=torch.bfloat16))
     return out
@@ -108,12 +80,12 @@ def bench_hf(hf: dict, batches, device, steps, warmup) -> dict:
     model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**text),
                                             attn_implementation="sdpa").to(device)
     model.train()
-    opt = _optimizer(model.parameters(), device)
+    opt = adamw(model.parameters(), device)
     it = iter(batches)
 
     def step() -> float:
         ids = next(it).to(device)[None]
-        with _autocast(device):
+        with autocast(device):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -121,7 +93,7 @@ def bench_hf(hf: dict, batches, device, steps, warmup) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return _timed(step, steps, warmup, device)
+    return timed(step, steps, warmup, device)
 
 
 def bench_layer(hf: dict, seq: int, device, steps, warmup) -> dict | None:
@@ -139,7 +111,7 @@ def bench_layer(hf: dict, seq: int, device, steps, warmup) -> dict | None:
                          torch.tensor([0, seq], dtype=torch.int32, device=device))
 
     def ours() -> float:
-        with _autocast(device):
+        with autocast(device):
             y = layer(x, plan)
         y.float().sum().backward()
         return 0.0
@@ -162,7 +134,7 @@ def bench_layer(hf: dict, seq: int, device, steps, warmup) -> dict | None:
         o.float().sum().backward()
         return 0.0
 
-    a, b = _timed(ours, steps, warmup, device), _timed(fla, steps, warmup, device)
+    a, b = timed(ours, steps, warmup, device), timed(fla, steps, warmup, device)
     return {"ours_ms": 1e3 * a["step_s"], "fla_ms": 1e3 * b["step_s"],
             "overhead": a["step_s"] / b["step_s"] - 1, "ours_peak_gib": a["peak_gib"],
             "fla_peak_gib": b["peak_gib"]}
