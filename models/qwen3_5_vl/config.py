@@ -28,8 +28,8 @@ from models.qwen3_5.hf import hf_config_dict as text_hf_config_dict
 from models.qwen3_5.hf import text_fields
 from models.qwen3_vl.config import (
     TOKEN_KEYS,
-    Qwen3VisionConfig,
     Qwen3VLConfig,
+    vision_and_tokens_from_dict,
     vision_config_dict,
     vision_config_from_hf,
 )
@@ -114,8 +114,5 @@ def hf_config_dict(cfg: Qwen35VLConfig) -> dict:
 
 def config_from_dict(d: dict) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of ``dataclasses.asdict(cfg)`` (e.g. a checkpoint's meta.json)."""
-    vision = dict(d["vision"])
-    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
-    rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
-    return Qwen35VLConfig(text=text_config_from_dict(d["text"]),
-                          vision=Qwen3VisionConfig(**vision), **rest)
+    vision, rest = vision_and_tokens_from_dict(d)
+    return Qwen35VLConfig(text=text_config_from_dict(d["text"]), vision=vision, **rest)

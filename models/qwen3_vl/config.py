@@ -203,10 +203,17 @@ def config_from_dict(d: dict) -> Qwen3VLConfig:
     text = dict(d["text"])
     if text.get("mrope_section") is not None:
         text["mrope_section"] = tuple(text["mrope_section"])
+    vision, rest = vision_and_tokens_from_dict(d)
+    return Qwen3VLConfig(text=ModelConfig(**text), vision=vision, **rest)
+
+
+def vision_and_tokens_from_dict(d: dict) -> tuple[Qwen3VisionConfig, dict]:
+    """``(Qwen3VisionConfig, the other fields)`` of ``dataclasses.asdict(cfg)`` of a config with
+    this tower (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 VL): all but ``text`` and ``vision``."""
     vision = dict(d["vision"])
     vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
     rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
-    return Qwen3VLConfig(text=ModelConfig(**text), vision=Qwen3VisionConfig(**vision), **rest)
+    return Qwen3VisionConfig(**vision), rest
 
 
 def _mrope(text: dict) -> tuple[list[int], float]:

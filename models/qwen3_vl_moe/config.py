@@ -19,7 +19,7 @@ from models.common.hf_io import read_hf_config
 from models.qwen3_moe.config import Qwen3MoeConfig
 from models.qwen3_moe.config import config_from_dict as text_config_from_dict
 from models.qwen3_vl.config import ARCH as DENSE_ARCH
-from models.qwen3_vl.config import TOKEN_KEYS, Qwen3VisionConfig, Qwen3VLConfig
+from models.qwen3_vl.config import TOKEN_KEYS, Qwen3VLConfig, vision_and_tokens_from_dict
 from models.qwen3_vl.config import config_from_hf as dense_config_from_hf
 from models.qwen3_vl.config import hf_config_dict as dense_hf_config_dict
 
@@ -60,11 +60,8 @@ def with_experts(cfg: Qwen3VLConfig, moe: dict) -> Qwen3VLMoeConfig:
 
 def config_from_dict(d: dict) -> Qwen3VLMoeConfig:
     """The ``Qwen3VLMoeConfig`` of ``dataclasses.asdict(cfg)`` (a checkpoint's meta.json)."""
-    vision = dict(d["vision"])
-    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
-    rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
-    return Qwen3VLMoeConfig(text=text_config_from_dict(d["text"]),
-                            vision=Qwen3VisionConfig(**vision), **rest)
+    vision, rest = vision_and_tokens_from_dict(d)
+    return Qwen3VLMoeConfig(text=text_config_from_dict(d["text"]), vision=vision, **rest)
 
 
 def config_from_hf(source: str | Path | dict) -> Qwen3VLMoeConfig:
