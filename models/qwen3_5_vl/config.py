@@ -29,6 +29,7 @@ from models.qwen3_5.hf import text_fields
 from models.qwen3_vl.config import (
     TOKEN_KEYS,
     Qwen3VLConfig,
+    interleaved_mrope,
     vision_and_tokens_from_dict,
     vision_config_dict,
     vision_config_from_hf,
@@ -57,15 +58,8 @@ class Qwen35VLConfig(Qwen3VLConfig):
 
 
 def _mrope_section(text: dict) -> tuple[int, ...]:
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = text.get(key)
-        if isinstance(rope, dict) and "mrope_section" in rope:
-            if rope.get("mrope_interleaved", True) is not True:
-                raise ValueError(f"text_config.{key}.mrope_interleaved = "
-                                 f"{rope['mrope_interleaved']!r}: Qwen3.5's M-RoPE is "
-                                 f"interleaved (transformers always interleaves it)")
-            return tuple(rope["mrope_section"])
-    return DEFAULT_MROPE
+    found = interleaved_mrope(text, "Qwen3.5")
+    return DEFAULT_MROPE if found is None else tuple(found[1]["mrope_section"])
 
 
 def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:

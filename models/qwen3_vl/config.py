@@ -219,23 +219,34 @@ def vision_and_tokens_from_dict(d: dict) -> tuple[Qwen3VisionConfig, dict]:
 def _mrope(text: dict) -> tuple[list[int], float]:
     """``(mrope_section, rope_theta)`` from either form; the M-RoPE keys are removed from
     ``text`` so the Qwen3 reader sees plain RoPE."""
+    found = interleaved_mrope(text, "Qwen3-VL")
+    if found is None:
+        raise ValueError("config.json has no mrope_section (text_config.rope_parameters or "
+                         "text_config.rope_scaling); a Qwen3-VL decoder uses M-RoPE")
+    key, rope = found
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"text_config.{key}.rope_type = {kind!r} is not supported "
+                         f"(only default M-RoPE)")
+    theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return list(rope["mrope_section"]), theta
+
+
+def interleaved_mrope(text: dict, family: str) -> tuple[str, dict] | None:
+    """``(key, the rope dict)`` of a config.json text config's M-RoPE (``rope_parameters``, or
+    the older ``rope_scaling``), ``None`` without one. ``ValueError`` when it is not
+    interleaved: ``family``'s (Qwen3-VL's, Qwen3.5's) M-RoPE always is in transformers."""
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
         if isinstance(rope, dict) and "mrope_section" in rope:
             if rope.get("mrope_interleaved", True) is not True:
                 raise ValueError(f"text_config.{key}.mrope_interleaved = "
-                                 f"{rope['mrope_interleaved']!r}: Qwen3-VL's M-RoPE is "
+                                 f"{rope['mrope_interleaved']!r}: {family}'s M-RoPE is "
                                  f"interleaved (transformers always interleaves it)")
-            kind = rope.get("rope_type", rope.get("type", "default"))
-            if kind != "default":
-                raise ValueError(f"text_config.{key}.rope_type = {kind!r} is not supported "
-                                 f"(only default M-RoPE)")
-            theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-            text.pop("rope_scaling", None)
-            text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-            return list(rope["mrope_section"]), theta
-    raise ValueError("config.json has no mrope_section (text_config.rope_parameters or "
-                     "text_config.rope_scaling); a Qwen3-VL decoder uses M-RoPE")
+            return key, rope
+    return None
 
 
 def _text_config(hf: dict) -> ModelConfig:
