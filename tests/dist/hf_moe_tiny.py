@@ -25,7 +25,12 @@ def make_hf_model(seed: int, **overrides):
     import transformers
 
     config = transformers.Qwen3MoeConfig(**{**CONFIG, **overrides})
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    return randomise_moe(transformers.Qwen3MoeForCausalLM(config).eval(), seed)
+
+
+def randomise_moe(model, seed: int):
+    """``model`` (a transformers MoE model) with fresh random weights from ``seed``: norms near
+    1, the rest 0.15 x N(0, 1), the routers 0.5 x (also the Qwen3-VL-MoE tests')."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
