@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.common.moe_loss import aux_share, global_counts
+
 VOCAB = 97
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, intermediate_size=40, rms_norm_eps=1e-5,
@@ -89,3 +91,16 @@ def reference(folder, ids: torch.Tensor, cu: torch.Tensor, grads: bool = True) -
             loss.backward()
             out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+def backward_loss_with_aux(model, cfg, inputs: dict, num_targets: int):
+    """One process's training loss on ``inputs`` (the per-token loss summed over
+    ``num_targets`` targets, plus ``router_aux_loss_coef`` x the aux loss of the whole batch,
+    the references' form), backpropagated into ``model``'s ``.grad``; ``(aux, loss, the router statistics)``."""
+    per_token = model(**inputs, output="loss")
+    stats = model.router_stats()
+    counts, rows = global_counts([stats], None)
+    aux = aux_share(stats, counts, rows)
+    loss = per_token.sum() / num_targets + cfg.router_aux_loss_coef * aux
+    loss.backward()
+    return float(aux.detach()), float(loss.detach()), stats

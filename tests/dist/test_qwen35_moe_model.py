@@ -23,7 +23,7 @@ import logging
 
 import pytest
 import torch
-from hf_moe_tiny import reference
+from hf_moe_tiny import backward_loss_with_aux, reference
 from qwen35_moe_tiny import CONFIG, make_hf_model, save_hf_model
 from qwen35_tiny import packed_docs
 from safetensors import safe_open
@@ -31,7 +31,6 @@ from safetensors.torch import load_file, save_file
 
 from launch.score import score_stream
 from models.common.hf_io import gather_full
-from models.common.moe_loss import aux_share, global_counts
 from models.qwen3_5.hf import config_from_hf as dense_config_from_hf
 from models.qwen3_5.hf import load_hf as dense_load_hf
 from models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
@@ -63,14 +62,9 @@ def _check_against(folder, ref, ids, cu, **kwargs):
     logprobs, _ = score_stream(model, state, ids, cu)
     assert float((logprobs.double() - ref["logprobs"]).abs().max()) < 1e-4
     _, inputs = FAMILY.local_inputs(state, ids, cu, cfg)
-    per_token = model(**inputs, output="loss")
-    stats = model.router_stats()
-    counts, rows = global_counts([stats], None)
-    aux = aux_share(stats, counts, rows)
-    loss = per_token.sum() / (int(cu[-1]) - len(LENGTHS)) + cfg.router_aux_loss_coef * aux
-    loss.backward()
-    assert abs(float(aux.detach()) - ref["aux"]) / ref["aux"] < 1e-5
-    assert abs(float(loss.detach()) - ref["loss"]) / ref["loss"] < 1e-5
+    aux, loss, stats = backward_loss_with_aux(model, cfg, inputs, int(cu[-1]) - len(LENGTHS))
+    assert abs(aux - ref["aux"]) / ref["aux"] < 1e-5
+    assert abs(loss - ref["loss"]) / ref["loss"] < 1e-5
     assert cfg.router_aux_loss_coef * ref["aux"] > 1e-3 * ref["loss"]  # the aux term shows
     grads = gather_full({n: p.grad for n, p in model.named_parameters()},
                         [shard_map(cfg, 1, 0)], None)
