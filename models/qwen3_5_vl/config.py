@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.qwen3_5.config import Qwen35Config
 from models.qwen3_5.family import config_from_dict as text_config_from_dict
 from models.qwen3_5.hf import config_from_hf as text_config_from_hf
@@ -67,11 +67,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
     dict). Another architecture (a Qwen3-VL or text-only Qwen3.5 checkpoint) raises
     ``ValueError`` naming it."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3.5 "
-                         f"vision-language ({ARCH}); load it with its own family "
-                         f"(models.registry.family_of_hf)")
+    check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3.5 vision-language")
     missing = [k for k in TOKEN_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3.5 VL checkpoint names its "

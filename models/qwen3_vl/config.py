@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.common.section import VLSection, section_of
 from models.common.vision_geometry import VisionGeometry, check_tp_widths
 from models.llama.hf_config import config_from_hf as text_config_from_hf
@@ -300,10 +300,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen3VLConfig:
     """``Qwen3VLConfig`` of a Qwen3-VL checkpoint's config.json (folder, file or dict), in the
     4.57-era or the 5.x form. Another architecture raises ``ValueError`` naming it."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3-VL "
-                         f"({ARCH}); load it with its own family's loader")
+    check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3-VL")
     missing = [k for k in TOKEN_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3-VL checkpoint names its "

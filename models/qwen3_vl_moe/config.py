@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.qwen3_moe.config import Qwen3MoeConfig
 from models.qwen3_moe.config import config_from_dict as text_config_from_dict
 from models.qwen3_vl.config import ARCH as DENSE_ARCH
@@ -68,11 +68,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen3VLMoeConfig:
     """``Qwen3VLMoeConfig`` of a ``Qwen3VLMoeForConditionalGeneration`` config.json; another
     architecture (dense Qwen3-VL included) raises ``ValueError`` naming it."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3-VL-MoE "
-                         f"({ARCH}); load it with its own family (models.registry."
-                         f"family_of_hf)")
+    check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3-VL-MoE")
     text = dict(hf.get("text_config") or {})
     text.setdefault("num_experts", text.get("num_local_experts"))  # 5.x writes the latter
     if not text.get("num_experts"):
