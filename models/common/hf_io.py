@@ -39,6 +39,17 @@ def read_hf_config(source: str | Path | dict) -> dict:
     return json.loads(path.read_text())
 
 
+def check_architecture(hf: dict, arch: str, model_type: str, name: str) -> None:
+    """Raise ``ValueError`` naming the fix unless the config.json dict ``hf`` is ``arch``
+    (``architectures == [arch]``, or no architectures and ``model_type``); ``name``: the
+    family's name in the message."""
+    archs = hf.get("architectures") or []
+    if archs != [arch] and not (not archs and hf.get("model_type") == model_type):
+        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not {name} "
+                         f"({arch}); load it with its own family (models.registry."
+                         f"family_of_hf)")
+
+
 class Piece(NamedTuple):
     """Rows (dim 0) or columns (dim 1) ``[start, stop)`` of HF tensor ``name`` of ``shape``.
     Rows past ``shape[0]`` are zero padding (the padded vocab)."""

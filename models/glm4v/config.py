@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.common.section import VLSection, section_of
 from models.common.vision_geometry import VisionGeometry, check_tp_widths
 
@@ -274,10 +274,7 @@ def config_from_hf(source: str | Path | dict) -> Glm4vConfig:
     """``Glm4vConfig`` of a GLM-4V checkpoint's config.json (folder, file or dict); ``ValueError``
     for another architecture or a feature outside this model, naming the key."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not GLM-4V "
-                         f"({ARCH}); load it with its own family (models.family_of_hf)")
+    check_architecture(hf, ARCH, MODEL_TYPE, "GLM-4V")
     text = _text_from_hf(hf)
     defaults = dict(zip(TOKEN_KEYS, (151343, 151344, 151339, 151340, 151341, 151342),
                         strict=True))

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8_linear import check_fp8
 from models.common.attention import qkv_rows
 from models.common.hf_io import (
     Checkpoint,
@@ -44,8 +43,7 @@ from models.common.hf_io import (
     write_hf,
 )
 from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.kernels import check_available
-from models.qwen3_5.model import Qwen35Transformer, make_model
+from models.qwen3_5.model import Qwen35Transformer, make_model, materialise
 from parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
@@ -223,13 +221,10 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
             ) -> tuple[Qwen35Transformer, Qwen35Config]:
     """The model of a Qwen3.5 checkpoint folder for ``state``, each rank reading its slices
     (``build``'s keyword arguments, no seed). Returns ``(model, cfg)``."""
-    check_fp8(fp8, device)
-    check_available(options.get("gdn_kernel", "auto"), device)
     hf = read_hf_config(folder)
     prefix = PREFIX[_architecture(hf)]
     cfg = config_from_hf(hf)
-    model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
-    model.to_empty(device=device)
+    model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     model.rope.reset_parameters()
     ckpt = Checkpoint(Path(folder))
     table = shard_map(cfg, state.tp, state.tp_rank, prefix)

@@ -57,9 +57,18 @@ def build(cfg: Qwen35Config, state: ParallelState, *, seed: int = 0,
     """Create on meta, materialise this rank's shards on ``device``, initialise from ``seed``
     (``build_model``'s keyword arguments, plus ``gdn_kernel``). Raises ``ValueError`` when
     ``cfg`` does not fit ``state`` (``Qwen35Config.check_parallel``)."""
+    model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
+    init_weights(model, seed)
+    return model
+
+
+def materialise(make, cfg, state: ParallelState, *, device: torch.device | str, dtype: torch.dtype,
+                fp8: str, **options):
+    """``make(cfg, state, ...)`` (a meta-device builder: this family's ``make_model`` or the
+    MoE family's) with this rank's storage allocated on ``device``, not initialised; ``fp8``
+    and ``gdn_kernel`` are checked against ``device`` first (``ValueError`` naming the fix)."""
     check_fp8(fp8, device)
     check_available(options.get("gdn_kernel", "auto"), device)
-    model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
+    model = make(cfg, state, fp8=fp8, dtype=dtype, **options)
     model.to_empty(device=device)
-    init_weights(model, seed)
     return model

@@ -37,14 +37,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8_linear import check_fp8
 from models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
 from models.qwen3_5.config import Qwen35Config
 from models.qwen3_5.hf import config_from_hf as dense_config_from_hf
 from models.qwen3_5.hf import hf_config_dict as dense_hf_config_dict
 from models.qwen3_5.hf import log_unused, text_fields
 from models.qwen3_5.hf import shard_map as dense_shard_map
-from models.qwen3_5.kernels import check_available
+from models.qwen3_5.model import materialise
 from models.qwen3_5_moe.config import Qwen35MoeConfig
 from models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
 from models.qwen3_moe import hf as moe_hf
@@ -126,13 +125,10 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
             ) -> tuple[Qwen35MoeTransformer, Qwen35MoeConfig]:
     """The model of a Qwen3.5-MoE checkpoint folder for ``state``, each rank reading its
     slices (``build``'s keyword arguments, no seed). Returns ``(model, cfg)``."""
-    check_fp8(fp8, device)
-    check_available(options.get("gdn_kernel", "auto"), device)
     hf = read_hf_config(folder)
     prefix = PREFIX[_architecture(hf)]
     cfg = config_from_hf(hf)
-    model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
-    model.to_empty(device=device)
+    model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     model.rope.reset_parameters()
     table = shard_map(cfg, state.tp, state.tp_rank, prefix)
     moe_hf.load_moe_weights(model, folder, state, cfg, table, hf=prefix)

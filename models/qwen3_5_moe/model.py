@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_linear import check_fp8
 from models.common.decoder import init_weights
 from models.common.moe import MoeBlock
 from models.common.moe_model import MoeRouting, check_moe_layout
-from models.qwen3_5.kernels import check_available
-from models.qwen3_5.model import Qwen35Transformer
+from models.qwen3_5.model import Qwen35Transformer, materialise
 from models.qwen3_5_moe.config import Qwen35MoeConfig
 from parallel.state import ParallelState
 
@@ -60,9 +58,6 @@ def build(cfg: Qwen35MoeConfig, state: ParallelState, *, seed: int = 0,
           fp8: str = "none", **options) -> Qwen35MoeTransformer:
     """Create on meta, materialise this rank's shards (tp, and ep for the experts) on
     ``device``, initialise from ``seed`` (``models.qwen3_5.model.build``'s arguments)."""
-    check_fp8(fp8, device)
-    check_available(options.get("gdn_kernel", "auto"), device)
-    model = make_model(cfg, state, fp8=fp8, dtype=dtype, **options)
-    model.to_empty(device=device)
+    model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     init_weights(model, seed)
     return model

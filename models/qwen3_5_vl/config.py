@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.qwen3_5.config import Qwen35Config
 from models.qwen3_5.family import config_from_dict as text_config_from_dict
 from models.qwen3_5.hf import config_from_hf as text_config_from_hf
@@ -28,8 +28,9 @@ from models.qwen3_5.hf import hf_config_dict as text_hf_config_dict
 from models.qwen3_5.hf import text_fields
 from models.qwen3_vl.config import (
     TOKEN_KEYS,
-    Qwen3VisionConfig,
     Qwen3VLConfig,
+    interleaved_mrope,
+    vision_and_tokens_from_dict,
     vision_config_dict,
     vision_config_from_hf,
 )
@@ -57,15 +58,8 @@ class Qwen35VLConfig(Qwen3VLConfig):
 
 
 def _mrope_section(text: dict) -> tuple[int, ...]:
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = text.get(key)
-        if isinstance(rope, dict) and "mrope_section" in rope:
-            if rope.get("mrope_interleaved", True) is not True:
-                raise ValueError(f"text_config.{key}.mrope_interleaved = "
-                                 f"{rope['mrope_interleaved']!r}: Qwen3.5's M-RoPE is "
-                                 f"interleaved (transformers always interleaves it)")
-            return tuple(rope["mrope_section"])
-    return DEFAULT_MROPE
+    found = interleaved_mrope(text, "Qwen3.5")
+    return DEFAULT_MROPE if found is None else tuple(found[1]["mrope_section"])
 
 
 def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
@@ -73,11 +67,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
     dict). Another architecture (a Qwen3-VL or text-only Qwen3.5 checkpoint) raises
     ``ValueError`` naming it."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3.5 "
-                         f"vision-language ({ARCH}); load it with its own family "
-                         f"(models.registry.family_of_hf)")
+    check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3.5 vision-language")
     missing = [k for k in TOKEN_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3.5 VL checkpoint names its "
@@ -114,8 +104,5 @@ def hf_config_dict(cfg: Qwen35VLConfig) -> dict:
 
 def config_from_dict(d: dict) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of ``dataclasses.asdict(cfg)`` (e.g. a checkpoint's meta.json)."""
-    vision = dict(d["vision"])
-    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
-    rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
-    return Qwen35VLConfig(text=text_config_from_dict(d["text"]),
-                          vision=Qwen3VisionConfig(**vision), **rest)
+    vision, rest = vision_and_tokens_from_dict(d)
+    return Qwen35VLConfig(text=text_config_from_dict(d["text"]), vision=vision, **rest)

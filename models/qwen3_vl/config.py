@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.common.section import VLSection, section_of
 from models.common.vision_geometry import VisionGeometry, check_tp_widths
 from models.llama.hf_config import config_from_hf as text_config_from_hf
@@ -203,32 +203,50 @@ def config_from_dict(d: dict) -> Qwen3VLConfig:
     text = dict(d["text"])
     if text.get("mrope_section") is not None:
         text["mrope_section"] = tuple(text["mrope_section"])
+    vision, rest = vision_and_tokens_from_dict(d)
+    return Qwen3VLConfig(text=ModelConfig(**text), vision=vision, **rest)
+
+
+def vision_and_tokens_from_dict(d: dict) -> tuple[Qwen3VisionConfig, dict]:
+    """``(Qwen3VisionConfig, the other fields)`` of ``dataclasses.asdict(cfg)`` of a config with
+    this tower (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 VL): all but ``text`` and ``vision``."""
     vision = dict(d["vision"])
     vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
     rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
-    return Qwen3VLConfig(text=ModelConfig(**text), vision=Qwen3VisionConfig(**vision), **rest)
+    return Qwen3VisionConfig(**vision), rest
 
 
 def _mrope(text: dict) -> tuple[list[int], float]:
     """``(mrope_section, rope_theta)`` from either form; the M-RoPE keys are removed from
     ``text`` so the Qwen3 reader sees plain RoPE."""
+    found = interleaved_mrope(text, "Qwen3-VL")
+    if found is None:
+        raise ValueError("config.json has no mrope_section (text_config.rope_parameters or "
+                         "text_config.rope_scaling); a Qwen3-VL decoder uses M-RoPE")
+    key, rope = found
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"text_config.{key}.rope_type = {kind!r} is not supported "
+                         f"(only default M-RoPE)")
+    theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return list(rope["mrope_section"]), theta
+
+
+def interleaved_mrope(text: dict, family: str) -> tuple[str, dict] | None:
+    """``(key, the rope dict)`` of a config.json text config's M-RoPE (``rope_parameters``, or
+    the older ``rope_scaling``), ``None`` without one. ``ValueError`` when it is not
+    interleaved: ``family``'s (Qwen3-VL's, Qwen3.5's) M-RoPE always is in transformers."""
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
         if isinstance(rope, dict) and "mrope_section" in rope:
             if rope.get("mrope_interleaved", True) is not True:
                 raise ValueError(f"text_config.{key}.mrope_interleaved = "
-                                 f"{rope['mrope_interleaved']!r}: Qwen3-VL's M-RoPE is "
+                                 f"{rope['mrope_interleaved']!r}: {family}'s M-RoPE is "
                                  f"interleaved (transformers always interleaves it)")
-            kind = rope.get("rope_type", rope.get("type", "default"))
-            if kind != "default":
-                raise ValueError(f"text_config.{key}.rope_type = {kind!r} is not supported "
-                                 f"(only default M-RoPE)")
-            theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-            text.pop("rope_scaling", None)
-            text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-            return list(rope["mrope_section"]), theta
-    raise ValueError("config.json has no mrope_section (text_config.rope_parameters or "
-                     "text_config.rope_scaling); a Qwen3-VL decoder uses M-RoPE")
+            return key, rope
+    return None
 
 
 def _text_config(hf: dict) -> ModelConfig:
@@ -282,10 +300,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen3VLConfig:
     """``Qwen3VLConfig`` of a Qwen3-VL checkpoint's config.json (folder, file or dict), in the
     4.57-era or the 5.x form. Another architecture raises ``ValueError`` naming it."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3-VL "
-                         f"({ARCH}); load it with its own family's loader")
+    check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3-VL")
     missing = [k for k in TOKEN_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3-VL checkpoint names its "

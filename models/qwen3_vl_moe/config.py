@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
+from models.common.hf_io import check_architecture, read_hf_config
 from models.qwen3_moe.config import Qwen3MoeConfig
 from models.qwen3_moe.config import config_from_dict as text_config_from_dict
 from models.qwen3_vl.config import ARCH as DENSE_ARCH
-from models.qwen3_vl.config import TOKEN_KEYS, Qwen3VisionConfig, Qwen3VLConfig
+from models.qwen3_vl.config import TOKEN_KEYS, Qwen3VLConfig, vision_and_tokens_from_dict
 from models.qwen3_vl.config import config_from_hf as dense_config_from_hf
 from models.qwen3_vl.config import hf_config_dict as dense_hf_config_dict
 
@@ -60,22 +60,15 @@ def with_experts(cfg: Qwen3VLConfig, moe: dict) -> Qwen3VLMoeConfig:
 
 def config_from_dict(d: dict) -> Qwen3VLMoeConfig:
     """The ``Qwen3VLMoeConfig`` of ``dataclasses.asdict(cfg)`` (a checkpoint's meta.json)."""
-    vision = dict(d["vision"])
-    vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes") or ())
-    rest = {k: v for k, v in d.items() if k not in ("text", "vision")}
-    return Qwen3VLMoeConfig(text=text_config_from_dict(d["text"]),
-                            vision=Qwen3VisionConfig(**vision), **rest)
+    vision, rest = vision_and_tokens_from_dict(d)
+    return Qwen3VLMoeConfig(text=text_config_from_dict(d["text"]), vision=vision, **rest)
 
 
 def config_from_hf(source: str | Path | dict) -> Qwen3VLMoeConfig:
     """``Qwen3VLMoeConfig`` of a ``Qwen3VLMoeForConditionalGeneration`` config.json; another
     architecture (dense Qwen3-VL included) raises ``ValueError`` naming it."""
     hf = read_hf_config(source)
-    archs = hf.get("architectures") or []
-    if archs != [ARCH] and not (not archs and hf.get("model_type") == MODEL_TYPE):
-        raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not Qwen3-VL-MoE "
-                         f"({ARCH}); load it with its own family (models.registry."
-                         f"family_of_hf)")
+    check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3-VL-MoE")
     text = dict(hf.get("text_config") or {})
     text.setdefault("num_experts", text.get("num_local_experts"))  # 5.x writes the latter
     if not text.get("num_experts"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.common.moe_loss import aux_share, global_counts
+
 VOCAB = 97
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, intermediate_size=40, rms_norm_eps=1e-5,
@@ -25,7 +27,12 @@ def make_hf_model(seed: int, **overrides):
     import transformers
 
     config = transformers.Qwen3MoeConfig(**{**CONFIG, **overrides})
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    return randomise_moe(transformers.Qwen3MoeForCausalLM(config).eval(), seed)
+
+
+def randomise_moe(model, seed: int):
+    """``model`` (a transformers MoE model) with fresh random weights from ``seed``: norms near
+    1, the rest 0.15 x N(0, 1), the routers 0.5 x (also the Qwen3-VL-MoE tests')."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -84,3 +91,16 @@ def reference(folder, ids: torch.Tensor, cu: torch.Tensor, grads: bool = True) -
             loss.backward()
             out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+def backward_loss_with_aux(model, cfg, inputs: dict, num_targets: int):
+    """One process's training loss on ``inputs`` (the per-token loss summed over
+    ``num_targets`` targets, plus ``router_aux_loss_coef`` x the aux loss of the whole batch,
+    the references' form), backpropagated into ``model``'s ``.grad``; ``(aux, loss, the router statistics)``."""
+    per_token = model(**inputs, output="loss")
+    stats = model.router_stats()
+    counts, rows = global_counts([stats], None)
+    aux = aux_share(stats, counts, rows)
+    loss = per_token.sum() / num_targets + cfg.router_aux_loss_coef * aux
+    loss.backward()
+    return float(aux.detach()), float(loss.detach()), stats

@@ -5,7 +5,7 @@ transformers is imported inside the functions: spawned test ranks import this mo
 
 from __future__ import annotations
 
-import torch
+from hf_moe_tiny import randomise_moe
 from hf_qwen3_vl_tiny import TEXT, TOKENS, VISION
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -19,15 +19,7 @@ def make_hf_model(seed: int, tie: bool = False):
     config = transformers.Qwen3VLMoeConfig(text_config=dict(TEXT, **MOE),
                                            vision_config=dict(VISION),
                                            tie_word_embeddings=tie, **TOKENS)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            # A sharp router (0.5) so the top-k choice is far from ties.
-            scale = 0.5 if name.endswith("mlp.gate.weight") else 0.15
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else scale * noise)
-    return model
+    return randomise_moe(transformers.Qwen3VLMoeForConditionalGeneration(config).eval(), seed)
 
 
 def save_hf_model(seed: int, folder, tie: bool = False) -> None:

@@ -32,6 +32,36 @@ def make_hf_model(seed: int, **overrides):
     return randomize_(model, seed)
 
 
+def check_per_document(hf, logprobs: torch.Tensor, ids: torch.Tensor, cu: torch.Tensor) -> None:
+    """Our ``logprobs [T]`` of the packed ``ids [T]`` (documents at ``cu``) within 1e-4 of the
+    transformers model ``hf`` run on one document at a time (each document's last position
+    predicts nothing and is not compared)."""
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=ids[None, a:b]).logits[0], -1)
+        want = logp[:-1].gather(1, ids[a + 1:b, None])[:, 0]
+        assert (logprobs[a:b - 1] - want).abs().max() < 1e-4
+
+
+def conditional_generation(text_config: dict, family: str):
+    """A transformers ``<family>ForConditionalGeneration`` (``Qwen3_5`` or ``Qwen3_5Moe``) in the
+    released checkpoints' form (nested ``text_config``, a one-block tower) over ``text_config``,
+    its language model's weights moved by 0.1 x N(0, 1) (seed 1; ``A_log`` kept). Eval mode."""
+    import transformers
+
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                  out_hidden_size=32, patch_size=4, num_position_embeddings=16)
+    config = getattr(transformers, f"{family}Config")(text_config=text_config,
+                                                      vision_config=vision)
+    hf = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "A_log" not in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return hf
+
+
 def randomize_(model, seed: int):
     """Fresh random weights in place (returns ``model``): weak DeltaNet decays, zero-centred
     decoder norms near 0, the gated norm and a tower's LayerNorms (``visual.``) near 1."""

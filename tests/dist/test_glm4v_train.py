@@ -4,74 +4,27 @@ exports to a folder transformers loads with the same outputs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from harness import run_distributed
+from vl_launch_checks import TinyRun, export_matches_transformers, layouts_agree
 
-from mpcore.config import load_config
-from mpcore.data import prepare_vl_default
-from mpcore.train import train
+from models.glm4v import FAMILY
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "launch" / "configs" / "glm4v_tiny.yaml"
-STEPS = 6
-
-
-def tiny(tmp, run: str, *overrides: str):
-    return load_config(str(CONFIG), [
-        "model.vocab_size=518", "model.hidden_size=32", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.intermediate_size=64", "model.mrope_section=[1,1,0]",
-        "model.tie_embeddings=false", "model.vision.hidden_size=32", "model.vision.num_heads=2",
-        "model.vision.intermediate_size=64", f"data.cache_dir={tmp}/data",
-        "data.default_vocab_size=512", "data.micro_batch=2", "data.grad_accum=1",
-        "optimizer.lr=1e-2", "schedule.warmup_steps=2", f"training.max_steps={STEPS}",
-        "training.device=cpu", f"logging.run_dir={tmp}/{run}", "logging.log_every=100",
-        f"checkpoint.every={STEPS}", *overrides])
-
-
-def _layouts(rank, world, tmp):
-    del rank, world
-    return {name: train(tiny(tmp, name, *extra)).losses for name, extra in (
-        ("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-        ("cp2_ring", ["parallel.cp=2", "parallel.cp_mode=ring"]))}
+CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "glm4v_tiny.yaml"
+TINY = TinyRun(str(CONFIG), (
+    "model.vocab_size=518", "model.hidden_size=32", "model.num_heads=4",
+    "model.num_kv_heads=2", "model.intermediate_size=64", "model.mrope_section=[1,1,0]",
+    "model.tie_embeddings=false", "model.vision.hidden_size=32", "model.vision.num_heads=2",
+    "model.vision.intermediate_size=64"), steps=6)
 
 
 @pytest.mark.slow
 def test_trains_layouts_agree_and_exports(tmp_path):
-    prepare_vl_default(tmp_path / "data", 512)
-    ref = train(tiny(tmp_path, "ref")).losses
-    assert len(ref) == STEPS and all(torch.isfinite(torch.tensor(ref)))
+    ref = layouts_agree(TINY, tmp_path, (
+        ("tp2_sp", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("cp2_ring", ["parallel.cp=2", "parallel.cp_mode=ring"])), timeout=600)
     assert ref[-1] < ref[0]
-    for rank_losses in run_distributed(_layouts, 2, str(tmp_path), timeout=600):
-        for name, losses in rank_losses.items():
-            diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
-            assert diff <= 1e-4, (name, losses, ref)
-    out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "launch.export_hf", "--checkpoint",
-                           str(tmp_path / "ref" / "checkpoints"), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import transformers
-
-    from models.glm4v import load_hf_model, local_glm4v_inputs
-    from parallel.state import ParallelState
-
-    hf = transformers.Glm4vForConditionalGeneration.from_pretrained(out).eval()
-    state = ParallelState.build()
-    ours, cfg = load_hf_model(out, state)
-    ids = torch.tensor([5, 7, cfg.image_start_token_id, *[cfg.image_token_id] * 4,
-                        cfg.image_end_token_id, 9, 11])
-    pixels = torch.randn(16, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
-    grid = torch.tensor([[1, 4, 4]])
-    _, inputs = local_glm4v_inputs(state, ids, torch.tensor([0, ids.numel()]), cfg,
-                                   pixel_values=pixels, image_grid_thw=grid)
-    types = (ids == cfg.image_token_id).long()[None]
-    with torch.no_grad():
-        mine = ours(**inputs, output="logits")[:, :cfg.text.vocab_size]
-        theirs = hf(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid,
-                    mm_token_type_ids=types).logits[0]
-    assert float((mine - theirs).abs().max()) <= 1e-4
+    export_matches_transformers(tmp_path, tmp_path / "ref" / "checkpoints", FAMILY,
+                                "Glm4vForConditionalGeneration",
+                                ("image_start_token_id", "image_end_token_id"), (1, 4, 4), (9, 11))

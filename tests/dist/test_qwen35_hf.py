@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from qwen35_tiny import HF_CONFIG, make_hf_model, packed_docs, reference
+from qwen35_tiny import (
+    HF_CONFIG,
+    check_per_document,
+    conditional_generation,
+    make_hf_model,
+    packed_docs,
+    reference,
+)
 from safetensors.torch import load_file, save_file
 
 from launch.score import score_stream
@@ -154,17 +161,7 @@ def test_released_layout_conditional_generation_text_decoder(tmp_path, caplog):
     ``text_config``, ``model.language_model.*`` keys, a tower) belongs to the VL family in the
     registry; this family's loader, called directly, reads its text decoder, skips the tower
     with one log line, and scores text as transformers' VL model."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
-                  out_hidden_size=32, patch_size=4, num_position_embeddings=16)
-    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=HF_CONFIG,
-                                                       vision_config=vision)).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "language_model" in name and "A_log" not in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    hf = conditional_generation(HF_CONFIG, "Qwen3_5")
     hf.save_pretrained(tmp_path)
     assert family_of_hf(tmp_path).name == "qwen3_5_vl"
     with caplog.at_level(logging.INFO, logger="models.qwen3_5.hf"):
@@ -173,8 +170,4 @@ def test_released_layout_conditional_generation_text_decoder(tmp_path, caplog):
     assert len(lines) == 1 and "model.visual.*" in lines[0], lines
     ids, cu = packed_docs([9, 4, 30], seed=3)
     logprobs, _ = score_stream(model, ParallelState(), ids, cu)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(input_ids=ids[None, a:b]).logits[0], -1)
-        want = logp[:-1].gather(1, ids[a + 1:b, None])[:, 0]
-        assert (logprobs[a:b - 1] - want).abs().max() < 1e-4
+    check_per_document(hf, logprobs, ids, cu)

@@ -23,15 +23,14 @@ import logging
 
 import pytest
 import torch
-from hf_moe_tiny import reference
+from hf_moe_tiny import backward_loss_with_aux, reference
 from qwen35_moe_tiny import CONFIG, make_hf_model, save_hf_model
-from qwen35_tiny import packed_docs
+from qwen35_tiny import check_per_document, conditional_generation, packed_docs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from launch.score import score_stream
 from models.common.hf_io import gather_full
-from models.common.moe_loss import aux_share, global_counts
 from models.qwen3_5.hf import config_from_hf as dense_config_from_hf
 from models.qwen3_5.hf import load_hf as dense_load_hf
 from models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
@@ -63,14 +62,9 @@ def _check_against(folder, ref, ids, cu, **kwargs):
     logprobs, _ = score_stream(model, state, ids, cu)
     assert float((logprobs.double() - ref["logprobs"]).abs().max()) < 1e-4
     _, inputs = FAMILY.local_inputs(state, ids, cu, cfg)
-    per_token = model(**inputs, output="loss")
-    stats = model.router_stats()
-    counts, rows = global_counts([stats], None)
-    aux = aux_share(stats, counts, rows)
-    loss = per_token.sum() / (int(cu[-1]) - len(LENGTHS)) + cfg.router_aux_loss_coef * aux
-    loss.backward()
-    assert abs(float(aux.detach()) - ref["aux"]) / ref["aux"] < 1e-5
-    assert abs(float(loss.detach()) - ref["loss"]) / ref["loss"] < 1e-5
+    aux, loss, stats = backward_loss_with_aux(model, cfg, inputs, int(cu[-1]) - len(LENGTHS))
+    assert abs(aux - ref["aux"]) / ref["aux"] < 1e-5
+    assert abs(loss - ref["loss"]) / ref["loss"] < 1e-5
     assert cfg.router_aux_loss_coef * ref["aux"] > 1e-3 * ref["loss"]  # the aux term shows
     grads = gather_full({n: p.grad for n, p in model.named_parameters()},
                         [shard_map(cfg, 1, 0)], None)
@@ -118,17 +112,7 @@ def test_export_is_the_released_layout_and_round_trips(checkpoint, tmp_path):
 
 
 def test_released_conditional_generation_folder_loads_its_text_decoder(tmp_path, caplog):
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
-
-    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
-                  out_hidden_size=32, patch_size=4, num_position_embeddings=16)
-    hf = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=CONFIG,
-                                                             vision_config=vision)).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "language_model" in name and "A_log" not in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    hf = conditional_generation(CONFIG, "Qwen3_5Moe")
     hf.save_pretrained(tmp_path / "vl")
     released = load_file(tmp_path / "vl" / "model.safetensors")
     assert "model.language_model.layers.0.mlp.experts.0.up_proj.weight" in released
@@ -143,11 +127,7 @@ def test_released_conditional_generation_folder_loads_its_text_decoder(tmp_path,
     assert "language_model" not in lines[0]
     ids, cu = packed_docs([9, 4, 30], seed=3)
     logprobs, _ = score_stream(model, ParallelState(), ids, cu)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(input_ids=ids[None, a:b]).logits[0], -1)
-        want = logp[:-1].gather(1, ids[a + 1:b, None])[:, 0]
-        assert (logprobs[a:b - 1] - want).abs().max() < 1e-4
+    check_per_document(hf, logprobs, ids, cu)
 
 
 def test_config_both_forms_meta_round_trip_and_registry():

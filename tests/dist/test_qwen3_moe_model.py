@@ -18,10 +18,16 @@ import json
 
 import pytest
 import torch
-from hf_moe_tiny import CONFIG, make_hf_model, packed_docs, reference, save_hf_model
+from hf_moe_tiny import (
+    CONFIG,
+    backward_loss_with_aux,
+    make_hf_model,
+    packed_docs,
+    reference,
+    save_hf_model,
+)
 from safetensors.torch import save_file
 
-from models.common.moe_loss import aux_share, global_counts
 from models.llama.hf_config import config_from_hf as dense_config_from_hf
 from models.qwen3_moe.config import Qwen3MoeConfig, config_from_dict, config_from_hf
 from models.qwen3_moe.family import FAMILY, local_inputs
@@ -46,14 +52,9 @@ def _check_against(folder, ref, ids, cu, **kwargs):
     _, inputs = local_inputs(state, ids, cu)
     logprobs, _ = model(**inputs, output="logprobs")
     assert float((logprobs.double() - ref["logprobs"]).abs().max()) < 1e-4
-    per_token = model(**inputs, output="loss")
-    stats = model.router_stats()
-    counts, rows = global_counts([stats], None)
-    aux = aux_share(stats, counts, rows)
-    loss = per_token.sum() / (int(cu[-1]) - len(LENGTHS)) + cfg.router_aux_loss_coef * aux
-    loss.backward()
-    assert abs(float(aux) - ref["aux"]) / ref["aux"] < 1e-5
-    assert abs(float(loss) - ref["loss"]) / ref["loss"] < 1e-5
+    aux, loss, stats = backward_loss_with_aux(model, cfg, inputs, int(cu[-1]) - len(LENGTHS))
+    assert abs(aux - ref["aux"]) / ref["aux"] < 1e-5
+    assert abs(loss - ref["loss"]) / ref["loss"] < 1e-5
     params = dict(model.named_parameters())
     rel = {n: _rel(params[n].grad, _full_grad(ref["grads"], pieces))
            for n, pieces in shard_map(cfg, 1, 0).items()}

@@ -27,9 +27,7 @@ from hf_qwen3_vl_tiny import (
 
 from models.common.hf_io import _scatter_back
 from models.qwen3_vl import (
-    build_model,
     config_from_hf,
-    export_hf,
     flops_per_token,
     load_hf_model,
     local_inputs,
@@ -79,13 +77,14 @@ def score_and_grads(model, cfg, state, s: dict):
     return logprobs, entropy, float(counts[1] / counts[0]), grads
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_matches_transformers(tie, tmp_path):
-    save_hf_model(seed=0, folder=tmp_path, tie=tie)
+def matches_transformers(folder, load_hf_model):
+    """``load_hf_model(folder)`` on ``stream(seed=1)`` vs transformers per document: log-probs
+    and entropy within 1e-4 (0 at placeholders), the mean loss and every gradient within 1e-4
+    rel (also the Qwen3.5 VL tests'). Returns ``(cfg, our gradients as HF tensors, theirs)``."""
     s = stream(seed=1)
-    ref_lp, ref_ent = reference_scores(tmp_path, s)
-    ref_loss, ref_grads = reference_loss_grads(tmp_path, s)
-    model, cfg = load_hf_model(tmp_path, ParallelState())
+    ref_lp, ref_ent = reference_scores(folder, s)
+    ref_loss, ref_grads = reference_loss_grads(folder, s)
+    model, cfg = load_hf_model(folder, ParallelState())
     logprobs, entropy, loss, grads = score_and_grads(model, cfg, ParallelState(), s)
     assert float((logprobs.double() - ref_lp).abs().max()) <= 1e-4
     assert float((entropy.double() - ref_ent).abs().max()) <= 1e-4
@@ -97,25 +96,41 @@ def test_matches_transformers(tie, tmp_path):
     assert set(named) == set(ref_grads)
     worst = {n: rel(named[n], ref_grads[n]) for n in ref_grads}
     assert max(worst.values()) <= 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    return cfg, named, ref_grads
+
+
+def export_matches_transformers(cfg, folder, hf_class):
+    """Our own initialisation of ``cfg``'s family exports to ``folder``: transformers loads it
+    as ``hf_class`` with our log-probs within 1e-4, and our loader reads back the same tensors
+    (also the Qwen3.5 VL tests'). Returns ``(model, the config read back)``."""
+    state = ParallelState()
+    family = family_of(cfg)
+    model = family.build(cfg, state, seed=3)
+    family.export_hf(model, state, folder)
+    s = stream(seed=4)
+    ref_lp, _ = reference_scores(folder, s)
+    ours, _, _, _ = score_and_grads(model, cfg, state, s)
+    assert float((ours.double() - ref_lp).abs().max()) <= 1e-4
+    hf = load(folder, torch.float32)
+    assert isinstance(hf, hf_class)
+    again, again_cfg = family.load_hf(folder, state)
+    for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    return model, again_cfg
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_matches_transformers(tie, tmp_path):
+    save_hf_model(seed=0, folder=tmp_path, tie=tie)
+    _, named, ref_grads = matches_transformers(tmp_path, load_hf_model)
     deep = [n for n in named if "deepstack_merger_list" in n]
     assert deep and all(float(ref_grads[n].abs().max()) > 0 for n in deep)
 
 
 def test_export_loads_in_transformers_with_the_same_outputs(tmp_path):
-    state = ParallelState()
     save_hf_model(seed=0, folder=tmp_path / "src")  # only its config.json is used
     cfg = config_from_hf(tmp_path / "src")
-    model = build_model(cfg, state, seed=3)  # our own initialisation, exported
-    export_hf(model, state, tmp_path / "out")
-    s = stream(seed=4)
-    ref_lp, _ = reference_scores(tmp_path / "out", s)
-    ours, _, _, _ = score_and_grads(model, cfg, state, s)
-    assert float((ours.double() - ref_lp).abs().max()) <= 1e-4
-    hf = load(tmp_path / "out", torch.float32)
-    assert isinstance(hf, transformers.Qwen3VLForConditionalGeneration)
-    again, _ = load_hf_model(tmp_path / "out", state)
-    for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters(), strict=True):
-        assert torch.equal(a, b), n
+    export_matches_transformers(cfg, tmp_path / "out", transformers.Qwen3VLForConditionalGeneration)
 
 
 @pytest.mark.parametrize("fault", ["no_add", "shifted_rows"])

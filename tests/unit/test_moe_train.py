@@ -97,22 +97,30 @@ def test_step_loss_and_grads_are_the_whole_batch_statistic(tmp_path, data_dir):
     assert wrong > 1e-3
 
 
+def trains_and_resumes_bit_identically(yaml, tmp, common: list[str], steps: int) -> list[dict]:
+    """``yaml`` with ``common`` trains ``steps`` steps straight (run a: the loss falls by more
+    than 0.1) and in two halves resumed from a checkpoint (run b) with the same losses, bit for
+    bit (also the Qwen3.5-MoE tests'). Returns run a's metrics rows (at least one)."""
+    straight = train(load_config(yaml, [*common, f"logging.run_dir={tmp}/a",
+                                        f"training.max_steps={steps}", "checkpoint.every=0"])
+                     ).losses
+    assert straight[-1] < straight[0] - 0.1
+    half = [*common, f"logging.run_dir={tmp}/b", f"checkpoint.every={steps // 2}"]
+    first = train(load_config(yaml, [*half, f"training.max_steps={steps // 2}"])).losses
+    second = train(load_config(yaml, [*half, f"training.max_steps={steps}"])).losses
+    assert first + second == straight
+    rows = [json.loads(line) for line in (tmp / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert rows
+    return rows
+
+
 def test_tiny_yaml_trains_and_resumes_bit_identically(tmp_path, data_dir):
     common = [f"data.cache_dir={data_dir}", "data.default_vocab_size=512",
               "model.vocab_size=512", "data.seq_len=64", "training.device=cpu",
               "schedule.warmup_steps=2", "schedule.total_steps=8", "logging.log_every=100"]
     yaml = "launch/configs/qwen3_moe_tiny.yaml"
-    straight = train(load_config(yaml, [*common, f"logging.run_dir={tmp_path}/a",
-                                        "training.max_steps=8", "checkpoint.every=0"])).losses
-    assert straight[-1] < straight[0] - 0.1
-    half = [*common, f"logging.run_dir={tmp_path}/b", "checkpoint.every=4"]
-    first = train(load_config(yaml, [*half, "training.max_steps=4"])).losses
-    second = train(load_config(yaml, [*half, "training.max_steps=8"])).losses
-    assert first + second == straight
-    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text()
-            .splitlines()]
+    rows = trains_and_resumes_bit_identically(yaml, tmp_path, common, 8)
     moe = load_config(yaml).model.moe
-    assert rows
     for row in rows:  # the step's global router statistics, in every logged row
         load = row["expert_load"]
         assert len(load) == moe.num_experts and row["dropped_tokens"] == 0

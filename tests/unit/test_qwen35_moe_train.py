@@ -15,13 +15,13 @@ import math
 from pathlib import Path
 
 import pytest
+from test_moe_train import trains_and_resumes_bit_identically
 
 from models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
 from models.qwen3_5_moe.hf import hf_config_dict
 from mpcore.build import run_family
 from mpcore.config import load_config
 from mpcore.data import prepare_default
-from mpcore.train import train
 
 YAML = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen35_moe_tiny.yaml"
 
@@ -54,17 +54,7 @@ def test_tiny_yaml_trains_and_resumes_bit_identically(tmp_path):
               "model.vocab_size=512", "data.seq_len=64", "training.device=cpu",
               "training.dtype=float32", "schedule.warmup_steps=2", "schedule.total_steps=6",
               "logging.log_every=100"]
-    straight = train(load_config(YAML, [*common, f"logging.run_dir={tmp_path}/a",
-                                        "training.max_steps=6", "checkpoint.every=0"])).losses
-    assert straight[-1] < straight[0] - 0.1
-    half = [*common, f"logging.run_dir={tmp_path}/b", "checkpoint.every=3"]
-    first = train(load_config(YAML, [*half, "training.max_steps=3"])).losses
-    second = train(load_config(YAML, [*half, "training.max_steps=6"])).losses
-    assert first + second == straight
-    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text()
-            .splitlines()]
-    assert rows
-    for row in rows:
+    for row in trains_and_resumes_bit_identically(YAML, tmp_path, common, 6):
         load = row["expert_load"]
         assert len(load) == 8 and sum(load) > 0 and row["dropped_tokens"] == 0
         assert row["aux_loss"] > 0 and math.isfinite(row["z_loss"])
