@@ -14,28 +14,17 @@ from __future__ import annotations
 import torch
 
 from models.common.decoder import init_weights
-from models.common.moe_model import MoeRouting
+from models.common.moe_model import DecoderMoeRouting
 from models.qwen3_5_moe.model import Qwen35MoeTransformer
 from models.qwen3_5_vl.model import Qwen35VLModel, make_model
 from models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig
 from parallel.state import ParallelState
 
 
-class Qwen35VLMoeModel(MoeRouting, Qwen35VLModel):
+class Qwen35VLMoeModel(DecoderMoeRouting, Qwen35VLModel):
     """The model of the module docstring (``Qwen35VLModel``'s arguments)."""
 
     decoder_cls = Qwen35MoeTransformer
-
-    @property
-    def moe_cfg(self):
-        return self.cfg.text
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
-                moe_mask: torch.Tensor | None = None, **kwargs):
-        """``Qwen35VLModel.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
-        count (None: all)."""
-        self.set_moe_mask(moe_mask, input_ids)
-        return super().forward(input_ids, position_ids, **kwargs)
 
 
 def make_moe_model(cfg: Qwen35VLMoeConfig, state: ParallelState, **options) -> Qwen35VLMoeModel:

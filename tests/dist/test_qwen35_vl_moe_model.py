@@ -23,7 +23,8 @@ from harness import run_distributed
 from hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
 from hf_qwen35_vl_moe_tiny import EAGER, TEXT_MOE, make_hf_model, save_hf_model
 from safetensors.torch import load_file, save_file
-from test_qwen3_vl_model import hf_named, rel, vision_kwargs
+from test_qwen3_vl_model import hf_named, rel
+from test_qwen3_vl_moe_model import ep2_and_tp2, logprobs_at
 
 from models.common.moe_loss import aux_share, global_counts
 from models.qwen3_5_vl_moe import FAMILY, Qwen35VLMoeConfig
@@ -43,14 +44,6 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-def _logprobs(model, cfg, state, s):
-    plan, inputs = FAMILY.local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg,
-                                       **vision_kwargs(s))
-    with torch.no_grad():
-        logprobs, entropy = model(**inputs, output="logprobs")
-    return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group), inputs
-
-
 @pytest.mark.slow  # transformers' float64 reference twice: about 30 s alone
 def test_logprobs_loss_with_aux_and_grads_match_transformers(checkpoint):
     s = stream(seed=1)
@@ -59,7 +52,7 @@ def test_logprobs_loss_with_aux_and_grads_match_transformers(checkpoint):
     ce_only, _ = reference_loss_grads(checkpoint, s, **EAGER)
     model, cfg = load_hf_model(checkpoint, ParallelState(), gdn_kernel="reference")
     assert family_of(cfg) is FAMILY and family_of_hf(checkpoint) is FAMILY
-    logprobs, entropy, inputs = _logprobs(model, cfg, ParallelState(), s)
+    logprobs, entropy, inputs = logprobs_at(model, cfg, ParallelState(), s)
     assert float((logprobs.double() - ref_lp).abs().max()) <= 1e-4
     assert float((entropy.double() - ref_ent).abs().max()) <= 1e-4
     per_token = model(**inputs, output="loss")
@@ -119,24 +112,12 @@ def test_export_is_the_released_layout_and_round_trips(checkpoint, tmp_path):
     assert config_from_dict(dataclasses.asdict(cfg)) == cfg
 
 
-def _layouts(rank, world, folder, s, one):
-    out = {}
-    for name, (tp, ep) in {"ep2": (1, 2), "tp2": (2, 1)}.items():
-        state = ParallelState.build(tp=tp, ep=ep)
-        model, cfg = load_hf_model(folder, state)
-        logprobs, entropy, _ = _logprobs(model, cfg, state, s)
-        out[name] = (float((logprobs - one[0]).abs().max()),
-                     float((entropy - one[1]).abs().max()),
-                     model.text.layers[0].feed_forward.experts.w13.shape[0])
-    return out
-
-
 @pytest.mark.slow
 def test_ep2_and_tp2_match_one_process(checkpoint):
     s = stream(seed=4)
     model, cfg = load_hf_model(checkpoint, ParallelState())
-    lp, ent, _ = _logprobs(model, cfg, ParallelState(), s)
-    for r in run_distributed(_layouts, 2, str(checkpoint), s, (lp, ent), timeout=400):
+    lp, ent, _ = logprobs_at(model, cfg, ParallelState(), s)
+    for r in run_distributed(ep2_and_tp2, 2, str(checkpoint), s, (lp, ent), timeout=400):
         assert r["ep2"][2] == 4 and r["tp2"][2] == 8, r  # experts per rank
         for name, (d_lp, d_ent, _) in r.items():
             assert d_lp <= 1e-5 and d_ent <= 1e-5, (name, d_lp, d_ent)

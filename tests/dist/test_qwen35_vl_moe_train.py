@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
+from vl_export import export_matches_transformers
 
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
@@ -64,33 +65,7 @@ def test_pretrain_trains_cp2_ep2_equals_it_and_exports(tmp_path):
     for losses in run_distributed(_cp_ep, 2, str(tmp_path), timeout=600):
         diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
         assert diff <= 1e-4, (losses, ref)
-    _export_matches_transformers(tmp_path, tmp_path / "cp2_ep2" / "checkpoints")
+    export_matches_transformers(tmp_path / "cp2_ep2" / "checkpoints", tmp_path / "hf",
+                                "Qwen3_5MoeForConditionalGeneration",
+                                experts_implementation="eager")
 
-
-def _export_matches_transformers(tmp, checkpoints):
-    import transformers
-
-    from models.qwen3_5_vl_moe import FAMILY
-    from parallel.state import ParallelState
-
-    out = tmp / "hf"
-    proc = subprocess.run([sys.executable, "-m", "launch.export_hf", "--checkpoint",
-                           str(checkpoints), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(
-        out, experts_implementation="eager").eval()
-    assert isinstance(hf, transformers.Qwen3_5MoeForConditionalGeneration)
-    state = ParallelState()
-    ours, cfg = FAMILY.load_hf(out, state)
-    ids = torch.tensor([5, 7, cfg.vision_start_token_id, *[cfg.image_token_id] * 6,
-                        cfg.vision_end_token_id, 9, 11, 13])
-    pixels = torch.randn(24, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
-    grid = torch.tensor([[1, 4, 6]])
-    _, inputs = FAMILY.local_inputs(state, ids, torch.tensor([0, ids.numel()]), cfg,
-                                    pixel_values=pixels, image_grid_thw=grid)
-    with torch.no_grad():
-        mine = ours(**inputs, output="logits")[:, :cfg.text.vocab_size]
-        theirs = hf(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid,
-                    mm_token_type_ids=(ids == cfg.image_token_id).long()[None]).logits[0]
-    assert float((mine - theirs).abs().max()) <= 1e-4

@@ -16,6 +16,7 @@ import torch
 from harness import run_distributed
 from hf_qwen3_vl_tiny import END, IMAGE, START
 from hf_qwen35_vl_tiny import save_hf_model
+from vl_export import export_matches_transformers
 
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
@@ -55,32 +56,8 @@ def test_trains_layouts_agree_and_exports(tmp_path):
         for name, losses in rank_losses.items():
             diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
             assert diff <= 1e-4, (name, losses, ref)
-    out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "launch.export_hf", "--checkpoint",
-                           str(tmp_path / "ref" / "checkpoints"), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import transformers
-
-    from models.qwen3_5_vl import FAMILY
-    from parallel.state import ParallelState
-
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
-    assert isinstance(hf, transformers.Qwen3_5ForConditionalGeneration)
-    state = ParallelState()
-    ours, cfg = FAMILY.load_hf(out, state)
-    ids = torch.tensor([5, 7, cfg.vision_start_token_id, *[cfg.image_token_id] * 6,
-                        cfg.vision_end_token_id, 9, 11, 13])
-    pixels = torch.randn(24, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
-    grid = torch.tensor([[1, 4, 6]])
-    _, inputs = FAMILY.local_inputs(state, ids, torch.tensor([0, ids.numel()]), cfg,
-                                    pixel_values=pixels, image_grid_thw=grid)
-    types = (ids == cfg.image_token_id).long()[None]
-    with torch.no_grad():
-        mine = ours(**inputs, output="logits")[:, :cfg.text.vocab_size]
-        theirs = hf(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid,
-                    mm_token_type_ids=types).logits[0]
-    assert float((mine - theirs).abs().max()) <= 1e-4
+    export_matches_transformers(tmp_path / "ref" / "checkpoints", tmp_path / "hf",
+                                "Qwen3_5ForConditionalGeneration")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
+from vl_export import export_matches_transformers
 
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
@@ -58,33 +59,7 @@ def test_trains_and_cp2_ep2_equals_one_process(tmp_path):
         diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
         assert diff <= 1e-4, (losses, ref)
 
-    _export_matches_transformers(tmp_path, tmp_path / "cp2_ep2" / "checkpoints")
+    export_matches_transformers(tmp_path / "cp2_ep2" / "checkpoints", tmp_path / "hf",
+                                "Qwen3VLMoeForConditionalGeneration",
+                                experts_implementation="eager")
 
-
-def _export_matches_transformers(tmp, checkpoints):
-    import transformers
-
-    from models.qwen3_vl_moe.family import local_inputs
-    from models.qwen3_vl_moe.hf import load_hf_model
-    from parallel.state import ParallelState
-
-    out = tmp / "hf"
-    proc = subprocess.run([sys.executable, "-m", "launch.export_hf", "--checkpoint",
-                           str(checkpoints), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(
-        out, experts_implementation="eager").eval()
-    state = ParallelState.build()
-    ours, cfg = load_hf_model(out, state)
-    ids = torch.tensor([5, 7, cfg.vision_start_token_id, *[cfg.image_token_id] * 4,
-                        cfg.vision_end_token_id, 9, 11])
-    pixels = torch.randn(16, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
-    grid = torch.tensor([[1, 4, 4]])
-    _, inputs = local_inputs(state, ids, torch.tensor([0, ids.numel()]), cfg,
-                             pixel_values=pixels, image_grid_thw=grid)
-    with torch.no_grad():
-        mine = ours(**inputs, output="logits")[:, :cfg.text.vocab_size]
-        theirs = hf(input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid,
-                    mm_token_type_ids=(ids == cfg.image_token_id).long()[None]).logits[0]
-    assert float((mine - theirs).abs().max()) <= 1e-4
