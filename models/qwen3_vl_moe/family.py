@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.common.config import ModelConfig
 from models.common.family import Family
 from models.common.moe_model import moe_mask
-from models.common.section import given
-from models.qwen3_moe.config import MoeSection
+from models.common.section import given, section_of
+from models.qwen3_moe.config import Qwen3MoeConfig
 from models.qwen3_vl.config import Qwen3VLSection
 from models.qwen3_vl.family import FAMILY as QWEN3_VL
 from models.qwen3_vl.inputs import local_inputs as dense_local_inputs
@@ -23,12 +24,19 @@ from models.qwen3_vl_moe.config import (
 from models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
 from models.qwen3_vl_moe.model import build_model, flops_per_token, num_params
 
+Qwen3VLMoeExpertsSection = section_of(Qwen3MoeConfig, "Qwen3VLMoeExpertsSection",
+                                      skip=ModelConfig, defaults={"norm_topk_prob": True},
+                                      module=__name__)
+"""The YAML ``model.moe`` keys of the qwen3_vl_moe family: ``Qwen3MoeConfig``'s MoE fields,
+``norm_topk_prob`` defaulting to true (its router always renormalises; qwen3_moe's default,
+false, would be refused)."""
+
 
 @dataclass(frozen=True)
 class Qwen3VLMoeSection(Qwen3VLSection):
     """Our YAML model section of the qwen3_vl_moe family: Qwen3-VL's keys and ``moe``."""
 
-    moe: MoeSection | None = None
+    moe: Qwen3VLMoeExpertsSection | None = None
     """The decoder's experts from scratch: ``Qwen3MoeConfig``'s MoE fields (num_experts,
     num_experts_per_tok, moe_intermediate_size, ...; norm_topk_prob must stay true). Null:
     their defaults."""
