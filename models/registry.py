@@ -20,13 +20,14 @@ from models.qwen2_vl.family import FAMILY as QWEN2_VL
 from models.qwen3_5.family import FAMILY as QWEN3_5
 from models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
 from models.qwen3_5_vl.family import FAMILY as QWEN3_5_VL
+from models.qwen3_5_vl_moe.family import FAMILY as QWEN3_5_VL_MOE
 from models.qwen3_moe.family import FAMILY as QWEN3_MOE
 from models.qwen3_vl.family import FAMILY as QWEN3_VL
 from models.qwen3_vl_moe.family import FAMILY as QWEN3_VL_MOE
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (LLAMA, QWEN2_VL, QWEN3_VL, GLM4V, QWEN3_5, QWEN3_5_VL, QWEN3_MOE,
-                        QWEN3_VL_MOE, QWEN3_5_MOE)}
+                        QWEN3_VL_MOE, QWEN3_5_MOE, QWEN3_5_VL_MOE)}
 
 
 def family_named(name: str) -> Family:

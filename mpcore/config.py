@@ -79,7 +79,9 @@ class ModelSection:
     qwen3_vl (Qwen3-VL: needs vision, qk_norm, mrope_interleaved), glm4v (GLM-4V / GLM-4.1V:
     needs vision), qwen3_5 (Qwen3.5 text: Gated DeltaNet beside gated attention), qwen3_5_vl
     (Qwen3.5 vision-language: needs vision, mrope_section), qwen3_moe (Qwen3-MoE: needs moe),
-    qwen3_vl_moe (Qwen3-VL-MoE: needs vision and moe) or qwen3_5_moe (Qwen3.5-MoE: needs moe;
+    qwen3_vl_moe (Qwen3-VL-MoE: needs vision and moe), qwen3_5_moe (Qwen3.5-MoE: needs moe;
+    intermediate_size is the shared expert's width) or qwen3_5_vl_moe (Qwen3.5-MoE
+    vision-language, e.g. Qwen3.5-35B-A3B: needs vision, mrope_section and moe;
     intermediate_size is the shared expert's width); auto: the family of init_from's
     config.json, else the family whose nested sections match the most of those given (vision:
     qwen2_vl, moe: qwen3_moe, both: qwen3_vl_moe; the first in that list on a tie), else

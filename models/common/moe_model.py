@@ -2,7 +2,8 @@
 trainer's hooks (``mpcore.moe_step``) and the inputs' ``moe_mask``, shared by every MoE family.
 
     model.router_stats()     the MoE layers' statistics of the last forward, pooled
-    model.moe_cfg            the config with the MoE fields (router_aux_loss_coef, ...)
+    model.moe_cfg            the config with the MoE fields (router_aux_loss_coef, ...); a VL
+                             model's (``DecoderMoeRouting``): its decoder's ``cfg.text``
     forward(..., moe_mask)   ``moe_mask [L]`` bool: the local tokens the statistics count (real
                              tokens, not cp padding); ``set_moe_mask`` hands it to every block
     moe_mask(plan, state)    that mask for this cp rank's tokens of a ``ContextPlan``
@@ -65,3 +66,20 @@ class MoeRouting:
                              f"{tuple(input_ids.shape)}; split it with the same plan")
         for block in self.moe_blocks():
             block.token_mask = moe_mask
+
+
+class DecoderMoeRouting(MoeRouting):
+    """``MoeRouting`` of a model whose MoE blocks are its decoder's (a vision-language model:
+    ``cfg.text`` holds the MoE fields), its forward taking ``moe_mask``. Put it before the
+    model class in the bases: ``forward`` hands the mask to the blocks, then runs the model's."""
+
+    @property
+    def moe_cfg(self):
+        return self.cfg.text
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                moe_mask: torch.Tensor | None = None, **kwargs):
+        """The model's forward; ``moe_mask [L]`` bool: the tokens the routing statistics count
+        (None: all)."""
+        self.set_moe_mask(moe_mask, input_ids)
+        return super().forward(input_ids, position_ids, **kwargs)

@@ -20,6 +20,7 @@ from models.qwen3_5.family import config_from_section as dense_config_from_secti
 from models.qwen3_5_moe.config import Qwen35MoeConfig
 from models.qwen3_5_moe.hf import (
     ARCHITECTURES,
+    TEXT_ARCH,
     config_from_hf,
     export_hf,
     hf_config_dict,
@@ -51,18 +52,24 @@ def config_from_dict(d: dict) -> Qwen35MoeConfig:
     return Qwen35MoeConfig(**d)
 
 
+def with_experts(dense: Qwen35Config, moe: dict) -> Qwen35MoeConfig:
+    """``dense``'s decoder with every feed-forward a MoE block of ``moe``
+    (``Qwen35MoeConfig``'s MoE fields; ``dense.intermediate_size``: the shared expert's
+    width)."""
+    fields = {k: getattr(dense, k) for k in dense.__dataclass_fields__}
+    try:
+        return Qwen35MoeConfig(**{**fields, **moe})
+    except TypeError as e:
+        raise ValueError(f"model section: {e}; the MoE keys are models.qwen3_5_moe.config."
+                         f"Qwen35MoeConfig's fields") from None
+
+
 def config_from_section(section, token_ids: dict | None) -> Qwen35MoeConfig:
     """Our YAML model section as the qwen3_5 family reads it (``intermediate_size``: the shared
     expert's width), plus its ``moe`` mapping (``Qwen35MoeConfig``'s MoE fields:
     num_experts, num_experts_per_tok, moe_intermediate_size, router_aux_loss_coef,
     router_z_loss_coef)."""
-    dense = dense_config_from_section(section, token_ids)
-    fields = {k: getattr(dense, k) for k in dense.__dataclass_fields__}
-    try:
-        return Qwen35MoeConfig(**{**fields, **given(section.moe)})
-    except TypeError as e:
-        raise ValueError(f"model section: {e}; the MoE keys are models.qwen3_5_moe.config."
-                         f"Qwen35MoeConfig's fields") from None
+    return with_experts(dense_config_from_section(section, token_ids), given(section.moe))
 
 
 def _moe_sizes(cfg: Qwen35MoeConfig) -> tuple[int, int]:
@@ -91,8 +98,8 @@ def _decoder(model):
 
 
 FAMILY = Family(
-    name="qwen3_5_moe", config_type=Qwen35MoeConfig, hf_architectures=tuple(ARCHITECTURES),
-    hf_model_types=tuple(ARCHITECTURES.values()),
+    name="qwen3_5_moe", config_type=Qwen35MoeConfig, hf_architectures=(TEXT_ARCH,),
+    hf_model_types=(ARCHITECTURES[TEXT_ARCH],),
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
@@ -100,4 +107,4 @@ FAMILY = Family(
     decoder=_decoder, section=Qwen35MoeSection, options=("gdn_kernel",),
     check_experts=check_experts)
 
-__all__ = ["FAMILY", "config_from_dict", "config_from_section"]
+__all__ = ["FAMILY", "config_from_dict", "config_from_section", "with_experts"]

@@ -1,10 +1,11 @@
 """Qwen3.5-MoE text checkpoints: ``config.json`` <-> ``Qwen35MoeConfig``, tensor names, load,
 export.
 
-Reads ``Qwen3_5MoeForCausalLM`` (keys ``model.layers.*``) and the text decoder of a released
-``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A3B: nested ``text_config``, keys
-``model.language_model.*``; the tower ``model.visual.*`` and the multi-token-prediction
-``mtp.*`` tensors are skipped with one log line). The text fields are read as Qwen3.5's
+Reads ``Qwen3_5MoeForCausalLM`` (keys ``model.layers.*``) and, as a library call, the text
+decoder of a released ``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A3B: nested
+``text_config``, keys ``model.language_model.*``; the tower ``model.visual.*`` and the
+multi-token-prediction ``mtp.*`` tensors are skipped with one log line; the registry gives that
+architecture to ``models.qwen3_5_vl_moe``, which reads it whole). The text fields are read as Qwen3.5's
 (``models.qwen3_5.hf.config_from_hf``: the same keys, both transformers forms), the shared
 expert's width standing in for the dense MLP's; the MoE keys are transformers'
 ``Qwen3_5MoeTextConfig``'s (its defaults where absent).
@@ -49,6 +50,7 @@ from models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
 from models.qwen3_moe import hf as moe_hf
 from parallel.state import ParallelState
 
+TEXT_ARCH = "Qwen3_5MoeForCausalLM"  # the family's; the registry gives the VL one to qwen3_5_vl_moe
 ARCHITECTURES = {"Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
                  "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
 PREFIX = {"Qwen3_5MoeForCausalLM": "model.",
@@ -132,11 +134,18 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
     model.rope.reset_parameters()
     table = shard_map(cfg, state.tp, state.tp_rank, prefix)
     moe_hf.load_moe_weights(model, folder, state, cfg, table, hf=prefix)
+    log_skipped(folder, table, prefix, "text decoder")
+    return model, cfg
+
+
+def log_skipped(folder: str | Path, table: dict[str, list[Piece]], prefix: str,
+                what: str) -> None:
+    """``log_unused``'s one line for a checkpoint whose experts (``{prefix}layers.i.mlp.
+    experts.*``, either layout) were read apart from ``table``."""
     ckpt = Checkpoint(Path(folder))
     experts = re.compile(rf"{re.escape(prefix)}layers\.\d+\.mlp\.experts\.")
-    ckpt.files = {n: f for n, f in ckpt.files.items() if not experts.match(n)}  # read above
-    log_unused(ckpt, table, "text decoder")
-    return model, cfg
+    ckpt.files = {n: f for n, f in ckpt.files.items() if not experts.match(n)}
+    log_unused(ckpt, table, what)
 
 
 @torch.no_grad()

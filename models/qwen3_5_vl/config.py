@@ -68,13 +68,20 @@ def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
     ``ValueError`` naming it."""
     hf = read_hf_config(source)
     check_architecture(hf, ARCH, MODEL_TYPE, "Qwen3.5 vision-language")
+    return from_hf_parts(hf, text_config_from_hf, Qwen35VLConfig)
+
+
+def from_hf_parts(hf: dict, read_text, config_type: type):
+    """``config_type(text, vision, token ids)`` of a Qwen3.5 VL config.json dict whose
+    architecture was checked: ``read_text(hf)`` (a Qwen3.5 text family's reader) with the
+    interleaved M-RoPE section, the tower without DeepStack, the four ids."""
     missing = [k for k in TOKEN_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3.5 VL checkpoint names its "
                          f"placeholder and vision start/end token ids")
     section = _mrope_section(text_fields(hf))
     try:
-        text = dataclasses.replace(text_config_from_hf(hf), mrope_section=section,
+        text = dataclasses.replace(read_text(hf), mrope_section=section,
                                    mrope_interleaved=True)
     except ValueError as e:
         raise ValueError(f"text_config mrope_section {list(section)}: {e}") from None
@@ -85,24 +92,30 @@ def config_from_hf(source: str | Path | dict) -> Qwen35VLConfig:
                          f"DeepStack (a Qwen3-VL checkpoint? its architecture is "
                          f"Qwen3VLForConditionalGeneration)")
     vision["deepstack_visual_indexes"] = ()  # Qwen3-VL's reader would default it to 3 blocks
-    return Qwen35VLConfig(text=text, vision=vision_config_from_hf(vision),
-                          **{k: int(hf[k]) for k in TOKEN_KEYS})
+    return config_type(text=text, vision=vision_config_from_hf(vision),
+                       **{k: int(hf[k]) for k in TOKEN_KEYS})
 
 
-def hf_config_dict(cfg: Qwen35VLConfig) -> dict:
-    """The transformers 5.x ``config.json`` dict of ``cfg`` (nested text and vision configs)."""
-    text = text_hf_config_dict(dataclasses.replace(cfg.text, mrope_section=None,
-                                                   mrope_interleaved=False))
+def hf_config_dict(cfg: Qwen35VLConfig, text_hf_dict=text_hf_config_dict, arch: str = ARCH,
+                   model_type: str = MODEL_TYPE) -> dict:
+    """The transformers 5.x ``config.json`` dict of ``cfg`` (nested text and vision configs);
+    ``text_hf_dict``: the text family's writer (the MoE family passes its own, with its
+    ``arch`` and ``model_type``)."""
+    text = text_hf_dict(dataclasses.replace(cfg.text, mrope_section=None,
+                                            mrope_interleaved=False))
     del text["architectures"]
     text["rope_parameters"].update(mrope_section=list(cfg.text.mrope_section),
                                    mrope_interleaved=True)
-    return {"architectures": [ARCH], "model_type": MODEL_TYPE, "text_config": text,
-            "vision_config": vision_config_dict(cfg.vision, "qwen3_5_vision", deepstack=False),
+    return {"architectures": [arch], "model_type": model_type, "text_config": text,
+            "vision_config": vision_config_dict(cfg.vision, f"{model_type}_vision",
+                                                deepstack=False),
             "tie_word_embeddings": cfg.text.tie_embeddings,
             **{k: getattr(cfg, k) for k in TOKEN_KEYS}}
 
 
-def config_from_dict(d: dict) -> Qwen35VLConfig:
-    """The ``Qwen35VLConfig`` of ``dataclasses.asdict(cfg)`` (e.g. a checkpoint's meta.json)."""
+def config_from_dict(d: dict, text_from_dict=text_config_from_dict,
+                     config_type: type = Qwen35VLConfig) -> Qwen35VLConfig:
+    """The ``config_type`` of ``dataclasses.asdict(cfg)`` (e.g. a checkpoint's meta.json);
+    ``text_from_dict``: the text family's reader of its part."""
     vision, rest = vision_and_tokens_from_dict(d)
-    return Qwen35VLConfig(text=text_config_from_dict(d["text"]), vision=vision, **rest)
+    return config_type(text=text_from_dict(d["text"]), vision=vision, **rest)

@@ -42,31 +42,37 @@ class Qwen35VLSection(VLSection):
     out_hidden_size defaults to hidden_size); needs mrope_section."""
 
 
-def config_from_section(section, token_ids: dict | None) -> Qwen35VLConfig:
+def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of our YAML model section: the decoder as the qwen3_5 family
     derives it from the shape fields (``models.qwen3_5.family.config_from_section``) with the
     section's ``mrope_section`` (interleaved, summing to ``rotary_dim / 2``: a quarter of each
     head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no
-    DeepStack), and the data tokenizer's four special ids."""
+    DeepStack), and the data tokenizer's four special ids; ``name``: the family the errors
+    name."""
     if token_ids is None:
         raise ValueError("a VL model from scratch takes its token ids from the data's tokenizer")
     if section.vision is None or section.mrope_section is None:
-        raise ValueError("model.family=qwen3_5_vl from scratch needs model.vision (the tower's "
-                         "fields) and model.mrope_section (summing to head_dim / 8, the pairs "
+        raise ValueError(f"model.family={name} from scratch needs model.vision (the tower's "
+                         f"fields) and model.mrope_section (summing to head_dim / 8, the pairs "
                          "of the rotated quarter: e.g. [2, 1, 1] for head_dim 32); or set "
                          "model.init_from")
-    text = decoder_from_fields(section.shape_fields(), NAME, mrope=True)
+    text = decoder_from_fields(section.shape_fields(), name, mrope=True)
     return Qwen35VLConfig(text=text, vision=vision_from_section(given(section.vision),
                                                                 text.hidden_size),
                           **token_ids)
 
 
+def tower_params(cfg: Qwen35VLConfig) -> int:
+    """The tower's parameters, its merger included (counted on the meta device)."""
+    with torch.device("meta"):
+        tower = Qwen3VisionTower(cfg.vision)
+    return sum(p.numel() for p in tower.parameters())
+
+
 def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
     """Logical parameter counts: the decoder's (``models.qwen3_5.counts``) plus ``vision``
     (the tower with its merger), included in ``total``."""
-    with torch.device("meta"):
-        tower = Qwen3VisionTower(cfg.vision)
-    vision = sum(p.numel() for p in tower.parameters())
+    vision = tower_params(cfg)
     text = text_counts.num_params(cfg.text)
     return {**text, "total": text["total"] + vision, "vision": vision}
 

@@ -27,9 +27,11 @@ from models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
 from parallel.state import ParallelState
 
 
-def shard_map(cfg: Qwen35VLConfig, tp: int, rank: int) -> dict[str, list[Piece]]:
-    """Our ``Qwen35VLModel`` parameter name -> the HF pieces of tp rank ``rank``'s shard."""
-    out = {f"text.{k}": v for k, v in text_shard_map(cfg.text, tp, rank, TEXT_PREFIX).items()}
+def shard_map(cfg: Qwen35VLConfig, tp: int, rank: int, text_map=text_shard_map
+              ) -> dict[str, list[Piece]]:
+    """Our ``Qwen35VLModel`` parameter name -> the HF pieces of tp rank ``rank``'s shard;
+    ``text_map``: the text family's shard map (the MoE family passes its own)."""
+    out = {f"text.{k}": v for k, v in text_map(cfg.text, tp, rank, TEXT_PREFIX).items()}
     out.update({f"visual.{k}": v for k, v in vision_shard_map(cfg.vision, tp, rank).items()})
     return out
 

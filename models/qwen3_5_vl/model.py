@@ -41,22 +41,22 @@ class Qwen35VLModel(VisionLanguageModel):
 
 def make_model(cfg: Qwen35VLConfig, state: ParallelState, *, device: torch.device | str = "cpu",
                fp8: str = "none", dtype: torch.dtype = torch.float32,
-               **options) -> Qwen35VLModel:
-    """The model on the meta device (``build_model`` and ``load_hf_model`` materialise it);
-    ``options``: ``VisionLanguageModel``'s keyword arguments. Raises ``ValueError`` for an fp8
+               model_cls: type[Qwen35VLModel] = Qwen35VLModel, **options) -> Qwen35VLModel:
+    """The ``model_cls`` on the meta device (``build_model`` and ``load_hf_model`` materialise
+    it); ``options``: ``VisionLanguageModel``'s keyword arguments. Raises ``ValueError`` for an fp8
     recipe or DeltaNet kernel that ``device`` cannot run, and when ``cfg`` does not fit
     ``state`` (``check_parallel``)."""
     check_fp8(fp8, device)
     check_available(options.get("gdn_kernel", "auto"), device)
     with torch.device("meta"):
-        return Qwen35VLModel(cfg, state, fp8=fp8, dtype=dtype, **options)
+        return model_cls(cfg, state, fp8=fp8, dtype=dtype, **options)
 
 
 def build_model(cfg: Qwen35VLConfig, state: ParallelState, *, seed: int = 0,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 **options) -> Qwen35VLModel:
     """Create on meta, materialise this rank's shards on ``device`` and initialise them from
-    ``seed`` (the same function at any tp degree)."""
+    ``seed`` (the same function at any tp degree); ``options``: ``make_model``'s."""
     model = make_model(cfg, state, device=device, dtype=dtype, **options)
     model.to_empty(device=device)
     init_weights(model, seed)

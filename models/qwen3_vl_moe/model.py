@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from models.common.decoder import init_weights
-from models.common.moe_model import MoeRouting, check_moe_layout, idle_expert_params
+from models.common.moe_model import DecoderMoeRouting, check_moe_layout, idle_expert_params
 from models.qwen3_moe.model import Qwen3MoeLayer
 from models.qwen3_vl.model import Qwen3VLModel
 from models.qwen3_vl.model import flops_per_token as dense_flops_per_token
@@ -21,7 +21,7 @@ from models.qwen3_vl_moe.config import Qwen3VLMoeConfig
 from parallel.state import ParallelState
 
 
-class Qwen3VLMoeModel(MoeRouting, Qwen3VLModel):
+class Qwen3VLMoeModel(DecoderMoeRouting, Qwen3VLModel):
     """The model of the module docstring (``Qwen3VLModel``'s arguments)."""
 
     decoder_layer = Qwen3MoeLayer
@@ -29,17 +29,6 @@ class Qwen3VLMoeModel(MoeRouting, Qwen3VLModel):
     def __init__(self, cfg: Qwen3VLMoeConfig, state: ParallelState, **kwargs):
         check_moe_layout(cfg.text, state, bool(kwargs.get("sequence_parallel")))
         super().__init__(cfg, state, **kwargs)
-
-    @property
-    def moe_cfg(self):
-        return self.cfg.text
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
-                moe_mask: torch.Tensor | None = None, **kwargs):
-        """``Qwen3VLModel.forward``; ``moe_mask [L]`` bool: the tokens the routing statistics
-        count (None: all)."""
-        self.set_moe_mask(moe_mask, input_ids)
-        return super().forward(input_ids, position_ids, **kwargs)
 
 
 def build_model(cfg: Qwen3VLMoeConfig, state: ParallelState, *, device="cpu",

@@ -143,21 +143,35 @@ def reference_scores(folder, s: dict, **options):
     return logprobs, entropy
 
 
-def reference_loss_grads(folder, s: dict, **options):
+def reference_loss_grads(folder, s: dict, aux: bool = False, **options):
     """transformers (float64): mean next-token loss over every valid target of the stream and
-    every parameter's gradient by HF name (``lm_head`` dropped when tied)."""
+    every parameter's gradient by HF name (``lm_head`` dropped when tied). With ``aux`` (a MoE
+    decoder) the loss adds ``router_aux_loss_coef`` times transformers' own
+    ``load_balancing_loss_func`` of every document's router logits together: the whole batch
+    as one process sees it."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
     model = load(folder, **options)
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    total, count, router = torch.zeros((), dtype=torch.float64), 0, []
     for d in range(len(s["per_doc"])):
         kwargs, _, _ = doc_inputs(s, d)
         doc = kwargs["input_ids"][0]
-        logits = model(**kwargs).logits[0].double()
+        out = model(**kwargs, **({"output_router_logits": True} if aux else {}))
+        logits = out.logits[0].double()
         keep = (doc[1:] != IMAGE) & (doc[1:] != VIDEO)
         total = total + F.cross_entropy(logits[:-1][keep], doc[1:][keep], reduction="sum")
         count += int(keep.sum())
-    (total / count).backward()
+        if aux:
+            router.append(out.router_logits)
+    loss = total / count
+    if aux:
+        text = model.config.text_config
+        per_layer = tuple(torch.cat([r[i] for r in router]) for i in range(len(router[0])))
+        loss = loss + text.router_aux_loss_coef * load_balancing_loss_func(
+            per_layer, text.num_experts, text.num_experts_per_tok)
+    loss.backward()
     grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
              for n, p in model.named_parameters()}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
-    return float(total.detach() / count), grads
+    return float(loss.detach()), grads

@@ -24,11 +24,19 @@ def make_hf_model(seed: int, **overrides):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**CONFIG, **overrides})).eval()
-    randomize_(model, seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(0.5 / 0.12)
+    return sharpen_router_(randomize_(model, seed))
+
+
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "router_aux_loss_coef")
+
+
+@torch.no_grad()
+def sharpen_router_(model):
+    """Scale every router of a ``randomize_``d model to weights of 0.5 (top-k far from ties)."""
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.mul_(0.5 / 0.12)
     return model
 
 

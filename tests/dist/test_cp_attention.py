@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from harness import run_distributed
 
-from parallel.state import ParallelState
 from parallel.attention import AttentionPlan, context_attention
+from parallel.state import ParallelState
 
 LENGTHS = [7, 1, 13, 4, 10]  # odd lengths and a length-1 document
 HEADS = [(4, 2), (4, 1), (6, 3)]  # (H, H_kv): GQA, H_kv < cp, H_kv not dividing cp

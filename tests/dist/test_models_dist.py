@@ -37,11 +37,11 @@ from hf_tiny import (
 
 from launch.score import gather_in_order, score_sequences, score_stream
 from models import local_text_inputs
+from models.common.decoder import build_model
 from models.common.decoder_hf import shard_map
 from models.llama.hf import config_from_hf, export_hf, load_hf_model
-from models.common.decoder import build_model
-from parallel.state import ParallelState
 from parallel.collectives import gather_last_dim
+from parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTHS = [7, 13, 1, 10, 5]

@@ -245,10 +245,9 @@ def _export_worker(rank, world, folder, out):
 
 
 def test_export_at_tp2_ep2_from_the_fused_layout_loads_in_transformers(tmp_path):
+    from hf_moe_tiny import make_hf_model
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    from hf_moe_tiny import make_hf_model
 
     save_hf_model(5, tmp_path / "released")  # for its config.json
     fused = tmp_path / "fused"

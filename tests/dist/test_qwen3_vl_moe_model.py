@@ -21,7 +21,7 @@ from hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
 
 from models.common.hf_io import _scatter_back
 from models.qwen3_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
-from models.qwen3_vl_moe.family import FAMILY, local_inputs
+from models.qwen3_vl_moe.family import FAMILY
 from models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
 from models.registry import family_of, family_of_hf
 from parallel.state import ParallelState
@@ -36,8 +36,11 @@ def _vision(s: dict) -> dict:
                               "video_grid_thw")}
 
 
-def _logprobs(model, cfg, state, s):
-    plan, inputs = local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg, **_vision(s))
+def logprobs_at(model, cfg, state, s):
+    """``(logprobs [T], entropy [T], inputs)`` of stream ``s`` at ``state`` (cp gathered;
+    ``cfg``'s family makes the inputs; also the Qwen3.5-MoE VL tests')."""
+    plan, inputs = family_of(cfg).local_inputs(state, s["input_ids"], s["cu_seqlens"], cfg,
+                                               **_vision(s))
     with torch.no_grad():
         logprobs, entropy = model(**inputs, output="logprobs")
     return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group), inputs
@@ -51,7 +54,7 @@ def test_matches_transformers_in_one_process(tmp_path):
     model, cfg = load_hf_model(tmp_path, ParallelState())
     assert family_of(cfg) is FAMILY and family_of_hf(tmp_path) is FAMILY
     assert cfg.text.moe_layers == (0, 2) and cfg.text.norm_topk_prob
-    logprobs, entropy, inputs = _logprobs(model, cfg, ParallelState(), s)
+    logprobs, entropy, inputs = logprobs_at(model, cfg, ParallelState(), s)
     assert float((logprobs.double() - ref_lp).abs().max()) <= 1e-4
     assert float((entropy.double() - ref_ent).abs().max()) <= 1e-4
     per_token = model(**inputs, output="loss")
@@ -70,12 +73,14 @@ def test_matches_transformers_in_one_process(tmp_path):
     assert int(stats.counts.sum()) == 2 * MOE["num_experts_per_tok"] * s["input_ids"].numel()
 
 
-def _layouts(rank, world, folder, s, one):
+def ep2_and_tp2(rank, world, folder, s, one):
+    """On each rank, at ep = 2 and at tp = 2: the largest log-prob and entropy differences
+    to ``one`` (the one-process ones) and the experts this rank holds; ``folder``'s family."""
     out = {}
     for name, (tp, ep) in {"ep2": (1, 2), "tp2": (2, 1)}.items():
         state = ParallelState.build(tp=tp, ep=ep)
-        model, cfg = load_hf_model(folder, state)
-        logprobs, entropy, _ = _logprobs(model, cfg, state, s)
+        model, cfg = family_of_hf(folder).load_hf(folder, state)
+        logprobs, entropy, _ = logprobs_at(model, cfg, state, s)
         out[name] = (float((logprobs - one[0]).abs().max()),
                      float((entropy - one[1]).abs().max()),
                      model.text.layers[0].feed_forward.experts.w13.shape[0])
@@ -87,8 +92,8 @@ def test_ep2_and_tp2_match_one_process(tmp_path):
     save_hf_model(3, tmp_path)
     s = stream(seed=4)
     model, cfg = load_hf_model(tmp_path, ParallelState())
-    lp, ent, _ = _logprobs(model, cfg, ParallelState(), s)
-    for r in run_distributed(_layouts, 2, str(tmp_path), s, (lp, ent), timeout=400):
+    lp, ent, _ = logprobs_at(model, cfg, ParallelState(), s)
+    for r in run_distributed(ep2_and_tp2, 2, str(tmp_path), s, (lp, ent), timeout=400):
         assert r["ep2"][2] == 2 and r["tp2"][2] == 4, r  # experts per rank
         for name, (d_lp, d_ent, _) in r.items():
             assert d_lp <= 1e-5 and d_ent <= 1e-5, (name, d_lp, d_ent)

@@ -14,7 +14,6 @@ parameter's gradient (summed over cp, as the dp x cp reduction does) vs transfor
 from __future__ import annotations
 
 import pytest
-import torch
 from harness import run_distributed
 from hf_vl_tiny import reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 from test_vl_model import rel, score_and_grads

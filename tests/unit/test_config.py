@@ -124,7 +124,7 @@ def test_every_model_key_of_every_family_has_a_docstring():
      r"did you mean 'model.moe.num_experts'\? \(the qwen3_moe family's model.moe keys"),
     (["model.family=qwen3_5", "model.vision.depth=2"],
      r"model.vision is set but the qwen3_5 family takes none; set model.family to one of "
-     r"\['qwen2_vl', 'qwen3_vl', 'glm4v', 'qwen3_5_vl', 'qwen3_vl_moe'\]"),
+     r"\['qwen2_vl', 'qwen3_vl', 'glm4v', 'qwen3_5_vl', 'qwen3_vl_moe', 'qwen3_5_vl_moe'\]"),
 ])
 def test_unknown_model_keys_per_family(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -55,7 +55,7 @@ def test_run_family_auto_rules_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="model.vision is set but the llama family takes none"):
         run_family(load_config(None, ["model.family=llama", *VISION]))
     assert run_family(load_config(None, [*VISION, "model.moe.num_experts=4"])).name == \
-        "qwen3_vl_moe"  # the one family with both
+        "qwen3_vl_moe"  # the first family with both (qwen3_5_vl_moe by model.family)
     with pytest.raises(ValueError, match="model.moe is set but the qwen2_vl family"):
         run_family(load_config(None, ["model.family=qwen2_vl", *VISION,
                                       "model.moe.num_experts=4"]))

@@ -1,0 +1,62 @@
+"""Hugging Face ``Qwen3_5MoeForConditionalGeneration`` checkpoints <-> shards of
+``Qwen35VLMoeModel``.
+
+Keys: Qwen3.5 VL's (``models.qwen3_5_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
+``lm_head.weight`` when untied) with each layer's MLP the Qwen3.5-MoE one
+(``models.qwen3_5_moe.hf.shard_map`` under ``model.language_model.``: router, shared expert and
+its gate, the experts). The released checkpoints (Qwen/Qwen3.5-35B-A3B) and transformers 5.x's
+``save_pretrained`` store one tensor per expert; the fused ``experts.gate_up_proj`` /
+``down_proj`` load too, found per layer by name, each ep rank reading only its experts
+(``models.qwen3_moe.hf.load_moe_weights``). Tensors the model does not use (multi-token
+prediction ``mtp.*``) are skipped with one log line. Export writes the released per-expert
+layout (``models.qwen3_moe.hf.export_moe``), ``config.json`` in the 5.x form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.common.decoder import init_weights
+from models.common.hf_io import Piece
+from models.qwen3_5_moe.hf import log_skipped
+from models.qwen3_5_moe.hf import shard_map as text_shard_map
+from models.qwen3_5_vl import hf as dense_hf
+from models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig, config_from_hf, hf_config_dict
+from models.qwen3_5_vl_moe.model import Qwen35VLMoeModel, make_moe_model
+from models.qwen3_moe import hf as moe_hf
+from models.qwen3_vl.hf import TEXT_PREFIX
+from parallel.state import ParallelState
+
+
+def shard_map(cfg: Qwen35VLMoeConfig, tp: int, rank: int) -> dict[str, list[Piece]]:
+    """Our ``Qwen35VLMoeModel`` parameter name -> the HF pieces of tp rank ``rank``'s shard
+    (experts: fused names, all E)."""
+    return dense_hf.shard_map(cfg, tp, rank, text_shard_map)
+
+
+def load_hf_model(folder: str | Path, state: ParallelState, **options
+                  ) -> tuple[Qwen35VLMoeModel, Qwen35VLMoeConfig]:
+    """The model of a checkpoint folder for ``state`` with this rank's shards loaded (tp
+    pieces, this ep rank's experts): ``(model, cfg)``; ``options``: ``build_model``'s, no
+    seed. Another family's checkpoint, a missing tensor or a shape that disagrees with the
+    config raise ``ValueError``."""
+    cfg = config_from_hf(folder)
+    device = options.pop("device", "cpu")
+    model = make_moe_model(cfg, state, device=device, **options)
+    model.to_empty(device=device)
+    init_weights(model, 0)  # buffers (rotary tables); every parameter is overwritten below
+    table = shard_map(cfg, state.tp, state.tp_rank)
+    moe_hf.load_moe_weights(model, folder, state, cfg.text, table, ours="text.",
+                            hf=TEXT_PREFIX)
+    log_skipped(folder, table, TEXT_PREFIX, "vision-language model")
+    return model, cfg
+
+
+def export_hf(model: Qwen35VLMoeModel, state: ParallelState, out_dir: str | Path,
+              progress=None) -> None:
+    """``config.json`` + ``model.safetensors`` (``Qwen3_5MoeForConditionalGeneration``, the
+    released per-expert layout) of ``model`` in ``out_dir``; collective over the world."""
+    cfg = model.cfg
+    maps = [shard_map(cfg, state.tp, r) for r in range(state.tp)]
+    moe_hf.export_moe(model, state, out_dir, hf_config_dict(cfg), cfg.text, maps,
+                      moe_hf.released_experts, ours="text.", hf=TEXT_PREFIX, progress=progress)
