@@ -179,6 +179,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__,
               "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup)}
     result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
+    print(f"mpcore: {json.dumps(result['mpcore'])}", flush=True)
     if not args.skip_hf:
         import transformers
 
@@ -188,10 +189,19 @@ def main(argv=None) -> int:
         names = [n for n in wanted if n in have] if have else ["default"]
         result["hf"] = {}
         for name in names:
-            r = bench_hf(hf, batches, device, args.steps, args.warmup, name)
-            r["tokens_per_s"] = args.seq / r["step_s"]
+            try:
+                r = bench_hf(hf, batches, device, args.steps, args.warmup, name)
+                r["tokens_per_s"] = args.seq / r["step_s"]
+            except torch.OutOfMemoryError as e:  # batched_mm gathers a weight copy per row
+                r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+                torch.cuda.empty_cache()
             result["hf"][name] = r
-        fastest = min(result["hf"], key=lambda n: result["hf"][n]["step_s"])
+            print(f"transformers {name}: {json.dumps(r)}", flush=True)
+        ran = [n for n in result["hf"] if "step_s" in result["hf"][n]]
+        if not ran:
+            raise SystemExit("no transformers experts implementation ran: "
+                             + json.dumps(result["hf"]))
+        fastest = min(ran, key=lambda n: result["hf"][n]["step_s"])
         result["hf_fastest"] = fastest
         peer = result["hf"][fastest]
         result["speedup"] = peer["step_s"] / result["mpcore"]["step_s"]
