@@ -16,10 +16,14 @@ manifest: never loaded, removed at the next start. One save is in flight at a ti
 requested while one is in flight first waits for it. A stop signal, the last step or an error
 path use a blocking save (they must not leave a write behind).
 
-Cost: host memory for DCP's staged copy of this rank's share, on top of the CPU tensors that
-``TrainState.collect`` gathers (the blocking save needs those too); the write competes with
-training for host memory bandwidth and the disk. The step that starts a save pays the gather
-and the copy, not the write.
+Staging: ``TrainState.collect`` writes this rank's share into pinned host buffers that are kept
+from one save to the next (:class:`HostStaging`), by asynchronous device-to-host copies and one
+synchronize, and DCP writes those buffers as they are (:class:`_AsIs`: no second copy). The
+buffers are reused only after the previous write is committed (``Trainer.save`` waits first).
+Cost: one pinned copy of this rank's share of the checkpoint, held from the first save on
+(page-locked, so the OS cannot swap it; the first save pays its allocation); the write competes
+with training for host memory bandwidth and the disk. The step that starts a save pays the
+gather and the device-to-host copy, not the write.
 """
 
 from __future__ import annotations
@@ -45,6 +49,47 @@ from mpcore.checkpoint import (
 )
 
 
+class HostStaging:
+    """Host buffers for the checkpoint tensors, one per key, reused by every save: pinned
+    when the tensors come from a GPU (asynchronous copies), plain on a CPU run."""
+
+    def __init__(self, device: torch.device):
+        self.pinned = device.type == "cuda"
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffer(self, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        t = self._buffers.get(key)
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            t = self._buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+        return t
+
+    def ready(self, device: torch.device) -> None:
+        """Wait for the copies into the buffers (issued on the current stream)."""
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+
+class _AsIs:
+    """DCP stager that hands the state dict over as it is: its tensors are host copies that
+    nothing changes until the write is committed (:class:`HostStaging`)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class AsyncSaver:
     """At most one background save per rank (module docstring). Collective methods are called
     by every rank at the same step boundaries."""
@@ -59,11 +104,15 @@ class AsyncSaver:
         self.pending: PendingSave | None = None
         self._result: Future | None = None
         self._nbytes = 0
+        self.staging = HostStaging(device)
 
     def start(self, root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
               *, keep_last: int, hook=None) -> None:
-        """Begin saving ``tensors`` as ``root/step-<step>``; returns once they are staged."""
-        self.wait()
+        """Begin saving ``tensors`` (collected into :attr:`staging` after :meth:`wait`) as
+        ``root/step-<step>``; returns once the write has started."""
+        if self.pending is not None:
+            raise RuntimeError("a background save is in flight: wait() before collecting the "
+                               "next one into the staging buffers")
         save = begin_save(root, step, meta, keep_last=keep_last, rank=self.rank, hook=hook)
         self.pending, self._nbytes, self._result = save, _nbytes(tensors), Future()
         if save.failure is not None:
@@ -71,10 +120,9 @@ class AsyncSaver:
             return
         try:
             with _single_process_quiet():
-                # Stages (DCP's DefaultStager: a copy in host memory) before it returns, so
-                # the optimizer may change the parameters during the write.
+                # The tensors are already host copies (staging): no second copy by DCP.
                 written = dcp.async_save(tensors, checkpoint_id=save.tmp,
-                                         process_group=self.group,
+                                         process_group=self.group, async_stager=_AsIs(),
                                          no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:
             self._result.set_result(({}, _failed(e, self.rank)))

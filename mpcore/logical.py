@@ -121,10 +121,13 @@ class LogicalLayout:
 
     @torch.no_grad()
     def gather(self, name: str, local: torch.Tensor, group: ProcessGroup | None,
-               out_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+               out_dtype: torch.dtype | None = None, alloc=None) -> dict[str, torch.Tensor]:
         """Full HF tensors (on the CPU) of our parameter ``name`` from every rank's ``local``
         (an expert tensor with all its experts: ``gather_experts`` first).
 
+        ``alloc(hf_name, shape, dtype)``: where each full tensor is written (default: a new
+        CPU tensor). A pinned target (``mpcore.checkpoint_async.HostStaging``) is filled by
+        asynchronous device-to-host copies: the caller synchronizes before reading it.
         Collective over the tp ``group``: every rank of it calls this with its own shard.
         """
         dim = self.dim(name)
@@ -137,10 +140,12 @@ class LogicalLayout:
             for p, part in zip(pieces, shard.split(_sizes(pieces), dim=dim), strict=True):
                 target = full.get(p.name)
                 if target is None:
-                    target = full[p.name] = torch.empty(p.shape, dtype=dtype)
+                    target = full[p.name] = (torch.empty(p.shape, dtype=dtype) if alloc is None
+                                             else alloc(p.name, tuple(p.shape), dtype))
                 keep = min(p.stop, p.shape[dim]) - p.start
                 if keep > 0:
-                    target.narrow(dim, p.start, keep).copy_(part.narrow(dim, 0, keep))
+                    target.narrow(dim, p.start, keep).copy_(part.narrow(dim, 0, keep),
+                                                            non_blocking=target.is_pinned())
         return full
 
     def shard(self, name: str, full: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -149,14 +149,16 @@ class Trainer:
     def save(self, background: bool = False) -> Path | None:
         """Save this step; with ``background`` (and checkpoint.async_save) start the write and
         return None (:meth:`_poll_background` commits it later). Collective."""
-        tensors = self.run.train_state.collect()
+        saver = self.async_saver
+        if saver is not None:  # one save at a time; its staging buffers are reused
+            self._report_background(saver.wait())
+        background = background and saver is not None
+        tensors = self.run.train_state.collect(saver.staging if background else None)
         args = (self.cfg.checkpoint_dir, self.step, tensors, self._meta())
         kw = {"keep_last": self.cfg.checkpoint.keep_last, "hook": self.checkpoint_hook}
-        if self.async_saver is not None and background:
-            self.async_saver.start(*args, **kw)
+        if background:
+            saver.start(*args, **kw)
             return None
-        if self.async_saver is not None:
-            self._report_background(self.async_saver.wait())  # one save at a time
         return save_checkpoint(*args, rank=self.run.state.rank, **kw)
 
     def _report_background(self, path: Path | None) -> None:

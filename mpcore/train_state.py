@@ -49,6 +49,18 @@ def _tp_local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if _is_dtensor(t) else t.detach()
 
 
+class _Keys:
+    """The checkpoint key of an HF tensor under ``prefix`` (``model`` or ``optim/<state>``)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __call__(self, hf_name: str) -> str:
+        if self.prefix == "model":
+            return f"model/{hf_name}"
+        return f"optim/{hf_name}/{self.prefix.split('/', 1)[1]}"
+
+
 @torch.no_grad()
 def _place(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (the whole tp-local tensor) laid out like ``like`` (FSDP2 shard or plain)."""
@@ -82,8 +94,12 @@ class TrainState:
         s = self.state
         return i % s.dp_cp, (i // s.dp_cp) % s.tp
 
-    def collect(self) -> dict[str, torch.Tensor]:
-        """This rank's share of the checkpoint tensors. Collective over the world."""
+    def collect(self, staging=None) -> dict[str, torch.Tensor]:
+        """This rank's share of the checkpoint tensors. Collective over the world.
+
+        ``staging`` (``mpcore.checkpoint_async.HostStaging``): the full tensors are written
+        into its reused pinned buffers by asynchronous copies, with one device synchronize at
+        the end, instead of into new pageable tensors one blocking copy at a time."""
         s, out = self.state, {}
         for i, name in enumerate(self.layout.names):
             param = self.params[name]
@@ -102,12 +118,16 @@ class TrainState:
                 local = self.layout.gather_experts(name, local, s.ep_group)  # over ep
                 if s.dp_cp_rank != replica:
                     continue
-                full = self.layout.gather(name, local, s.tp_group)  # collective over tp
+                keys = _Keys(prefix)
+                alloc = None if staging is None or s.tp_rank != keeper else (
+                    lambda hf_name, shape, dtype: staging.buffer(keys(hf_name), shape, dtype))
+                full = self.layout.gather(name, local, s.tp_group,  # collective over tp
+                                          alloc=alloc)
                 if s.tp_rank == keeper:
                     for hf_name, t in full.items():
-                        key = f"model/{hf_name}" if prefix == "model" else (
-                            f"optim/{hf_name}/{prefix.split('/', 1)[1]}")
-                        out[key] = t
+                        out[keys(hf_name)] = t
+        if staging is not None:
+            staging.ready(self.device)
         out.update(self._rng())
         return out
 

@@ -8,7 +8,11 @@ each in a fresh run folder under ``--work`` (default: a temporary folder), savin
 ``--every`` steps, and times every step on the host with a device synchronize at its end (so a
 step's time includes a save started in it and, with async, the staging copy). Reports per
 mode: the median step without a save, the mean and max of the steps that saved, the hiccup
-(save step minus median), and for async how many steps later each checkpoint was committed.
+(save step minus median), ``save_call_s`` (each ``Trainer.save`` call: the whole save when
+blocking; the device-to-host staging when async), for async ``waited_for_previous_write_s``
+(a save requested while the previous write is in flight first waits for it: saves closer
+together than one write take that long) and the staging buffers' size, and at which step each
+checkpoint was committed. Each mode's checkpoints are deleted when it ends (disk space).
 Rank 0 writes the JSON. The losses of both modes must be equal (the saves do not change
 training); the script says so and exits 1 when they are not. ``--control`` runs blocking twice
 first: on a GPU whose kernels are not bitwise deterministic the two blocking runs differ too,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,7 +55,7 @@ def run_mode(config: str | None, overrides: list[str], work: Path, async_save: b
     state = setup(cfg)
     device = resolve_device(cfg)
     trainer = Trainer(build(cfg, state, device))
-    times, saves, losses, committed = [], [], [], []
+    times, saves, losses, committed, waited, staged = [], [], [], [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         loss, _ = trainer.train_step()
@@ -58,7 +63,15 @@ def run_mode(config: str | None, overrides: list[str], work: Path, async_save: b
             committed.append(trainer.step)
         saved = trainer.step % every == 0
         if saved:
+            if trainer.async_saver is not None:  # what Trainer.save does first, timed apart
+                t0 = time.perf_counter()
+                if trainer.async_saver.wait() is not None:
+                    committed.append(trainer.step)
+                waited.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             trainer.save(background=async_save)
+            _sync(device)
+            staged.append(time.perf_counter() - t0)
         _sync(device)
         times.append(time.perf_counter() - start)
         losses.append(loss)
@@ -66,12 +79,16 @@ def run_mode(config: str | None, overrides: list[str], work: Path, async_save: b
             saves.append(trainer.step)
     if trainer.async_saver is not None and trainer.async_saver.wait() is not None:
         committed.append(trainer.step)
+    staging = trainer.async_saver.staging.nbytes if trainer.async_saver is not None else None
+    shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)  # disk: one mode's files at a time
     plain = [t for i, t in enumerate(times, 1) if i not in saves and i > 2]  # warm steps
     saving = [times[i - 1] for i in saves]
     median = statistics.median(plain)
     return {"async_save": async_save, "median_step_s": median,
             "save_step_mean_s": statistics.mean(saving), "save_step_max_s": max(saving),
             "hiccup_s": statistics.mean(saving) - median, "saved_at": saves,
+            "save_call_s": staged, "waited_for_previous_write_s": waited or None,
+            "staging_gib": None if staging is None else staging / 2**30,
             "committed_at": committed, "step_times_s": times, "losses": losses,
             "rank": state.rank}
 
@@ -109,7 +126,8 @@ def main(argv: list[str]) -> int:
         for r in report["modes"]:
             print(f"async_save={r['async_save']}: median step {r['median_step_s']:.3f} s, save "
                   f"step {r['save_step_mean_s']:.3f} s (max {r['save_step_max_s']:.3f}), "
-                  f"hiccup {r['hiccup_s']:.3f} s; committed at {r['committed_at']}")
+                  f"hiccup {r['hiccup_s']:.3f} s; save calls {r['save_call_s']}, waited "
+                  f"{r['waited_for_previous_write_s']}; committed at {r['committed_at']}")
         print("losses equal" if same else "LOSSES DIFFER between the modes")
         if args.control:
             print("the two blocking runs: " + ("equal" if control else

@@ -271,6 +271,38 @@ def test_async_saves_verify_rotate_and_resume_bit_identical(tmp_path, data_dir, 
     assert again.losses == base[1][6:]
 
 
+def test_background_saves_write_the_step_they_were_started_at_from_reused_buffers(
+        tmp_path, data_dir):
+    """A background save holds the tensors of the step that started it, though training goes
+    on during the write; the next save reuses the staging buffers (no new host copy per save)
+    only after waiting for that write."""
+    import torch
+
+    from mpcore.build import build, resolve_device, setup
+    from mpcore.checkpoint import load_tensors, stored_tensors
+    from mpcore.train import Trainer
+
+    cfg = tiny(tmp_path / "run", data_dir, "checkpoint.async_save=true", "checkpoint.every=0")
+    trainer = Trainer(build(cfg, setup(cfg), resolve_device(cfg)))
+    trainer.train_step()
+    want = {k: v.clone() for k, v in trainer.run.train_state.collect().items()}
+    trainer.save(background=True)
+    staged = {k: v.data_ptr() for k, v in trainer.async_saver.staging._buffers.items()}
+    assert staged and all(k in want for k in staged)
+    trainer.train_step()  # changes every parameter while the write may be in flight
+    trainer.save(background=True)  # waits for step 1's write, then refills the same buffers
+    assert {k: v.data_ptr() for k, v in trainer.async_saver.staging._buffers.items()} == staged
+    trainer.async_saver.wait()
+    folder = cfg.checkpoint_dir / "step-1"
+    stored = stored_tensors(folder)
+    got = load_tensors(folder, [k for k in stored if not k.startswith("rng/")], stored)
+    now = trainer.run.train_state.collect()
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key
+    # the saved step-1 tensors are not simply today's parameters
+    assert any(not torch.equal(now[k], v) for k, v in got.items() if k.startswith("model/"))
+
+
 @pytest.mark.slow  # behind the 8-step base run, or processes
 def test_kill_9_during_background_writes_resumes_the_same_curve(tmp_path, data_dir):
     """SIGKILL while a background write is in flight (just after its folder was made, plus up
