@@ -48,6 +48,39 @@ from mpcore.checkpoint import (
     own_entries,
 )
 
+STAGING_SHARE_OF_MEMORY = 0.25  # auto: the node's pinned copies may take this much of it
+
+
+def background_saves(setting: str, device: torch.device, params: int, world: int,
+                     local_ranks: int, memory_bytes: int | None) -> tuple[bool, str]:
+    """Whether ``checkpoint.async_save=setting`` saves in the background, and why (for the
+    log). ``auto``: on a GPU when the pinned copies of this node's ``local_ranks`` ranks (each
+    1/world of ``params`` fp32 weights and two AdamW states) fit in ``STAGING_SHARE_OF_MEMORY``
+    of ``memory_bytes`` (the node's memory; None: unknown, no)."""
+    if setting != "auto":
+        return setting == "true", f"checkpoint.async_save={setting}"
+    need = params * 12 * local_ranks // max(world, 1)
+    if device.type != "cuda":
+        return False, "checkpoint.async_save=auto: saves block (not a GPU run)"
+    if memory_bytes is None or need > STAGING_SHARE_OF_MEMORY * memory_bytes:
+        have = "unknown" if memory_bytes is None else f"{memory_bytes / 2**30:.0f} GiB"
+        return False, (f"checkpoint.async_save=auto: saves block (this node's staged copies "
+                       f"would take {need / 2**30:.1f} GiB of its {have} memory; set "
+                       f"checkpoint.async_save=true to stage anyway)")
+    return True, (f"checkpoint.async_save=auto: periodic saves are written in the background "
+                  f"({need / 2**30:.1f} GiB of pinned host memory on this node)")
+
+
+def node_memory_bytes() -> int | None:
+    """This machine's memory (MemTotal of /proc/meminfo); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
 
 class HostStaging:
     """Host buffers for the checkpoint tensors, one per key, reused by every save: pinned

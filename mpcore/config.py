@@ -363,12 +363,15 @@ class CheckpointSection:
     overwrite: bool = False
     """Start over in a folder that holds an earlier run: delete DIR's checkpoints and
     RUN_DIR/metrics.jsonl first. Needs resume=false (it never resumes)."""
-    async_save: bool = False
-    """Write periodic checkpoints in the background (mpcore.checkpoint_async): the step that
-    saves only copies this rank's share to host memory, training goes on during the write,
-    and the checkpoint is renamed into place (manifest, rotation) at a later step boundary
-    once every rank's files are written. Costs host memory for one staged copy. Stop signals
-    and the last step still save blocking. (Named async_save: async is a Python keyword.)"""
+    async_save: str = "auto"
+    """true: write periodic checkpoints in the background (mpcore.checkpoint_async): the step
+    that saves only copies this rank's share to pinned host memory, training goes on during
+    the write, and the checkpoint is renamed into place (manifest, rotation) at a later step
+    boundary once every rank's files are written. Costs one page-locked copy of this rank's
+    share, held from the first save on. Stop signals and the last step still save blocking.
+    auto (default): true on a GPU when the node's staged copies (fp32 weights + AdamW state of
+    its ranks) fit in a quarter of its memory, else false (the run says which). false: every
+    save blocks. (Named async_save: async is a Python keyword.)"""
     accept_changes: list[str] = field(default_factory=list)
     """Config keys allowed to differ from the resumed checkpoint's although they change the
     data order or what a step means (e.g. [data.paths] to continue on other data; the
@@ -377,6 +380,11 @@ class CheckpointSection:
     def __post_init__(self):
         if self.every < 0:
             raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
+        flag = {"true": "true", "yes": "true", "on": "true", "1": "true", "false": "false",
+                "no": "false", "off": "false", "0": "false"}.get(str(self.async_save).lower(),
+                                                                 str(self.async_save).lower())
+        _choice("checkpoint", "async_save", flag, ("auto", "true", "false"))
+        object.__setattr__(self, "async_save", flag)
         _positive("checkpoint", self, "keep_last")
         if self.overwrite and self.resume:
             raise ValueError("checkpoint.overwrite=true deletes the folder's checkpoints and "

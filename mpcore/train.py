@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -53,7 +54,7 @@ from mpcore.checkpoint import (
     resume_newest,
     save_checkpoint,
 )
-from mpcore.checkpoint_async import AsyncSaver
+from mpcore.checkpoint_async import AsyncSaver, background_saves, node_memory_bytes
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.moe_step import MoeStep, moe_record
@@ -103,8 +104,7 @@ class Trainer:
         self.checkpoint_hook, self.step_hook = checkpoint_hook, step_hook
         self.watchdog = StepWatchdog(self.cfg.parallel.step_timeout_s, store, run.state.rank,
                                      run.state.world_size)
-        self.async_saver = (AsyncSaver(run.state.rank, run.device)
-                            if self.cfg.checkpoint.async_save else None)
+        self.async_saver = self._async_saver()
         self.step = 0
         self.bad_steps = self.consecutive_bad = 0
         self._fingerprint: dict | None = None
@@ -128,6 +128,16 @@ class Trainer:
         self.te_region = forward_region(run.model)
 
     # ------------------------------------------------------------------ checkpoints
+    def _async_saver(self) -> AsyncSaver | None:
+        run = self.run
+        params = run.family.num_params(run.model_cfg)["total"]
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        on, why = background_saves(self.cfg.checkpoint.async_save, run.device, params,
+                                   run.state.world_size, local, node_memory_bytes())
+        if run.state.rank == 0 and self.cfg.checkpoint.async_save == "auto":
+            log.info("%s", why)
+        return AsyncSaver(run.state.rank, run.device) if on else None
+
     def _meta(self) -> dict:
         s = self.run.state
         return {"format": CHECKPOINT_FORMAT, "step": self.step,

@@ -120,7 +120,8 @@ class TrainState:
                     continue
                 keys = _Keys(prefix)
                 alloc = None if staging is None or s.tp_rank != keeper else (
-                    lambda hf_name, shape, dtype: staging.buffer(keys(hf_name), shape, dtype))
+                    lambda hf_name, shape, dtype, keys=keys: staging.buffer(keys(hf_name), shape,
+                                                                             dtype))
                 full = self.layout.gather(name, local, s.tp_group,  # collective over tp
                                           alloc=alloc)
                 if s.tp_rank == keeper:

@@ -271,6 +271,38 @@ def test_async_saves_verify_rotate_and_resume_bit_identical(tmp_path, data_dir, 
     assert again.losses == base[1][6:]
 
 
+def test_async_save_auto_stages_on_a_gpu_only_where_the_node_has_memory_for_it(tmp_path,
+                                                                               data_dir):
+    """checkpoint.async_save: auto is on for a GPU run whose node's pinned copies (12 bytes per
+    parameter, 1/world per rank, times the node's ranks) fit in a quarter of its memory; off
+    on a CPU, off when they do not fit (the reason names the override); true/false as given;
+    YAML booleans are read; anything else is refused naming the choices."""
+    import torch
+
+    from mpcore.checkpoint_async import background_saves
+
+    gpu, cpu, gib = torch.device("cuda"), torch.device("cpu"), 2**30
+    # 1.24 B parameters on one rank: 13.9 GiB of staged copies.
+    assert background_saves("auto", gpu, 1_240_000_000, 1, 1, 128 * gib)[0]
+    off, why = background_saves("auto", gpu, 1_240_000_000, 1, 1, 48 * gib)
+    assert not off and "13.9 GiB of its 48 GiB" in why and "async_save=true" in why
+    # 8 ranks of one node share 8 B parameters: 89 GiB on a 512 GiB node (on), 256 GiB (off).
+    assert background_saves("auto", gpu, 8_000_000_000, 8, 8, 512 * gib)[0]
+    assert not background_saves("auto", gpu, 8_000_000_000, 8, 8, 256 * gib)[0]
+    # ...but spread over 4 nodes of 8 (world 32), each node holds a quarter of it.
+    assert background_saves("auto", gpu, 8_000_000_000, 32, 8, 256 * gib)[0]
+    assert not background_saves("auto", cpu, 1000, 1, 1, 128 * gib)[0]
+    assert not background_saves("auto", gpu, 1000, 1, 1, None)[0]
+    assert background_saves("true", cpu, 10**12, 1, 1, gib)[0]
+    assert not background_saves("false", gpu, 1000, 1, 1, 128 * gib)[0]
+    for given, want in ((True, "true"), ("off", "false"), ("AUTO", "auto")):
+        cfg = tiny(tmp_path, data_dir, f"checkpoint.async_save={given}")
+        assert cfg.checkpoint.async_save == want
+    with pytest.raises(ValueError, match=r"checkpoint.async_save must be one of "
+                                         r"\['auto', 'true', 'false'\], got 'sometimes'"):
+        tiny(tmp_path, data_dir, "checkpoint.async_save=sometimes")
+
+
 def test_background_saves_write_the_step_they_were_started_at_from_reused_buffers(
         tmp_path, data_dir):
     """A background save holds the tensors of the step that started it, though training goes
