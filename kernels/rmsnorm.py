@@ -56,7 +56,7 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + row, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_program"])  # one compile per width
 def _rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,

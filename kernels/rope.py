@@ -83,7 +83,7 @@ def _rotate_tile(
     tl.store(out_ptr + out_offs + half, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every token count
 def _rope_fwd_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, y_stride_t, y_stride_h,
     table_stride, num_tokens, num_heads, half,
@@ -93,7 +93,7 @@ def _rope_fwd_kernel(
                  table_stride, num_tokens, num_heads, half, False, BLOCK_T, BLOCK_H, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_bwd_kernel(
     dy_ptr, dx_ptr, cos_ptr, sin_ptr, dy_stride_t, dy_stride_h, dx_stride_t, dx_stride_h,
     table_stride, num_tokens, num_heads, half,

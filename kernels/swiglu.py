@@ -57,7 +57,7 @@ def _load_tile(gu_ptr, gu_row_stride, num_rows, inter, BLOCK_M: tl.constexpr,
     return rows, cols, mask, g, u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compile for every row count
 def _swiglu_fwd_kernel(
     gu_ptr, y_ptr, gu_row_stride, y_row_stride, num_rows, inter,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -70,7 +70,7 @@ def _swiglu_fwd_kernel(
     tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _swiglu_bwd_kernel(
     gu_ptr, dy_ptr, dgu_ptr, gu_row_stride, dy_row_stride, dgu_row_stride, num_rows, inter,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
