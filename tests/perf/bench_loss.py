@@ -1,4 +1,4 @@
-"""Benchmark of the fused loss heads against torch, liger-kernel, cut-cross-entropy and verl (CUDA).
+"""Benchmark of the fused loss heads against torch, liger, cut-cross-entropy and verl (CUDA).
 
     python tests/perf/bench_loss.py [OUT.json]               # one GPU, all shapes and peers
     torchrun --nproc-per-node 2 tests/perf/bench_loss.py --tp2 [OUT.json]

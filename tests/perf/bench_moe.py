@@ -9,38 +9,39 @@ The model is Qwen3-30B-A3B (launch/configs/qwen3_30b_a3b.yaml: hidden 2048, 32 h
 heads of 128, 128 experts of width 768, top 8, vocab 151936, untied head) cut to ``--layers``
 decoder layers, the number that fits one GPU with fp32 parameters and AdamW state (each layer
 holds 0.6 B parameters, 16 bytes each with the optimizer: about 9.7 GB). ``--tiny``: a shape
-that runs on a CPU in seconds (for the smoke test). Both sides: fp32 parameters, bf16 autocast
-on CUDA (fp32 on CPU), one document of ``--seq`` random tokens per step, the mean token
-cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss, AdamW (fused on
-CUDA), lr 1e-4, clipping at 1.0. mpcore: the qwen3_moe family's model (experts backend auto:
-PyTorch's grouped GEMM on CUDA), the aux loss through ``mpcore.moe_step.MoeStep`` as training
-computes it. transformers: ``Qwen3MoeForCausalLM`` of the same config with SDPA attention and
-``output_router_logits``, once per experts implementation of ``--hf-experts`` that this
-transformers has (the fastest is the peer). ``--megatron``: Megatron-core's MoE as a second
-peer, in its own subprocess (run first, before this process takes GPU memory): ``GPTModel``
-with the TransformerEngine layer spec for MoE (TE's grouped GEMM experts,
-``moe_grouped_gemm``), the alltoall token dispatcher at ep = 1 with its permute and router
-fusions, the router in fp32, softmax over the top-k logits (``moe_router_pre_softmax`` off:
-the same weights as ``norm_topk_prob``), its micro-batch ``aux_loss`` at
-``router_aux_loss_coef``; bf16 parameters, fp32 gradient buffers and its distributed
-optimizer (Adam with fp32 main parameters: ``tests/perf/megatron_peer.py``), AdamW's defaults
-at lr 1e-4, clip 1.0, constant lr. Its aux loss is Megatron's own: per layer
-``E * sum_e f_e P_e`` with f the fraction of the layer's top-k slots (summing to 1, not to k),
-summed over layers; ours and transformers' pool the layers' rows into one statistic. The
-weight of that term in the step is tiny (coef 1e-3) and its cost the same. Its reported loss
-is the masked mean cross-entropy plus that weighted aux loss (read from its metrics tracker).
-The parameter counts of the three models must agree (checked; the run stops otherwise). On
-the CPU the row builds the model of the shape with Megatron's local spec (per-expert MLPs,
-the allgather dispatcher: its alltoall dispatcher, rotary embedding, gradient buffers and
-optimizer need CUDA), checks its parameter count and reports itself skipped.
+that runs on a CPU in seconds (for the smoke test). mpcore and transformers: fp32 parameters,
+bf16 autocast on CUDA (fp32 on CPU); every side: one document of ``--seq`` random tokens per
+step (the same ones), the mean token cross-entropy plus ``router_aux_loss_coef`` times the
+load-balancing loss, AdamW (fused on CUDA), lr 1e-4, clipping at 1.0. mpcore: the qwen3_moe
+family's model (experts backend auto: PyTorch's grouped GEMM on CUDA), the aux loss through
+``mpcore.moe_step.MoeStep`` as training computes it. transformers: ``Qwen3MoeForCausalLM`` of
+the same config with SDPA attention and ``output_router_logits``, once per experts
+implementation of ``--hf-experts`` that this transformers has (the fastest is the peer).
+``--megatron``: Megatron-core's MoE as a second peer, in its own subprocess (run first, before
+this process takes GPU memory): ``GPTModel`` with the TransformerEngine layer spec for MoE (TE's
+grouped GEMM experts, ``moe_grouped_gemm``), the alltoall token dispatcher at ep = 1 with its
+permute and router fusions, the router in fp32, softmax over the top-k logits
+(``moe_router_pre_softmax`` off: the same weights as ``norm_topk_prob``), its micro-batch
+``aux_loss`` at ``router_aux_loss_coef``; bf16 parameters, fp32 gradient buffers and its
+distributed optimizer (Adam with fp32 main parameters: ``tests/perf/megatron_peer.py``), AdamW's
+defaults at lr 1e-4, clip 1.0, constant lr. Its aux loss is Megatron's own: per layer ``E *
+sum_e f_e P_e`` with f the fraction of the layer's top-k slots (summing to 1, not to k), summed
+over layers; ours and transformers' pool the layers' rows into one statistic. The weight of that
+term in the step is tiny (coef 1e-3) and its cost the same. Its reported loss is the masked mean
+cross-entropy plus that weighted aux loss (read from its metrics tracker). The parameter counts
+of the three models must agree (checked; the run stops otherwise). On the CPU the row builds the
+model of the shape with Megatron's local spec (per-expert MLPs, the allgather dispatcher: its
+alltoall dispatcher, rotary embedding, gradient buffers and optimizer need CUDA), checks its
+parameter count and reports itself skipped.
 
 Reported per side: median step time over ``--steps`` (after ``--warmup``), tokens/s, peak
-allocated memory (reset between sides; null on CPU), first and last loss, the parameter count.
-``experts``: one MoE
-layer's expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random
-router), forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as
-one dense SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to
-OUT (default tests/perf/results/moe_h200.json).
+allocated memory (reset between sides; null on CPU), first and last loss, the parameter count;
+``speedup`` (over the fastest transformers) and ``speedup_vs_megatron`` are step-time ratios,
+``tokens_crc32`` the checksum of the ids every side trained on. ``experts``: one MoE layer's
+expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random router),
+forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as one dense
+SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to OUT (default
+tests/perf/results/moe_h200.json).
 """
 
 from __future__ import annotations
