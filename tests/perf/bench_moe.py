@@ -356,6 +356,7 @@ def run_hf(result: dict, hf: dict, batches, device, args) -> None:
     result["hf"] = {}
     for name in names:
         r = bench_hf(hf, batches, device, args.steps, args.warmup, name)
+        _progress(f"transformers ({name})", r)
         check_params(f"transformers ({name})", r["params"], result["params"])
         r["tokens_per_s"] = args.seq / r["step_s"]
         result["hf"][name] = r
@@ -382,6 +383,16 @@ def add_megatron(result: dict, row: dict, seq: int) -> None:
         result["memory_ratio_vs_megatron"] = result["mpcore"]["peak_gib"] / row["peak_gib"]
 
 
+def _progress(name: str, row: dict) -> None:
+    """One line per side as it finishes (the JSON comes at the end)."""
+    if "step_s" in row:
+        print(f"== {name}: {row['step_s']:.3f} s/step, peak {row['peak_gib']} GiB, loss "
+              f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}", flush=True)
+    else:
+        why = row.get("skipped") or row.get("error", "?")
+        print(f"== {name}: {why.splitlines()[0]}", flush=True)
+
+
 def _write(path, result: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
@@ -398,11 +409,14 @@ def main(argv=None) -> int:
         return 0
     # Megatron first, before this process holds GPU memory (its cache would crowd the child).
     megatron = run_megatron_row(args, args.megatron_timeout) if args.megatron else None
+    if megatron is not None:
+        _progress("megatron", megatron)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "shape": "tiny" if args.tiny else "Qwen3-30B-A3B", "layers": args.layers,
               "seq": args.seq, "params": counts["total"], "active_params": counts["active"],
               "torch": torch.__version__, "tokens_crc32": tokens_crc(batches),
               "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup)}
+    _progress("mpcore", result["mpcore"])
     check_params("mpcore (built)", result["mpcore"]["params"], counts["total"])
     result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
     if not args.skip_hf:

@@ -86,7 +86,7 @@ elif [ "${1:-}" = moe ]; then
   else
     echo "   no Megatron row: transformer_engine.pytorch or megatron.core does not import"
   fi
-  run moe 580 python3 tests/perf/bench_moe.py "$out/moe_h200.json" \
+  run moe 560 python3 tests/perf/bench_moe.py "$out/moe_h200.json" \
     --hf-experts "${2:-grouped_mm,batched_mm,eager}" ${meg[@]+"${meg[@]}"}
   grep -E '"(step_s|tokens_per_s|peak_gib|params|hf_fastest|speedup|speedup_vs_megatron|error|skipped)"' \
     "$out/moe.log" | head -30
