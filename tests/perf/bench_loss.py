@@ -19,8 +19,8 @@ the vocabulary gets an unset log-prob), so its rows are given label 0 where ours
 (-100) and that log-prob is zeroed after, as verl's callers mask theirs: the function ours
 computes. Before a shape is timed, verl's log-probs, entropy and both gradients are compared
 with ours on that shape's inputs (max abs <= 1e-3 on log-probs and entropy, relative norm <=
-1e-2 on the gradients: the bf16 tolerances of DESIGN.md); a mismatch is recorded instead of
-a time and the script exits 1 after writing the JSON, so a wrong call cannot give a ratio.
+3e-2 on the gradients: ``RL_TOLERANCE`` says why); a mismatch is recorded instead of a time
+and the script exits 1 after writing the JSON, so a wrong call cannot give a ratio.
 Per shape ``rl_heads``: both times, verl's ms over ours, and each over the 6NHV floor and
 the 8NHV one (4 GEMMs: both heads recompute the logits in backward rather than store them).
 verl is loaded from its wheel without ``verl/__init__.py`` (which imports ray): empty
@@ -51,9 +51,12 @@ SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936), (32768, 4096, 128256)]
 ERROR_SHAPE = (4096, 2048, 32000)
 IGNORE = -100
 OURS_RL, VERL_RL = "mpcore logprobs+entropy", "verl logprobs+entropy"
-# verl against ours, bf16 inputs (DESIGN.md's bf16 tolerances)
-RL_TOLERANCE = {"logprob_max_abs": 1e-3, "entropy_max_abs": 1e-3, "grad_hidden_rel": 1e-2,
-                "grad_weight_rel": 1e-2}
+# verl against ours, bf16 inputs. Log-probs and entropy: both heads keep fp32 logits (ours is
+# ~1e-5 from float64, results/loss_h200.json). Gradients: each bf16 head is 2e-3 to 1.3e-2 from
+# float64 there (CCE the most), so two of them may differ by twice that; a wrong call (a loss
+# for a log-prob, another temperature, scored ignored rows, shifted labels) is off by 1e-1 or more.
+RL_TOLERANCE = {"logprob_max_abs": 1e-3, "entropy_max_abs": 1e-3, "grad_hidden_rel": 3e-2,
+                "grad_weight_rel": 3e-2}
 
 
 def _time(fn, warmup=3, reps=10):

@@ -5,8 +5,8 @@ even ``TRITON_INTERPRET=1`` does not reach its kernels on the CPU; the compariso
 outputs with ours runs on the GPU, inside bench_loss, before any time is taken. Here: the
 guard (``compare_rl_heads``) passes a head that computes our function, written in float64
 torch in this file, and refuses heads that differ the ways a wrong call would (the negative
-log-likelihood for the log-prob, no zero at ignored labels, a temperature); with the verl
-wheel on the path (skipped otherwise), verl's kernel modules import without ray.
+log-likelihood for the log-prob, no zero at ignored labels, a temperature, shifted labels);
+with the verl wheel on the path (skipped otherwise), verl's kernel modules import without ray.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def _inputs(n=48, h=32, v=80):
     return hidden, weight, labels
 
 
-def _head(temperature=1.0, sign=1.0, zero_ignored=True):
+def _head(temperature=1.0, sign=1.0, zero_ignored=True, shift=0):
     """Per-token log p(label) and entropy in float64 torch, cast back to fp32."""
     def head(hidden, weight, labels):
+        labels = labels.roll(shift)
         log_p = torch.log_softmax(hidden.double() @ weight.double().T / temperature, -1)
         valid = labels != bench_loss.IGNORE
         lp = sign * log_p.gather(1, labels.clamp(min=0)[:, None])[:, 0]
@@ -55,6 +56,7 @@ def test_guard_passes_our_function():
     (_head(sign=-1.0), "logprob_max_abs"),            # a loss (NLL) taken for a log-prob
     (_head(zero_ignored=False), "logprob_max_abs"),   # ignored rows scored
     (_head(temperature=2.0), "entropy_max_abs"),      # another temperature
+    (_head(shift=1), "logprob_max_abs"),              # labels shifted once more
 ])
 def test_guard_refuses_another_function(head, worst):
     errors = bench_loss.compare_rl_heads(head, *_inputs())
