@@ -1,4 +1,4 @@
-"""Benchmark of the fused loss heads against torch, liger-kernel and cut-cross-entropy (CUDA).
+"""Benchmark of the fused loss heads against torch, liger, cut-cross-entropy and verl (CUDA).
 
     python tests/perf/bench_loss.py [OUT.json]               # one GPU, all shapes and peers
     torchrun --nproc-per-node 2 tests/perf/bench_loss.py --tp2 [OUT.json]
@@ -10,14 +10,35 @@ gradients (held after the step) included. Errors: against float64 math on a smal
 ``--tp2`` splits the vocab over 2 GPUs (NCCL) and reports ms per GPU against tp=1 on rank 0.
 Writes JSON (default tests/perf/results/loss_h200.json, or loss_h200_tp2.json) and prints a
 table. Peers that are not importable are recorded as "not installed"; an OOM as "OOM".
+
+The RL heads (per-token log-prob + entropy, both with a per-token upstream gradient: the
+objective ``sum(lp / N - 0.01 * entropy / N)``): ours (``kernels.linear_logprobs``) beside
+verl 0.9.1's fused Triton head (``verl.utils.kernel.linear_cross_entropy``, reduction "none",
+temperature 1), on the same inputs. verl has no ignore index (a row whose label is outside
+the vocabulary gets an unset log-prob), so its rows are given label 0 where ours ignore one
+(-100) and that log-prob is zeroed after, as verl's callers mask theirs: the function ours
+computes. Before a shape is timed, verl's log-probs, entropy and both gradients are compared
+with ours on that shape's inputs (max abs <= 1e-3 on log-probs and entropy, relative norm <=
+3e-2 on the gradients: ``RL_TOLERANCE`` says why); a mismatch is recorded instead of a time
+and the script exits 1 after writing the JSON, so a wrong call cannot give a ratio.
+Per shape ``rl_heads``: both times, verl's ms over ours, and each over the 6NHV floor and
+the 8NHV one (4 GEMMs: both heads recompute the logits in backward rather than store them).
+verl is loaded from its wheel without ``verl/__init__.py`` (which imports ray): empty
+``verl`` and ``verl.utils`` packages whose ``__path__`` is the wheel's, then its kernel
+modules. Its kernel is CUDA only (it asserts CUDA tensors and opens NVTX ranges), so the
+comparison runs on the GPU only; without verl the row is skipped with the reason.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -28,6 +49,14 @@ from kernels import linear_cross_entropy, linear_logprobs  # noqa: E402
 
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936), (32768, 4096, 128256)]
 ERROR_SHAPE = (4096, 2048, 32000)
+IGNORE = -100
+OURS_RL, VERL_RL = "mpcore logprobs+entropy", "verl logprobs+entropy"
+# verl against ours, bf16 inputs. Log-probs and entropy: both heads keep fp32 logits (ours is
+# ~1e-5 from float64, results/loss_h200.json). Gradients: each bf16 head is 2e-3 to 1.3e-2 from
+# float64 there (CCE the most), so two of them may differ by twice that; a wrong call (a loss
+# for a log-prob, another temperature, scored ignored rows, shifted labels) is off by 1e-1 or more.
+RL_TOLERANCE = {"logprob_max_abs": 1e-3, "entropy_max_abs": 1e-3, "grad_hidden_rel": 3e-2,
+                "grad_weight_rel": 3e-2}
 
 
 def _time(fn, warmup=3, reps=10):
@@ -73,14 +102,77 @@ def _peers():
         out["CCE exact"] = lambda h, w, y: cce(h, w, y, filter_eps=None)
     except ImportError:
         out["CCE default"] = out["CCE exact"] = "not installed"
+    verl = verl_logprobs_fn()
+    out[VERL_RL] = verl if isinstance(verl, str) else (
+        lambda h, w, y: _rl_objective(*verl(h, w, y)))
     return out
 
 
-def _mpcore_logprobs(h, w, y, group=None, vocab_size=None):
-    lp, ent = linear_logprobs(h, w, y, group=group, vocab_size=vocab_size)
+def _rl_objective(lp, ent):
+    """An RL-style objective: both outputs carry a per-token upstream gradient."""
     n = lp.shape[0]
-    # An RL-style objective: both outputs carry a per-token upstream gradient.
     return (lp * (1.0 / n) - ent * (0.01 / n)).sum()
+
+
+def _mpcore_logprobs(h, w, y, group=None, vocab_size=None):
+    return _rl_objective(*linear_logprobs(h, w, y, group=group, vocab_size=vocab_size))
+
+
+@functools.cache
+def verl_logprobs_fn():
+    """(hidden, weight, labels) -> (logprobs [N] fp32, entropy [N] fp32) through verl's fused
+    Triton head with our ignore index (module docstring), or why it cannot be had."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return ("skipped: verl is not importable (install the verl 0.9.1 wheel: "
+                "pip install --no-deps --target DIR verl-0.9.1-py3-none-any.whl, DIR on "
+                "PYTHONPATH; run_device.sh does this with .whl carried)")
+    root = spec.submodule_search_locations[0]
+    for name, path in (("verl", root), ("verl.utils", os.path.join(root, "utils"))):
+        if name not in sys.modules:  # verl/__init__.py imports ray, which the kernel never uses
+            package = types.ModuleType(name)
+            package.__path__ = [path]
+            sys.modules[name] = package
+    try:
+        # its Triton kernels, which the head imports on its first call: here, so that a
+        # failure is the row's reason instead of an error in the middle of the run
+        from verl.utils.kernel import kernels  # noqa: F401
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as head
+    except ImportError as e:
+        return f"skipped: verl's kernel module does not import ({type(e).__name__}: {e})"
+
+    def logprobs(hidden, weight, labels):
+        valid = labels != IGNORE
+        lp, ent = head(hidden, weight, labels.masked_fill(~valid, 0), 1.0, "none")
+        return torch.where(valid, lp, 0.0), ent
+
+    return logprobs
+
+
+def _rl_outputs(logprobs_fn, hidden, weight, labels):
+    """Log-probs, entropy (detached) and the objective's gradients of hidden and weight."""
+    lp, ent = logprobs_fn(hidden, weight, labels)
+    grads = torch.autograd.grad(_rl_objective(lp, ent), (hidden, weight))
+    return lp.detach(), ent.detach(), *grads
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def compare_rl_heads(peer_fn, hidden, weight, labels) -> dict:
+    """The peer's log-probs, entropy and gradients against ours on the same inputs: max abs
+    differences, relative norms, and ``ok`` (all within RL_TOLERANCE)."""
+    ours = _rl_outputs(lambda h, w, y: linear_logprobs(h, w, y), hidden, weight, labels)
+    peer = _rl_outputs(peer_fn, hidden, weight, labels)
+    errors = {"logprob_max_abs": (peer[0] - ours[0]).abs().max().item(),
+              "entropy_max_abs": (peer[1] - ours[1]).abs().max().item(),
+              "grad_hidden_rel": _rel(peer[2], ours[2]), "grad_weight_rel": _rel(peer[3], ours[3])}
+    del ours, peer
+    torch.cuda.empty_cache()
+    # written so that a NaN error fails too
+    errors["ok"] = all(errors[k] <= tol for k, tol in RL_TOLERANCE.items())
+    return errors
 
 
 def _inputs(n, h, v, seed=0, device="cuda"):
@@ -132,21 +224,27 @@ def errors_vs_fp64(peers):
                      "grad_hidden_rel": ((gh.double() - rh).norm() / rh.norm()).item(),
                      "grad_weight_rel": ((gw.double() - rw).norm() / rw.norm()).item()}
     log_p = torch.log_softmax(h64.detach() @ w64.detach().T, -1)
-    lp, ent = linear_logprobs(hidden.detach(), weight.detach(), labels)
     valid = labels >= 0
     rlp = log_p.gather(1, labels.clamp(min=0)[:, None])[:, 0]
     rent = -(log_p.exp() * log_p).sum(-1)
-    out["mpcore logprobs+entropy"] = {
-        "logprob_max_abs": (lp.double() - rlp)[valid].abs().max().item(),
-        "entropy_max_abs": (ent.double() - rent).abs().max().item()}
+    heads = {OURS_RL: lambda h, w, y: linear_logprobs(h, w, y), VERL_RL: verl_logprobs_fn()}
+    for name, head in heads.items():
+        if isinstance(head, str):
+            continue
+        with torch.no_grad():
+            lp, ent = head(hidden.detach(), weight.detach(), labels)
+        out[name] = {"logprob_max_abs": (lp.double() - rlp)[valid].abs().max().item(),
+                     "entropy_max_abs": (ent.double() - rent).abs().max().item()}
     return out
 
 
-def run_single(path):
+def run_single(path) -> int:
     rate = matmul_tflops()
     peers = _peers()
+    if isinstance(peers[VERL_RL], str):
+        print(f"{VERL_RL}: {peers[VERL_RL]}", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "matmul_bf16_tflops": round(rate, 1), "shapes": []}
+              "verl": _version("verl"), "matmul_bf16_tflops": round(rate, 1), "shapes": []}
     for n, h, v in SHAPES:
         floor_ms = 6 * n * h * v / (rate * 1e9)
         hidden, weight, labels = _inputs(n, h, v)
@@ -154,15 +252,54 @@ def run_single(path):
         row = {"N": n, "H": h, "V": v, "floor_ms": round(floor_ms, 2),
                "grad_gib": round(grad_gib, 3), "results": {}}
         for name, fn in peers.items():
-            row["results"][name] = fn if isinstance(fn, str) else measure(
-                fn, hidden, weight, labels, floor_ms)
+            check = None
+            if name == VERL_RL and not isinstance(fn, str):  # same function as ours, or no time
+                check = compare_rl_heads(verl_logprobs_fn(), hidden, weight, labels)
+                print(name, "vs ours:", check, flush=True)
+            if isinstance(fn, str):
+                row["results"][name] = fn
+            elif check is not None and not check["ok"]:
+                row["results"][name] = {"mismatch": check}
+            else:
+                row["results"][name] = measure(fn, hidden, weight, labels, floor_ms)
+            if check is not None:
+                row["verl_vs_mpcore"] = check
             print(name, n, h, v, row["results"][name], flush=True)
+        row["rl_heads"] = rl_heads(row["results"], floor_ms)
         result["shapes"].append(row)
         del hidden, weight, labels
         torch.cuda.empty_cache()
     result["errors_vs_fp64"] = {"shape": ERROR_SHAPE, "methods": errors_vs_fp64(peers)}
     _write(result, path)
     _print_table(result)
+    mismatched = [r["N"] for r in result["shapes"]
+                  if "verl_vs_mpcore" in r and not r["verl_vs_mpcore"]["ok"]]
+    if mismatched:
+        print(f"FAIL: verl's head differs from ours at N = {mismatched} (verl_vs_mpcore in the "
+              "JSON): its call does not compute our function, so no ratio is given")
+        return 1
+    return 0
+
+
+def rl_heads(results: dict, floor_ms: float) -> dict | None:
+    """Ours and verl's RL head at one shape: ms, verl's ms over ours, each over the 6NHV and
+    8NHV floors; None unless both were timed."""
+    ours, verl = results.get(OURS_RL), results.get(VERL_RL)
+    if not (isinstance(ours, dict) and "ms" in ours and isinstance(verl, dict) and "ms" in verl):
+        return None
+    floor8 = floor_ms * 8 / 6
+    return {"mpcore_ms": ours["ms"], "verl_ms": verl["ms"],
+            "verl_over_mpcore": round(verl["ms"] / ours["ms"], 3),
+            "mpcore_over_6nhv": ours["ms_over_floor"], "verl_over_6nhv": verl["ms_over_floor"],
+            "mpcore_over_8nhv": round(ours["ms"] / floor8, 3),
+            "verl_over_8nhv": round(verl["ms"] / floor8, 3)}
+
+
+def _version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def run_tp2(path):
@@ -228,6 +365,9 @@ def _write(result, path):
 def _cell(r):
     if isinstance(r, str):
         return r
+    if "mismatch" in r:
+        return "MISMATCH vs ours, not timed: " + ", ".join(
+            f"{k} {v:.2e}" for k, v in r["mismatch"].items() if k != "ok")
     return f"{r['ms']:.1f} / {r['ms_over_floor']:.2f}x / {r['extra_peak_gib']:.2f}"
 
 
@@ -239,6 +379,11 @@ def _print_table(result):
               f"grads {row['grad_gib']} GiB")
         for name, r in row["results"].items():
             print(f"  {name:>24}: {_cell(r)}")
+        rl = row.get("rl_heads")
+        if rl:
+            print(f"  RL head: verl {rl['verl_ms']} ms / mpcore {rl['mpcore_ms']} ms = "
+                  f"{rl['verl_over_mpcore']}x; x 8NHV floor: mpcore {rl['mpcore_over_8nhv']}, "
+                  f"verl {rl['verl_over_8nhv']}")
     print("\nerrors vs fp64 at", result["errors_vs_fp64"]["shape"])
     for name, e in result["errors_vs_fp64"]["methods"].items():
         print(f"  {name:>24}: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()))
@@ -251,9 +396,9 @@ def main(argv):
     path = args[0] if args else os.path.join(os.path.dirname(__file__), "results", default)
     if tp2:
         run_tp2(path)
-    else:
-        run_single(path)
+        return 0
+    return run_single(path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -3,33 +3,56 @@
 Usage (one GPU):
     python tests/perf/bench_moe.py [OUT.json] [--layers 6] [--seq 4096] [--steps 10]
         [--warmup 3] [--hf-experts grouped_mm,batched_mm,eager] [--skip-hf] [--tiny]
+        [--megatron] [--megatron-timeout 420]
 
 The model is Qwen3-30B-A3B (launch/configs/qwen3_30b_a3b.yaml: hidden 2048, 32 heads, 4 KV
 heads of 128, 128 experts of width 768, top 8, vocab 151936, untied head) cut to ``--layers``
 decoder layers, the number that fits one GPU with fp32 parameters and AdamW state (each layer
 holds 0.6 B parameters, 16 bytes each with the optimizer: about 9.7 GB). ``--tiny``: a shape
-that runs on a CPU in seconds (for the smoke test). Both sides: fp32 parameters, bf16 autocast
-on CUDA (fp32 on CPU), one document of ``--seq`` random tokens per step, the mean token
-cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss, AdamW (fused on
-CUDA), lr 1e-4, clipping at 1.0. mpcore: the qwen3_moe family's model (experts backend auto:
-PyTorch's grouped GEMM on CUDA), the aux loss through ``mpcore.moe_step.MoeStep`` as training
-computes it. transformers: ``Qwen3MoeForCausalLM`` of the same config with SDPA attention and
-``output_router_logits``, once per experts implementation of ``--hf-experts`` that this
-transformers has (the fastest is the peer).
+that runs on a CPU in seconds (for the smoke test). mpcore and transformers: fp32 parameters,
+bf16 autocast on CUDA (fp32 on CPU); every side: one document of ``--seq`` random tokens per
+step (the same ones), the mean token cross-entropy plus ``router_aux_loss_coef`` times the
+load-balancing loss, AdamW (fused on CUDA), lr 1e-4, clipping at 1.0. mpcore: the qwen3_moe
+family's model (experts backend auto: PyTorch's grouped GEMM on CUDA), the aux loss through
+``mpcore.moe_step.MoeStep`` as training computes it. transformers: ``Qwen3MoeForCausalLM`` of
+the same config with SDPA attention and ``output_router_logits``, once per experts
+implementation of ``--hf-experts`` that this transformers has (the fastest is the peer).
+``--megatron``: Megatron-core's MoE as a second peer, in its own subprocess (run first, before
+this process takes GPU memory): ``GPTModel`` with the TransformerEngine layer spec for MoE (TE's
+grouped GEMM experts, ``moe_grouped_gemm``), the alltoall token dispatcher at ep = 1 with its
+permute and router fusions, the router in fp32, softmax over the top-k logits
+(``moe_router_pre_softmax`` off: the same weights as ``norm_topk_prob``), its micro-batch
+``aux_loss`` at ``router_aux_loss_coef``; bf16 parameters, fp32 gradient buffers and its
+distributed optimizer (Adam with fp32 main parameters: ``tests/perf/megatron_peer.py``), AdamW's
+defaults at lr 1e-4, clip 1.0, constant lr. Its aux loss is Megatron's own: per layer ``E *
+sum_e f_e P_e`` with f the fraction of the layer's top-k slots (summing to 1, not to k), summed
+over layers; ours and transformers' pool the layers' rows into one statistic. The weight of that
+term in the step is tiny (coef 1e-3) and its cost the same. Its reported loss is the masked mean
+cross-entropy plus that weighted aux loss (read from its metrics tracker). The parameter counts
+of the three models must agree (checked; the run stops otherwise). On the CPU the row builds the
+model of the shape with Megatron's local spec (per-expert MLPs, the allgather dispatcher: its
+alltoall dispatcher, rotary embedding, gradient buffers and optimizer need CUDA), checks its
+parameter count and reports itself skipped.
 
 Reported per side: median step time over ``--steps`` (after ``--warmup``), tokens/s, peak
-allocated memory (reset between sides; null on CPU), first and last loss. ``experts``: one MoE
-layer's expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random
-router), forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as
-one dense SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to
-OUT (default tests/perf/results/moe_h200.json).
+allocated memory (reset between sides; null on CPU), first and last loss, the parameter count;
+``speedup`` (over the fastest transformers) and ``speedup_vs_megatron`` are step-time ratios,
+``tokens_crc32`` the checksum of the ids every side trained on. ``experts``: one MoE layer's
+expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random router),
+forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as one dense
+SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to OUT (default
+tests/perf/results/moe_h200.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.metadata
 import json
+import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -37,6 +60,17 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megatron_peer import (  # noqa: E402
+    AdamSettings,
+    cuda,
+    fused_settings,
+    init_megatron,
+    num_params,
+    run_subprocess,
+    train_step,
+    training_pieces,
+    transformer_config,
+)
 from step_timing import adamw, autocast, timed  # noqa: E402
 
 from models.common.moe import run_experts  # noqa: E402
@@ -56,6 +90,21 @@ TINY = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 64, "intermediate_siz
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 HF_EXPERTS = ("grouped_mm", "batched_mm", "eager")
+# step_timing.adamw: torch's AdamW defaults at lr 1e-4; the clip of _train_step.
+ADAM = AdamSettings(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, grad_clip=1.0)
+
+
+def token_batches(hf: dict, seq: int, n: int) -> list[torch.Tensor]:
+    """The ``n`` documents of ``seq`` random ids (int64, CPU) every side trains on, in order."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, hf["vocab_size"], (seq,), generator=gen) for _ in range(n)]
+
+
+def tokens_crc(batches) -> int:
+    crc = 0
+    for ids in batches:
+        crc = zlib.crc32(ids.numpy().tobytes(), crc)
+    return crc
 
 
 def _train_step(model, opt, device, loss_of):
@@ -86,7 +135,8 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
         ce = model(**inputs, output="loss_sum") / (ids.numel() - 1)
         return ce + moe.share()
 
-    return timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    result = timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    return {**result, "params": num_params(model)}
 
 
 def hf_experts_available() -> tuple[str, ...]:
@@ -118,7 +168,122 @@ def bench_hf(hf: dict, batches, device, steps, warmup, experts: str) -> dict:
         ids = next(it).to(device)[None]
         return model(input_ids=ids, labels=ids).loss  # includes coef * aux loss
 
-    return timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    result = timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    return {**result, "params": num_params(model)}
+
+
+def megatron_moe_model(hf: dict, seq: int):
+    """Megatron-core's GPTModel of ``hf``'s Qwen3-MoE shape (module docstring): the TE layer
+    spec with grouped-GEMM experts and the alltoall dispatcher on CUDA, the local spec with
+    per-expert MLPs and the allgather dispatcher elsewhere (the same parameters). Returns
+    (config, model, settings). Call after ``megatron_peer.init_megatron``."""
+    if not hf["norm_topk_prob"] or hf["mlp_only_layers"] or hf["decoder_sparse_step"] != 1:
+        raise ValueError("megatron_moe_model: the Qwen3-30B-A3B layout only (norm_topk_prob, "
+                         "every layer MoE)")
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    on_cuda = cuda()
+    moe = dict(
+        num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_grouped_gemm=on_cuda,
+        moe_token_dispatcher_type="alltoall" if on_cuda else "allgather",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=hf["router_aux_loss_coef"],
+        moe_router_dtype="fp32", moe_router_pre_softmax=False, moe_router_score_function="softmax",
+        moe_permute_fusion=on_cuda, moe_router_fusion=on_cuda)
+    config = transformer_config(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf["head_dim"], ffn_hidden_size=hf["intermediate_size"],
+        layernorm_epsilon=hf["rms_norm_eps"], qk_layernorm=True, **moe)
+    spec_args = dict(num_experts=hf["num_experts"], moe_grouped_gemm=on_cuda, qk_layernorm=True)
+    spec = (get_gpt_layer_with_transformer_engine_spec(**spec_args) if on_cuda
+            else get_gpt_layer_local_spec(**spec_args, normalization="RMSNorm"))
+    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=hf["vocab_size"],
+                     max_sequence_length=seq,
+                     share_embeddings_and_output_weights=hf["tie_word_embeddings"],
+                     position_embedding_type="rope", rotary_base=int(hf["rope_theta"]))
+    settings = {"layer_spec": "transformer_engine" if on_cuda else "local",
+                "experts": "TEGroupedMLP (grouped GEMM)" if on_cuda else "SequentialMLP (CPU)",
+                "params": "bf16", "main_grads": "fp32", "optimizer": "distributed (Megatron)",
+                **moe, **fused_settings()}
+    return config, model, settings
+
+
+def megatron_aux_loss(coef: float) -> float:
+    """The weighted load-balancing loss of the last forward, from Megatron's metrics tracker
+    (which records each layer's aux loss over its coefficient), then cleared for the next."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    entry = tracker.metrics.get("load_balancing_loss")
+    aux = 0.0 if entry is None else coef * float(entry.values.sum())
+    tracker.clear()
+    return aux
+
+
+def bench_megatron(hf: dict, batches, steps: int, warmup: int, expected_params: int) -> dict:
+    """The Megatron-core row, in this process (``--megatron-row``): its model, checked to
+    have ``expected_params``, trained as its own loop trains (``megatron_peer``) on
+    ``batches``; on the CPU the model alone, then reported skipped."""
+    if cuda():  # TE before anything loads cuDNN (tests/perf/NOTES.md)
+        import transformer_engine.pytorch  # noqa: F401
+    init_megatron(seed=0)
+    seq = batches[0].numel()
+    config, model, settings = megatron_moe_model(hf, seq)
+    settings["num_params"] = num_params(model)
+    if settings["num_params"] != expected_params:
+        raise RuntimeError(f"megatron: {settings['num_params']} parameters, mpcore's model of "
+                           f"this shape has {expected_params}")
+    if not cuda():
+        return {"skipped": "Megatron's MoE runs on CUDA only (alltoall dispatcher, rotary "
+                           "embedding, DDP grad buffers); checked on the CPU: the model of this "
+                           "shape", "params": settings["num_params"], "settings": settings}
+    adam = dataclasses.replace(ADAM, total_steps=steps + warmup)
+    model, optimizer, scheduler = training_pieces(config, model, adam)
+    device = torch.device("cuda")
+    positions = torch.arange(seq, device=device)[None]
+    mask = torch.ones(1, seq, device=device)
+    mask[:, -1] = 0.0  # the last token has no target
+    it = iter(batches)
+
+    def step() -> float:
+        ids = next(it).to(device)[None]
+        labels = torch.zeros_like(ids)  # a valid id where masked
+        labels[:, :-1] = ids[:, 1:]
+        ce = train_step(model, optimizer, scheduler, ids, positions, labels, mask)
+        return float(ce) + megatron_aux_loss(hf["router_aux_loss_coef"])
+
+    result = timed(step, steps, warmup, device)
+    return {**result, "params": settings["num_params"], "settings": settings,
+            "tokens_crc32": tokens_crc(batches),
+            "versions": {n: _version(n) for n in ("megatron-core", "transformer-engine")}}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_megatron_row(args, timeout: int) -> dict:
+    """``bench_megatron`` in a fresh subprocess (no allocator, compile cache or cuDNN state
+    shared with our rows); a failure or timeout comes back as the row's ``error``."""
+    out = Path(args.out).with_suffix(".megatron.json")
+    cmd = [sys.executable, __file__, str(out), "--megatron-row", "--layers", str(args.layers),
+           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           *(["--tiny"] if args.tiny else [])]
+    try:
+        run_subprocess(cmd, timeout)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)[-4000:]}
+    row = json.loads(out.read_text())
+    out.unlink()
+    return row
 
 
 def bench_experts(hf: dict, seq: int, device, steps, warmup) -> dict | None:
@@ -155,7 +320,7 @@ def bench_experts(hf: dict, seq: int, device, steps, warmup) -> dict | None:
             "dense_ms": 1e3 * b["step_s"], "dense_tflops": flops / b["step_s"] / 1e12}
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
     p.add_argument("--layers", type=int, default=6)
@@ -166,50 +331,110 @@ def main(argv=None) -> int:
                    help="transformers experts implementations to time (those it has)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized shape (smoke test)")
-    args = p.parse_args(argv)
+    p.add_argument("--megatron", action="store_true",
+                   help="also Megatron-core's MoE (needs megatron-core, and TransformerEngine "
+                        "on CUDA), in its own subprocess")
+    p.add_argument("--megatron-timeout", type=int, default=420, help="seconds for that row")
+    p.add_argument("--megatron-row", action="store_true", help=argparse.SUPPRESS)  # the child
+    return p.parse_args(argv)
+
+
+def check_params(name: str, found: int, expected: int) -> None:
+    if found != expected:
+        raise RuntimeError(f"{name}: {found} parameters, mpcore's model of this shape has "
+                           f"{expected}: the sides are not the same model")
+
+
+def run_hf(result: dict, hf: dict, batches, device, args) -> None:
+    """transformers under each wanted experts implementation it has; the fastest is the peer."""
+    import transformers
+
+    result["transformers"] = transformers.__version__
+    wanted = [n for n in args.hf_experts.split(",") if n]
+    have = hf_experts_available()
+    names = [n for n in wanted if n in have] if have else ["default"]
+    result["hf"] = {}
+    for name in names:
+        try:
+            r = bench_hf(hf, batches, device, args.steps, args.warmup, name)
+        except torch.OutOfMemoryError as e:  # batched_mm gathers a weight copy per routed row
+            r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+            torch.cuda.empty_cache()
+            _progress(f"transformers ({name})", r)
+            result["hf"][name] = r
+            continue
+        _progress(f"transformers ({name})", r)
+        check_params(f"transformers ({name})", r["params"], result["params"])
+        r["tokens_per_s"] = args.seq / r["step_s"]
+        result["hf"][name] = r
+    ran = [n for n in result["hf"] if "step_s" in result["hf"][n]]
+    if not ran:
+        raise SystemExit("no transformers experts implementation ran: " + json.dumps(result["hf"]))
+    fastest = min(ran, key=lambda n: result["hf"][n]["step_s"])
+    result["hf_fastest"] = fastest
+    peer = result["hf"][fastest]
+    result["speedup"] = peer["step_s"] / result["mpcore"]["step_s"]
+    if device.type == "cuda":
+        result["memory_ratio"] = result["mpcore"]["peak_gib"] / peer["peak_gib"]
+
+
+def add_megatron(result: dict, row: dict, seq: int) -> None:
+    """The Megatron row into ``result``, with our speedup and memory ratio against it."""
+    result["megatron"] = row
+    if "params" in row:
+        check_params("megatron", row["params"], result["params"])
+    if "step_s" not in row:
+        return
+    if row["tokens_crc32"] != result["tokens_crc32"]:
+        raise RuntimeError("megatron: trained on other tokens than mpcore (crc32 differs)")
+    row["tokens_per_s"] = seq / row["step_s"]
+    result["speedup_vs_megatron"] = row["step_s"] / result["mpcore"]["step_s"]
+    if row["peak_gib"] and result["mpcore"]["peak_gib"]:
+        result["memory_ratio_vs_megatron"] = result["mpcore"]["peak_gib"] / row["peak_gib"]
+
+
+def _progress(name: str, row: dict) -> None:
+    """One line per side as it finishes (the JSON comes at the end)."""
+    if "step_s" in row:
+        print(f"== {name}: {row['step_s']:.3f} s/step, peak {row['peak_gib']} GiB, loss "
+              f"{row['loss_first']:.3f} -> {row['loss_last']:.3f}", flush=True)
+    else:
+        why = row.get("skipped") or row.get("error", "?")
+        print(f"== {name}: {why.splitlines()[0]}", flush=True)
+
+
+def _write(path, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf = {**(TINY if args.tiny else QWEN3_30B_A3B), "num_hidden_layers": args.layers}
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, hf["vocab_size"], (args.seq,), generator=gen)
-               for _ in range(args.steps + args.warmup)]
+    batches = token_batches(hf, args.seq, args.steps + args.warmup)
     counts = family_named("qwen3_moe").num_params(family_named("qwen3_moe").config_from_hf(hf))
+    if args.megatron_row:
+        _write(args.out, bench_megatron(hf, batches, args.steps, args.warmup, counts["total"]))
+        return 0
+    # Megatron first, before this process holds GPU memory (its cache would crowd the child).
+    megatron = run_megatron_row(args, args.megatron_timeout) if args.megatron else None
+    if megatron is not None:
+        _progress("megatron", megatron)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "shape": "tiny" if args.tiny else "Qwen3-30B-A3B", "layers": args.layers,
               "seq": args.seq, "params": counts["total"], "active_params": counts["active"],
-              "torch": torch.__version__,
+              "torch": torch.__version__, "tokens_crc32": tokens_crc(batches),
               "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup)}
+    _progress("mpcore", result["mpcore"])
+    check_params("mpcore (built)", result["mpcore"]["params"], counts["total"])
     result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
-    print(f"mpcore: {json.dumps(result['mpcore'])}", flush=True)
     if not args.skip_hf:
-        import transformers
-
-        result["transformers"] = transformers.__version__
-        wanted = [n for n in args.hf_experts.split(",") if n]
-        have = hf_experts_available()
-        names = [n for n in wanted if n in have] if have else ["default"]
-        result["hf"] = {}
-        for name in names:
-            try:
-                r = bench_hf(hf, batches, device, args.steps, args.warmup, name)
-                r["tokens_per_s"] = args.seq / r["step_s"]
-            except torch.OutOfMemoryError as e:  # batched_mm gathers a weight copy per row
-                r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
-                torch.cuda.empty_cache()
-            result["hf"][name] = r
-            print(f"transformers {name}: {json.dumps(r)}", flush=True)
-        ran = [n for n in result["hf"] if "step_s" in result["hf"][n]]
-        if not ran:
-            raise SystemExit("no transformers experts implementation ran: "
-                             + json.dumps(result["hf"]))
-        fastest = min(ran, key=lambda n: result["hf"][n]["step_s"])
-        result["hf_fastest"] = fastest
-        peer = result["hf"][fastest]
-        result["speedup"] = peer["step_s"] / result["mpcore"]["step_s"]
-        if device.type == "cuda":
-            result["memory_ratio"] = result["mpcore"]["peak_gib"] / peer["peak_gib"]
+        run_hf(result, hf, batches, device, args)
+    if megatron is not None:
+        add_megatron(result, megatron, args.seq)
     result["experts"] = bench_experts(hf, args.seq, device, args.steps, args.warmup)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    _write(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -41,8 +41,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +53,18 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import RandomTokens, _timed  # noqa: E402
+from megatron_peer import (  # noqa: E402
+    AdamSettings,
+    fused_settings,
+    init_megatron,
+    init_single_process_group,
+    num_params,
+    run_subprocess,
+    train_step,
+    training_pieces,
+    transformer_config,
+)
+from megatron_peer import cuda as _cuda  # noqa: E402
 
 from mpcore.config import load_config  # noqa: E402
 
@@ -78,10 +88,6 @@ def _versions() -> dict:
     return out
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 class Batches:
     """The shared token data as (ids, labels, loss_mask), int64 / int64 / float [B, S] on
     ``device``: labels are the ids moved left by one, the last position masked (and set to 0,
@@ -103,49 +109,25 @@ class Batches:
                 mask.to(self.device, non_blocking=True))
 
 
-def _init_single_process_group() -> None:
-    """World of one (both peers need a process group even on one GPU): NCCL on CUDA, gloo on
-    CPU, rendezvous through a file."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        store = tempfile.mkdtemp(prefix="bench_peers_pg_")
-        dist.init_process_group("nccl" if _cuda() else "gloo", init_method=f"file://{store}/pg",
-                                rank=0, world_size=1)
-    if _cuda():
-        torch.cuda.set_device(0)
-
-
 # --- Megatron-core ---------------------------------------------------------------------------
 
 
-def _megatron_model(m, seq: int, fp8: bool, cuda: bool):
+def _megatron_model(m, seq: int, fp8: bool):
     """GPTModel of the config's shape; TE layer spec on CUDA (the local spec on the CPU smoke
     path, which has no TE), bf16 parameters, Megatron's fused kernels on CUDA."""
-    import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    fused = dict(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=True,
-                 masked_softmax_fusion=True, cross_entropy_loss_fusion=True) if cuda else {}
     fp8_fields = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                       fp8_amax_compute_algo="max") if fp8 else {}
-    config = TransformerConfig(
+    config = transformer_config(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
         num_query_groups=m.num_kv_heads, kv_channels=m.head_dim or m.hidden_size // m.num_heads,
-        ffn_hidden_size=m.intermediate_size, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", layernorm_epsilon=m.rms_norm_eps, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, bf16=True,
-        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        # no apex here: Megatron's fused wgrad accumulation needs it (ColumnParallelLinear
-        # refuses the flag without it)
-        gradient_accumulation_fusion=False, use_cpu_initialization=not cuda,
-        **fused, **fp8_fields)
-    spec = get_gpt_layer_with_transformer_engine_spec() if cuda else get_gpt_layer_local_spec(
+        ffn_hidden_size=m.intermediate_size, layernorm_epsilon=m.rms_norm_eps, **fp8_fields)
+    spec = get_gpt_layer_with_transformer_engine_spec() if _cuda() else get_gpt_layer_local_spec(
         normalization="RMSNorm")
     scaling = m.rope_scaling or {}
     model = GPTModel(config, transformer_layer_spec=spec, vocab_size=m.vocab_size,
@@ -153,9 +135,10 @@ def _megatron_model(m, seq: int, fp8: bool, cuda: bool):
                      position_embedding_type="rope", rotary_base=int(m.rope_theta),
                      rope_scaling=bool(scaling),
                      rope_scaling_factor=float(scaling.get("factor", 8.0)))
-    settings = {"layer_spec": "transformer_engine" if cuda else "local", "params": "bf16",
+    settings = {"layer_spec": "transformer_engine" if _cuda() else "local", "params": "bf16",
                 "main_grads": "fp32", "optimizer": "distributed (Megatron)",
-                "fp8": "hybrid delayed, amax history 1024, max" if fp8 else None, **fused}
+                "fp8": "hybrid delayed, amax history 1024, max" if fp8 else None,
+                **fused_settings()}
     return config, model, settings
 
 
@@ -169,72 +152,32 @@ def expected_params(m) -> int:
     return m.vocab_size * m.hidden_size + m.num_layers * layer + m.hidden_size + head
 
 
-def _num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def run_megatron(args, fp8: bool) -> dict:
-    """One Megatron-core row: DDP with fp32 grad buffers + the distributed optimizer, the way
-    Megatron's own training loop steps (zero_grad_buffer, forward/backward, finalize grads,
-    optimizer.step with its clip, the param scheduler)."""
-    _init_single_process_group()
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    cuda = _cuda()
+    """One Megatron-core row: its DDP with fp32 grad buffers, the distributed optimizer and
+    its scheduler, stepped as its own training loop steps (``megatron_peer``)."""
     cfg = load_config(args.config)
     m, opt = cfg.model, cfg.optimizer
-    parallel_state.initialize_model_parallel(1, 1)
-    if cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-    torch.manual_seed(0)
-    config, model, settings = _megatron_model(m, args.seq, fp8, cuda)
-    device = torch.device("cuda" if cuda else "cpu")
+    init_megatron(seed=0)
+    config, model, settings = _megatron_model(m, args.seq, fp8)
+    device = torch.device("cuda" if _cuda() else "cpu")
     data = Batches(m.vocab_size, args.seq, args.micro_batch, device)
     positions = torch.arange(args.seq, device=device).expand(args.micro_batch, -1)
-    settings["num_params"] = _num_params(model)
+    settings["num_params"] = num_params(model)
     if settings["num_params"] != expected_params(m):
         raise RuntimeError(f"megatron: {settings['num_params']} parameters, the config's shape "
                            f"has {expected_params(m)}")
-    if not cuda:  # its rotary embedding, DDP buffers and optimizer allocate on CUDA only
+    if not _cuda():  # its rotary embedding, DDP buffers and optimizer allocate on CUDA only
         return {"skipped": "Megatron runs on CUDA only (rotary embedding, DDP grad buffers); "
                            "checked on the CPU: the model of this shape", "settings": settings}
-    model.cuda()
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=True)
-    model = DistributedDataParallel(config, ddp, model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=opt.lr, min_lr=opt.lr * cfg.schedule.min_lr_ratio,
-        weight_decay=opt.weight_decay, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
-        adam_eps=opt.eps, clip_grad=opt.grad_clip, bf16=True, params_dtype=torch.bfloat16,
-        use_distributed_optimizer=True), [model])
-    total = args.warmup + args.steps
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.lr * cfg.schedule.min_lr_ratio,
-        lr_warmup_steps=WARMUP_LR_STEPS, lr_decay_steps=max(total, WARMUP_LR_STEPS + 1),
-        lr_decay_style="cosine", start_wd=opt.weight_decay, end_wd=opt.weight_decay,
-        wd_incr_steps=total, wd_incr_style="constant")
+    adam = AdamSettings(lr=opt.lr, min_lr=opt.lr * cfg.schedule.min_lr_ratio,
+                        weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
+                        grad_clip=opt.grad_clip, warmup_steps=WARMUP_LR_STEPS,
+                        total_steps=args.warmup + args.steps)
+    model, optimizer, scheduler = training_pieces(config, model, adam)
 
     def step(_: int) -> float:
         ids, labels, mask = data.next()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        per_token = model(input_ids=ids, position_ids=positions, attention_mask=None,
-                          labels=labels)  # (B, S) fp32 losses; TE's attention is causal
-        loss = (per_token.float() * mask).sum() / mask.sum()
-        loss.backward()
-        finalize_model_grads([model])
-        ok, _, _ = optimizer.step()
-        if not ok:
-            raise RuntimeError("megatron: optimizer step skipped (non-finite gradients)")
-        scheduler.step(increment=1)
-        return float(loss.detach())
+        return float(train_step(model, optimizer, scheduler, ids, positions, labels, mask))
 
     result = _timed(step, args.steps, args.warmup)
     result["settings"], result["tokens_crc32"] = settings, data.crc
@@ -373,8 +316,8 @@ def _torchtitan_model(args, m, float8: bool, cuda: bool):
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    if _num_params(model) != expected_params(m):
-        raise RuntimeError(f"torchtitan: {_num_params(model)} parameters, the config's shape "
+    if num_params(model) != expected_params(m):
+        raise RuntimeError(f"torchtitan: {num_params(model)} parameters, the config's shape "
                            f"has {expected_params(m)}")
     return model, compile_config, flavour
 
@@ -394,7 +337,7 @@ def run_torchtitan(args, float8: bool) -> dict:
     its AdamW container (fused) and warmup scheduler, its ``clip_grad_norm_``, its compiled
     full-logits cross-entropy (sum over valid tokens / their count)."""
     shims = torchtitan_shims()
-    _init_single_process_group()
+    init_single_process_group()
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.distributed import utils as dist_utils
@@ -434,7 +377,7 @@ def run_torchtitan(args, float8: bool) -> dict:
                           "fsdp2": "mesh of 1, bf16 params, fp32 reduce",
                           "attention": "flex" if cuda else "sdpa (CPU)",
                           "compile": "per block + loss" if cuda else "off (CPU)",
-                          "num_params": _num_params(model),
+                          "num_params": num_params(model),
                           "float8": ("tensorwise, lm_head bf16" if cuda else "emulated")
                           if float8 else None, "cuda_graphs": "off", "shims": shims}
     result["tokens_crc32"] = data.crc
@@ -464,7 +407,7 @@ def run_ours(args, variant: str, out: Path) -> dict:
            str(args.config), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--skip-hf",
            "--variants", variant, "--run-dir", tempfile.mkdtemp(prefix="bench_peers_run_")]
-    _run(cmd, args.timeout)
+    run_subprocess(cmd, args.timeout)
     report = json.loads(raw.read_text())
     raw.unlink()
     variant_report = report["variants"][0]
@@ -478,23 +421,6 @@ def run_ours(args, variant: str, out: Path) -> dict:
         crc_data.next()
     result["tokens_crc32"] = crc_data.crc
     return result
-
-
-def _run(cmd: list[str], timeout: int) -> None:
-    """Run ``cmd`` from the repo root in its own session; past ``timeout`` seconds the whole
-    session is killed (inductor's compile workers with it) and TimeoutExpired raised."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    if proc.returncode != 0:  # first line: the exit and the output's last line (the error)
-        output = output.strip()
-        last = output.splitlines()[-1] if output else ""
-        raise RuntimeError(f"exit {proc.returncode}: {last}\n{' '.join(cmd)}\n{output[-4000:]}")
 
 
 def _row_json(args, row: str, result: dict) -> dict:
@@ -517,7 +443,7 @@ def run_all(args) -> list[dict]:
                 if row in OURS:
                     result = _row_json(one, row, run_ours(one, OURS[row], out))
                 else:
-                    _run([sys.executable, __file__, "--one", row, "--config", str(args.config),
+                    run_subprocess([sys.executable, __file__, "--one", row, "--config", str(args.config),
                           "--seq", str(seq), "--micro-batch", str(micro_batch), "--steps",
                           str(args.steps), "--warmup", str(args.warmup), "--out", str(out)],
                          args.timeout)

@@ -5,6 +5,8 @@
 #   bash tests/perf/run_device.sh x2       # on nvidia-h200-x2: training at tp=2, cp=2, dp=2
 #   bash tests/perf/run_device.sh te | te_bench | te_train | te2   # with TransformerEngine (TE.md)
 #   bash tests/perf/run_device.sh peers [4096x4|16384x1] [ROWS]   # TE + peer wheels (--all)
+#   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
+#   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -72,6 +74,28 @@ elif [ "${1:-}" = peers ]; then
   run peers 560 python3 tests/perf/bench_peers.py --out "$out/peers_h200_$shape" \
     --shapes "$shape" --rows "$rows" --timeout 200
   tail -16 "$out/peers.log"
+elif [ "${1:-}" = moe ]; then
+  # bench_moe.py: Qwen3-30B-A3B cut to 6 layers, seq 4096, mpcore vs transformers' experts
+  # implementations (HF_EXPERTS, comma-separated) and, when TransformerEngine and megatron-core
+  # import, Megatron-core's MoE (TE grouped GEMM, alltoall, ep=1) in its own process, first.
+  # With TE: carry [".te/p6", ".whl"], `bash .te/p6/te-device-install && export
+  # PYTHONPATH=/tmp/te-site:$PYTHONPATH && bash tests/perf/run_device.sh moe`.
+  meg=()
+  if python3 -W ignore -c "import transformer_engine.pytorch, megatron.core" >/dev/null 2>&1; then
+    meg=(--megatron --megatron-timeout 240)
+  else
+    echo "   no Megatron row: transformer_engine.pytorch or megatron.core does not import"
+  fi
+  run moe 560 python3 tests/perf/bench_moe.py "$out/moe_h200.json" \
+    --hf-experts "${2:-grouped_mm,batched_mm,eager}" ${meg[@]+"${meg[@]}"}
+  grep -E '"(step_s|tokens_per_s|peak_gib|params|hf_fastest|speedup|speedup_vs_megatron|error|skipped)"' \
+    "$out/moe.log" | head -30
+elif [ "${1:-}" = loss_peers ]; then
+  # bench_loss.py with verl's fused RL head beside ours (carry .whl: verl, liger, CCE; no TE on
+  # the path, since liger's peft import would load it after torch's cuDNN). Exit 1 = verl's
+  # outputs differ from ours at a shape (then that row has no time).
+  run loss_peers 420 python3 tests/perf/bench_loss.py "$out/loss_peers_h200.json"
+  grep -E "RL head|verl|FAIL|^[0-9]+ x" "$out/loss_peers.log" | tail -16
 elif [ "${1:-}" = x2 ]; then
   two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
   run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3
