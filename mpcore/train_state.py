@@ -24,9 +24,19 @@ chunk (expert tensors: this ep rank's experts first). Reads cost world x checkpo
 I/O; memory stays one batch at a time. A checkpoint from any (tp, cp, dp, ep, fsdp|ddp) layout
 loads at any other. RNG states are restored only when the layout is the same (their meaning
 depends on the rank).
+
+    fp8/rank<R>/<layer>/<key>        TransformerEngine delayed-scaling state of each layer
+                                     (``parallel.te.FP8_STATE_KEYS``) on global rank R
+
+FP8 scaling state (``model.fp8=te_delayed``) is restored exactly at the same layout; at another
+layout each layer gets the merge of its saved ranks' states (``parallel.te.merge_fp8_states``).
+A checkpoint without it (a bf16 or ``tensorwise`` run) resumed with te_delayed starts the
+histories empty, and a te_delayed checkpoint resumed without it ignores it; both are logged.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -35,6 +45,9 @@ from mpcore.checkpoint import load_tensors, stored_tensors
 from mpcore.logical import LogicalLayout
 from parallel.random import RNGTracker
 from parallel.state import ParallelState
+from parallel.te import fp8_state, fp8_state_layers, load_fp8_state, merge_fp8_states
+
+log = logging.getLogger(__name__)
 
 LOAD_BATCH_BYTES = 1 << 30
 
@@ -85,6 +98,7 @@ class TrainState:
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.state, self.tracker, self.device = state, tracker, device
         self.params = dict(model.named_parameters())
+        self.fp8_layers = fp8_state_layers(model)
         if set(self.params) != set(layout.names):
             raise AssertionError(f"model and logical layout disagree: "
                                  f"{set(self.params) ^ set(layout.names)}")
@@ -130,6 +144,14 @@ class TrainState:
         if staging is not None:
             staging.ready(self.device)
         out.update(self._rng())
+        out.update(self._fp8())
+        return out
+
+    def _fp8(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, gemm in self.fp8_layers.items():
+            for key, value in (fp8_state(gemm) or {}).items():
+                out[f"fp8/rank{self.state.rank}/{layer}/{key}"] = value.detach().cpu().clone()
         return out
 
     def _rng(self) -> dict[str, torch.Tensor]:
@@ -159,6 +181,43 @@ class TrainState:
             self.optimizer.load_state_dict(opt_sd)
         if same_layout:
             self._restore_rng(folder, stored)
+        self._restore_fp8(folder, stored, same_layout)
+
+    def _restore_fp8(self, folder, stored, same_layout: bool) -> None:
+        saved = sorted(k for k in stored if k.startswith("fp8/"))
+        quiet = self.state.rank != 0
+        if not self.fp8_layers:
+            if saved and not quiet:
+                log.info("the checkpoint holds TransformerEngine FP8 (te_delayed) scaling "
+                         "state; this run does not use it (model.fp8 is not te_delayed)")
+            return
+        if not saved:
+            if not quiet:
+                log.info("the checkpoint has no FP8 scaling state (saved without "
+                         "model.fp8=te_delayed): the amax histories start empty, as in a "
+                         "fresh FP8 run")
+            return
+        by_layer: dict[str, list[str]] = {}
+        for key in saved:  # fp8/rank<R>/<layer>/<entry>
+            layer = key.split("/", 2)[2].rsplit("/", 1)[0]
+            by_layer.setdefault(layer, []).append(key)
+        missing = sorted(set(self.fp8_layers) - set(by_layer))
+        if missing:
+            raise ValueError(f"checkpoint {folder} has FP8 scaling state for other layers than "
+                             f"this model's (none for {missing[:3]}...)")
+        mine = f"fp8/rank{self.state.rank}/"
+        for layer, gemm in self.fp8_layers.items():
+            values = load_tensors(folder, by_layer[layer], stored)
+            ranks: dict[str, dict[str, torch.Tensor]] = {}
+            for key, value in values.items():
+                rank, entry = key.split("/", 2)[1], key.rsplit("/", 1)[1]
+                ranks.setdefault(rank, {})[entry] = value
+            own = ranks.get(mine.split("/")[1]) if same_layout else None
+            load_fp8_state(gemm, own if own is not None else merge_fp8_states(list(ranks.values())))
+        if not quiet:
+            how = ("as saved" if same_layout else
+                   "merged over the saved ranks (the layout changed)")
+            log.info("restored FP8 scaling state of %d layers, %s", len(self.fp8_layers), how)
 
     def _keys(self, name: str, stored) -> list[str]:
         keys = [f"model/{hf}" for hf in self.layout.owners[name]]

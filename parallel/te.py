@@ -44,8 +44,12 @@ a region (``FP8GlobalStateManager.reduce_and_update_fp8_tensors``): once per for
 history (TE's default length 1024) spans 1024 steps. A call outside any region (a library user
 calling the model directly, activation recompute in the backward) opens its own region, which
 is correct but updates the histories once per call. Amaxes are not reduced over ranks
-(``reduce_amax=False``: our collectives move bf16, not FP8, so ranks need no common scale); the
-scaling state is not checkpointed, so a resumed run starts from scale 1 as a fresh TE run does.
+(``reduce_amax=False``: our collectives move bf16, not FP8, so ranks need no common scale).
+
+The delayed-scaling state (per layer: the forward and backward scales and amax histories) is
+training state: ``fp8_state`` reads it and ``load_fp8_state`` puts it back in place
+(``mpcore.train_state`` checkpoints it per rank, and merges it over the saved ranks when the
+layout changes: the largest amax and the smallest scale of each entry).
 """
 
 from __future__ import annotations
@@ -333,3 +337,59 @@ def forward_region(module: nn.Module):
             _region.fp8 = outer
 
     return region
+
+
+# ---------------------------------------------------------------- FP8 scaling state
+FP8_STATE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+def fp8_state_layers(module: nn.Module) -> dict[str, TEGemm]:
+    """Module name -> the ``TEGemm`` of each layer of ``module`` whose recipe keeps state
+    between steps (``te_delayed``); ``{}`` when there is none."""
+    return {name: m.gemm for name, m in module.named_modules()
+            if isinstance(getattr(m, "gemm", None), TEGemm) and m.gemm.fp8 == "te_delayed"}
+
+
+def _meta_tensors(gemm: TEGemm) -> dict[str, torch.Tensor] | None:
+    meta = gemm.module.fp8_meta
+    if "scaling_fwd" not in meta or "scaling_bwd" not in meta:
+        return None
+    return {f"{kind}_{way}": getattr(meta[f"scaling_{way}"], kind)
+            for way in ("fwd", "bwd") for kind in ("scale", "amax_history")}
+
+
+def fp8_state(gemm: TEGemm) -> dict[str, torch.Tensor] | None:
+    """The layer's delayed-scaling state (``FP8_STATE_KEYS``: views of TE's own tensors, on
+    the device), or None before its first FP8 forward (TE allocates it there)."""
+    return _meta_tensors(gemm)
+
+
+def load_fp8_state(gemm: TEGemm, values: dict[str, torch.Tensor]) -> None:
+    """Copy ``values`` (``fp8_state``'s keys) into the layer's scaling state in place,
+    allocating that state first (as TE's first FP8 forward would) when the layer has not run
+    yet. Raises ``ValueError`` on a shape that differs (another amax history length)."""
+    if _meta_tensors(gemm) is None:
+        with _autocast(gemm.te, gemm.recipe):
+            gemm.module.init_fp8_metadata(num_gemms=1)
+    mine = _meta_tensors(gemm)
+    if mine is None:
+        raise RuntimeError("this TransformerEngine keeps its FP8 scaling state elsewhere "
+                           "(fp8_meta has no scaling_fwd / scaling_bwd after init)")
+    for key in FP8_STATE_KEYS:
+        if tuple(values[key].shape) != tuple(mine[key].shape):
+            raise ValueError(f"FP8 state {key}: the checkpoint holds {tuple(values[key].shape)}, "
+                             f"this run's recipe {tuple(mine[key].shape)} (another "
+                             f"amax_history_len?)")
+        with torch.no_grad():
+            mine[key].copy_(values[key])
+
+
+def merge_fp8_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One layer's state for a new layout from the states its old ranks saved: per entry the
+    largest amax history value and the smallest scale (the scale that the largest amax would
+    give: no rank's tensors overflow where they did not before)."""
+    out = {}
+    for key in FP8_STATE_KEYS:
+        stacked = torch.stack([s[key] for s in states])
+        out[key] = stacked.amin(0) if key.startswith("scale") else stacked.amax(0)
+    return out
