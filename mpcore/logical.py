@@ -21,7 +21,8 @@ over ep, ``models.common.moe.expert_param_names``) are split on dim 0 over the e
 rank r holding the global experts ``[r E / ep, (r + 1) E / ep)`` (``parallel.experts``). Their
 logical form holds all ``E`` experts, the same at every ep: ``gather_experts`` all-gathers the
 ep slices back into the ``[E, ...]`` tensor the tp maps describe (expert tensors are whole on
-every tp rank), ``shard`` keeps this ep rank's rows.
+every tp rank; ``gather_experts_to`` onto one ep rank only, what saving uses), ``shard`` keeps
+this ep rank's rows.
 
     gather:  ep-local [E / ep, ...]  --all-gather over ep-->  [E, ...]  --tp, as above-->  HF
     shard:   HF  --tp pieces-->  [E, ...]  --rows of this ep rank-->  [E / ep, ...]
@@ -32,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from models import family_of
 from models.common.hf_io import Piece
@@ -95,6 +97,22 @@ class LogicalLayout:
         if name not in self.experts or self.ep == 1:
             return local
         return all_gather(local.detach(), 0, ep_group)
+
+    @torch.no_grad()
+    def gather_experts_to(self, name: str, local: torch.Tensor, ep_group: ProcessGroup | None,
+                          dst: int) -> torch.Tensor | None:
+        """``gather_experts`` onto ep rank ``dst`` only (the rank that writes the tensor):
+        ``[E, ...]`` there, None on the other ep ranks, which never hold every expert. Same
+        collective contract as ``gather_experts``; any other tensor is returned as it is."""
+        if name not in self.experts or self.ep == 1:
+            return local
+        local = local.detach().contiguous()
+        out = parts = None
+        if dist.get_rank(ep_group) == dst:
+            out = local.new_empty((self.ep * local.shape[0], *local.shape[1:]))
+            parts = list(out.chunk(self.ep))  # contiguous dim-0 views: received in place
+        dist.gather(local, parts, dst=dist.get_global_rank(ep_group, dst), group=ep_group)
+        return out
 
     def _multiplicity(self) -> dict[str, torch.Tensor]:
         """HF name -> int64 [shape[dim]]: how many tp ranks hold each index along the dim."""

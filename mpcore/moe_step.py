@@ -11,6 +11,9 @@ exact gradient, since micro-batch 1's gradient depends on micro-batch 2's loads)
     for inp in inputs:
         share = ce_share(inp) + moe.share()       # right after that micro-batch's forward
     moe.metrics() -> {"aux_loss", "z_loss", "expert_load", "dropped_tokens"} (global)
+
+Nothing here waits for the device: the shares and the step's sums stay device tensors, and
+``metrics()`` (a collective and a host copy) runs only when the trainer logs a step.
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ class MoeStep:
 
     def __init__(self, model, state: ParallelState, counts, rows):
         self.model, self.state, self.counts, self.rows = model, state, counts, rows
-        self.aux = torch.zeros(())
-        self.z = torch.zeros(())
+        self.aux = self.z = None  # () fp32 on the model's device, summed over micro-batches
         self.dropped = 0
 
     @classmethod
@@ -58,14 +60,18 @@ class MoeStep:
         cfg = self.model.moe_cfg
         aux = aux_share(stats, self.counts, self.rows)
         z = z_share(stats, self.rows)
-        self.aux = self.aux.to(aux.device) + aux.detach()
-        self.z = self.z.to(z.device) + z.detach()
+        # Started from the first share, not from a CPU zero (its copy to the GPU would sync).
+        self.aux = aux.detach() if self.aux is None else self.aux + aux.detach()
+        self.z = z.detach() if self.z is None else self.z + z.detach()
         self.dropped += stats.dropped
         return cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
 
     def metrics(self) -> dict:
         """The step's global aux and z losses, tokens per expert (pooled over layers) and
-        dropped tokens. Collective over dp x cp."""
+        dropped tokens. Collective over dp x cp, and it waits for the device: call it when
+        the step is logged (every rank at the same steps), not on every step."""
+        if self.aux is None:
+            raise RuntimeError("MoeStep.metrics() before any share(): no micro-batch ran")
         group = self.state.dp_cp_group
         return {"aux_loss": float(sum_over_group(self.aux, group)),
                 "z_loss": float(sum_over_group(self.z, group)),

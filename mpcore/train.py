@@ -110,7 +110,8 @@ class Trainer:
         self._fingerprint: dict | None = None
         self.stop_requested = False
         self.stop_signal: str | None = None  # the first stop signal received here
-        self.moe_metrics: dict | None = None  # the last step's MoE statistics (MoE models)
+        # The last step's MoE terms (MoE models); reduced to numbers only when logged.
+        self.last_moe: MoeStep | None = None
         self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
@@ -245,7 +246,7 @@ class Trainer:
                     share = share + moe.share()
                 (share * self.scale).backward()
             total += share.detach()
-        self.moe_metrics = None if moe is None else moe.metrics()
+        self.last_moe = moe  # its metrics() syncs: left to _log
         return sum_over_group(total, s.dp_cp_group)
 
     def _moe_step(self, inputs, autocast):
@@ -422,8 +423,8 @@ class Trainer:
             share = float(count) / max(self.tokens_per_step * self.window_steps, 1)
             extra["image_tokens_per_s"] = tokens_per_s * share
             self.image_tokens = self.window_steps = 0
-        if self.moe_metrics is not None:  # the last step's, global (mpcore.moe_step)
-            extra.update(moe_record(self.moe_metrics))
+        if self.last_moe is not None:  # the last step's, global: collective over dp x cp
+            extra.update(moe_record(self.last_moe.metrics()))
         metrics.log({"step": self.step, "loss": loss, "grad_norm": norm,
                      "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
                      "tflops": flops / 1e12,

@@ -12,9 +12,10 @@ Keys of the DCP state (every tensor on the CPU):
 Saving gathers each parameter to its full logical form: FSDP2 shards are all-gathered over
 dp x cp (``full_tensor``), then the tp shards of ONE replica (dp x cp rank ``i % (dp*cp)`` for
 the i-th parameter) are gathered over its tp group and kept by one of its ranks, so the writes
-spread over the world. Expert tensors of a MoE model split over ep ranks are first
-all-gathered over the ep group (after FSDP2's gather over the expert-data-parallel group), so
-the checkpoint holds every expert of every layer: the same keys at any ep (``mpcore.logical``).
+spread over the world. Expert tensors of a MoE model split over ep ranks are first gathered
+over the replica's ep group onto the replica (after FSDP2's gather over the expert-data-parallel
+group; the other ep groups skip it and no other rank holds every expert), so the checkpoint
+holds every expert of every layer: the same keys at any ep (``mpcore.logical``).
 Memory: each rank holds the full tensors it owns (about 1/world of the model + optimizer, in
 fp32, on the CPU) plus one parameter's full tensor at a time.
 
@@ -129,7 +130,9 @@ class TrainState:
                         out[f"optim_scalar/{name}/{key}"] = value.detach().cpu().clone()
             for prefix, tensor in entries:
                 local = _tp_local(tensor)  # collective over dp x cp (edp) under FSDP2
-                local = self.layout.gather_experts(name, local, s.ep_group)  # over ep
+                if s.dp_cp_rank // s.ep == replica // s.ep:  # the replica's ep group
+                    local = self.layout.gather_experts_to(name, local, s.ep_group,
+                                                          replica % s.ep)
                 if s.dp_cp_rank != replica:
                     continue
                 keys = _Keys(prefix)

@@ -13,10 +13,13 @@ routes its own tokens (T of them, k experts each) and then:
 
 and the caller weights ``y_sorted`` and adds it back into its tokens. Every rank joins every
 all-to-all, also one that sends or receives no row. The per-expert counts travel first (one
-fixed-size all-to-all of ``E`` int64), then the host needs them as split sizes (one sync per
-dispatch, as in Megatron's all-to-all dispatcher). The autograd function's backward is the
-same all-to-all with the split sizes swapped (the adjoint of a permutation of rows). ep = 1
-(no group) skips the exchange: the same code with an identity in the middle.
+fixed-size all-to-all of ``E`` int64), then the host needs them as split sizes: ONE device to
+host copy per dispatch (send, receive and per-expert sizes in one tensor), as in Megatron's
+all-to-all dispatcher; nothing after it waits for the device again (the regroup's
+``repeat_interleave`` is told its output size). The autograd function's backward is the same
+all-to-all with the split sizes swapped (the adjoint of a permutation of rows), so the
+backward needs no sync at all. ep = 1 (no group) skips the exchange and never syncs: the
+counts stay a device tensor (the grouped GEMM takes its offsets from it on the device).
 """
 
 from __future__ import annotations
@@ -62,30 +65,34 @@ class Dispatch(NamedTuple):
     send: list[int]  # rows sent to each ep rank
     recv: list[int]  # rows received from each ep rank
     order: torch.Tensor | None  # received rows -> expert-major (None: ep = 1)
-    counts: list[int]  # rows of each local expert, expert-major
+    counts: torch.Tensor  # [E / ep] int64 on the rows' device: rows of each local expert
+    sizes: list[int] | None  # ``counts`` on the host where the dispatch had them (ep > 1)
 
 
 def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, group: ProcessGroup | None
              ) -> tuple[torch.Tensor, Dispatch]:
     """Send rows ``x_sorted [N, hidden]`` (sorted by global expert, ``counts [E]`` int64 rows
-    of each) to the ranks owning those experts. Returns the local experts' rows, expert-major
-    ``[R, hidden]``, and the plan for :func:`combine`. Collective over ``group`` (ep)."""
+    of each, on the rows' device) to the ranks owning those experts. Returns the local
+    experts' rows, expert-major ``[R, hidden]``, and the plan for :func:`combine`. Collective
+    over ``group`` (ep); one device to host copy at ep > 1, none at ep = 1."""
     ep = group_size(group)
     if ep == 1:
-        return x_sorted, Dispatch([], [], None, counts.tolist())
+        return x_sorted, Dispatch([], [], None, counts, None)
     local = counts.numel() // ep
     recv_counts = torch.empty_like(counts)  # [source rank, local expert]
     dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
-    send = counts.view(ep, local).sum(1).tolist()
     by_source = recv_counts.view(ep, local)
-    recv = by_source.sum(1).tolist()
+    per_expert = by_source.sum(0)
+    # CPU-GPU sync point (the only one): the split sizes of both all-to-alls.
+    host = torch.cat([counts.view(ep, local).sum(1), by_source.sum(1), per_expert]).tolist()
+    send, recv, sizes = host[:ep], host[ep:2 * ep], host[2 * ep:]
     x_recv = all_to_all_rows(x_sorted, send, recv, group)
     # Segment (source s, expert e) holds by_source[s, e] rows; expert-major key e * ep + s.
     seg = torch.repeat_interleave(torch.arange(ep * local, device=counts.device),
-                                  by_source.reshape(-1))
+                                  by_source.reshape(-1), output_size=sum(recv))
     key = (seg % local) * ep + seg // local
     order = torch.argsort(key, stable=True)
-    return x_recv[order], Dispatch(send, recv, order, by_source.sum(0).tolist())
+    return x_recv[order], Dispatch(send, recv, order, per_expert, sizes)
 
 
 def combine(y_grouped: torch.Tensor, plan: Dispatch, group: ProcessGroup | None

@@ -13,7 +13,10 @@ Experts: the ``E`` of the layer split over the ep group (``parallel.experts``): 
 ``w13 [E / ep, 2 * I, hidden]`` (gate rows then up rows, transformers 5.x's ``gate_up_proj``)
 and ``w2 [E / ep, hidden, I]``. Rows are sorted by expert; the reference then runs one matmul
 pair per local expert, ``grouped`` two grouped GEMMs for all of them (``torch._grouped_mm``,
-detected at run time; ``auto`` takes it on CUDA).
+detected at run time; ``auto`` takes it on CUDA). Host syncs: at ep = 1 the grouped path has
+none, forward or backward (the per-expert counts stay a device tensor and the GEMMs take their
+offsets from it); the loop copies the counts to the host once per layer forward; at ep > 1 the
+dispatch copies its split sizes once (``parallel.experts``) and both paths reuse them.
 
 Each forward leaves ``last_stats`` (``RouterStats``, over the tokens where ``token_mask`` is
 true: padding excluded) for the load-balancing loss (``models.common.moe_loss``) and the
@@ -67,24 +70,32 @@ def grouped_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
 
 
 def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                           counts: list[int]) -> torch.Tensor:
+                           counts: torch.Tensor | list[int]) -> torch.Tensor:
     """``swiglu_experts`` with two grouped GEMMs (``torch._grouped_mm``, one launch each for
-    all local experts; its own backward) instead of a loop. Under autocast the operands are
-    cast to its dtype as ``F.linear`` would be (autocast does not cast ``_grouped_mm``)."""
+    all local experts; its own backward) instead of a loop. ``counts``: ``[E_local]`` int64
+    on ``x``'s device, so the group offsets are a cumsum on the device and nothing waits for
+    it (a list is copied there first). Under autocast the operands are cast to its dtype as
+    ``F.linear`` would be (autocast does not cast ``_grouped_mm``)."""
     kind = x.device.type
     if torch.is_autocast_enabled(kind):
         dtype = torch.get_autocast_dtype(kind)
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(counts, device=x.device)
+    offs = counts.cumsum(0).to(torch.int32)  # [E_local] end row of each expert's group
     h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)  # [N, 2I]
     gate, up = h.chunk(2, dim=-1)
     return torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offs=offs)
 
 
-def run_experts(x, w13, w2, counts: list[int], backend: str = "auto") -> torch.Tensor:
+def run_experts(x, w13, w2, counts: torch.Tensor | list[int], backend: str = "auto",
+                sizes: list[int] | None = None) -> torch.Tensor:
     """The local experts on their grouped rows: ``grouped`` (PyTorch's grouped GEMM),
     ``reference`` (the loop), or ``auto``: grouped on CUDA where this torch has it, else the
-    reference (CPU runs the reference)."""
+    reference (CPU runs the reference). ``counts``: rows of each local expert, ``[E_local]``
+    int64 on ``x``'s device (or a list); ``sizes``: the same on the host where the caller
+    already has them. The grouped path keeps the counts on the device; the loop needs them
+    on the host (a device to host copy unless ``sizes`` is given)."""
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"experts backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
     use = backend == "grouped" or (backend == "auto" and x.is_cuda)
@@ -93,7 +104,9 @@ def run_experts(x, w13, w2, counts: list[int], backend: str = "auto") -> torch.T
     if backend == "grouped" and x.shape[0]:
         raise ValueError("experts backend 'grouped' needs torch._grouped_mm (PyTorch 2.8+) and "
                          "16-byte aligned expert widths; use 'auto' or 'reference'")
-    return swiglu_experts(x, w13, w2, counts)
+    if sizes is None:
+        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    return swiglu_experts(x, w13, w2, sizes)
 
 
 class _Weights(nn.Module):
@@ -115,8 +128,10 @@ class Experts(_Weights):
                          w2=(local, hidden, intermediate), kw=kw)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return run_experts(x, self.w13, self.w2, counts, self.backend)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                sizes: list[int] | None = None) -> torch.Tensor:
+        """``run_experts`` on this module's weights and backend."""
+        return run_experts(x, self.w13, self.w2, counts, self.backend, sizes)
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -194,9 +209,11 @@ class MoeBlock(nn.Module):
         flat = experts.reshape(-1)  # [T * k], token-major
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # [E] rows per expert; not bincount, which reads its input's max on the host on CUDA.
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         grouped, plan = dispatch(x[token_of], counts, self.ep_group)
-        y_grouped = self.experts(grouped, plan.counts)
+        y_grouped = self.experts(grouped, plan.counts, plan.sizes)
         y_sorted = combine(y_grouped, plan, self.ep_group)
         y_sorted = y_sorted * weights.reshape(-1)[order, None]
         out = torch.zeros_like(x).index_add(0, token_of, y_sorted.to(x.dtype))
@@ -212,7 +229,7 @@ class MoeBlock(nn.Module):
         keep = (torch.ones(probs.shape[0], device=probs.device) if mask is None
                 else mask.to(probs.dtype))
         assert keep.shape == probs.shape[:1], (keep.shape, probs.shape)
-        per_assignment = keep.repeat_interleave(self.top_k)
+        per_assignment = keep[:, None].expand(-1, self.top_k).reshape(-1)  # [T * k]
         counts = torch.zeros(self.num_experts, device=probs.device).index_add(
             0, flat, per_assignment).detach()
         z = torch.logsumexp(logits.float(), dim=-1).square()

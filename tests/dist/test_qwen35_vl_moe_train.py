@@ -2,9 +2,11 @@
 (made smaller) trains through ``torchrun launch/pretrain.py`` on the shipped image set (the
 loss, with the step's global load-balancing loss, falls; every logged row carries the router
 statistics), cp = 2 (ring) with the experts split over ep = 2 (the two cp ranks) equals that
-one-process run step for step, and its ep = 2 checkpoint exports (``launch.export_hf``) to a
-folder transformers loads as ``Qwen3_5MoeForConditionalGeneration`` with our outputs on an
-image."""
+one-process run step for step, stopped halfway at that layout and resumed it continues the
+uninterrupted cp = 2 x ep = 2 run bit for bit, and its ep = 2 checkpoint exports
+(``launch.export_hf``) to a folder transformers loads as ``Qwen3_5MoeForConditionalGeneration``
+with our outputs on an image. (The one-process resume: tests/unit/test_qwen35_vl_moe_train.py.)
+"""
 
 from __future__ import annotations
 
@@ -37,11 +39,17 @@ SMALLER = ["model.vocab_size=516", "model.hidden_size=32", "model.intermediate_s
 
 
 def _cp_ep(rank, world, tmp):
+    """(the cp = 2 x ep = 2 run's losses, those of the same run in two resumed halves)."""
     del rank, world
-    return train(load_config(str(CONFIG), [
-        *SMALLER, f"data.cache_dir={tmp}/data", f"logging.run_dir={tmp}/cp2_ep2",
-        "parallel.cp=2", "parallel.cp_mode=ring", "parallel.ep=2",
-        f"checkpoint.every={STEPS}"])).losses
+    layout = [*SMALLER, f"data.cache_dir={tmp}/data", "parallel.cp=2", "parallel.cp_mode=ring",
+              "parallel.ep=2"]
+    straight = train(load_config(str(CONFIG), [
+        *layout, f"logging.run_dir={tmp}/cp2_ep2", f"checkpoint.every={STEPS}"])).losses
+    half = [*layout, f"logging.run_dir={tmp}/cp2_ep2_halves", f"checkpoint.every={STEPS // 2}",
+            f"schedule.total_steps={STEPS}"]  # the first half's schedule is the whole run's
+    first = train(load_config(str(CONFIG), [*half, f"training.max_steps={STEPS // 2}"]))
+    second = train(load_config(str(CONFIG), half))
+    return straight, first.losses + second.losses
 
 
 @pytest.mark.slow
@@ -63,9 +71,10 @@ def test_pretrain_trains_cp2_ep2_equals_it_and_exports(tmp_path):
     for row in rows:
         assert len(row["expert_load"]) == 4 and sum(row["expert_load"]) > 0, row
         assert row["dropped_tokens"] == 0 and row["aux_loss"] > 0, row
-    for losses in run_distributed(_cp_ep, 2, str(tmp_path), timeout=600):
+    for losses, resumed in run_distributed(_cp_ep, 2, str(tmp_path), timeout=600):
         diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
         assert diff <= 1e-4, (losses, ref)
+        assert resumed == losses, (resumed, losses)  # bit for bit
     export_matches_transformers(tmp_path, tmp_path / "cp2_ep2" / "checkpoints", FAMILY,
                                 "Qwen3_5MoeForConditionalGeneration",
                                 ("vision_start_token_id", "vision_end_token_id"), (1, 4, 6),

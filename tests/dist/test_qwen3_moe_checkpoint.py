@@ -9,6 +9,9 @@ The checkpoint's logical form holds every expert of every layer (``mpcore.logica
   - the ep = 2 run itself trains the same function as one process (losses within 1e-5).
 The aux coefficient is large (0.5), so a checkpoint with one ep rank's experts in the other's
 place, or the experts of one rank only, changes the next loss by far more than 1e-5.
+A third case: 4 processes at dp = 4, ep = 2 (two ep groups; the experts are gathered only over
+the writing rank's ep group, onto it): the checkpoint tensors of a fresh model, over all ranks,
+are the one-process ones bit for bit, each written by exactly one rank.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import math
 import shutil
 
 import pytest
+import torch
 import torch.distributed as dist
 from harness import run_distributed
 
+from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import stored_tensors
 from mpcore.config import load_config
 from mpcore.data import prepare_default
@@ -117,3 +122,36 @@ def test_checkpoint_loads_at_another_ep(runs, run):
     assert math.isclose(got[0], one[SAVE_AT], rel_tol=1e-5), (run, got, one[SAVE_AT])
     if run != "one_from_ep2":
         assert by_rank[1][run] == got
+
+
+def _collect(rank, world, tmp, *extra):
+    """The checkpoint tensors this rank writes for a fresh model (``TrainState.collect``), and
+    the shape of what ``gather_experts_to`` leaves on it for ep rank 1 (None: nothing)."""
+    del rank, world
+    cfg = _cfg(tmp, "collect", *extra)
+    run = build(cfg, setup(cfg), resolve_device(cfg))
+    tensors = {k: v for k, v in run.train_state.collect().items() if not k.startswith("rng/")}
+    name = next(n for n in run.train_state.layout.names if n in run.train_state.layout.experts)
+    local = run.train_state.params[name]
+    local = local.full_tensor() if hasattr(local, "full_tensor") else local
+    got = run.train_state.layout.gather_experts_to(name, local, run.state.ep_group, 1)
+    return tensors, None if got is None else tuple(got.shape)
+
+
+def test_ep2_of_dp4_checkpoint_tensors_are_one_process_ones_written_once(tmp_path):
+    prepare_default(tmp_path / "data", 512)
+    one, full = _collect(0, 1, str(tmp_path))
+    out = run_distributed(_collect, 4, str(tmp_path), "data.micro_batch=1",
+                          "data.grad_accum=1", "parallel.ep=2", timeout=400)
+    # ep rank 1 (ranks 1 and 3) gets every expert; ep rank 0 (ranks 0 and 2) holds none.
+    assert [shape for _, shape in out] == [None, full, None, full], (out, full)
+    by_rank = [tensors for tensors, _ in out]
+    writers = {}
+    for rank, tensors in enumerate(by_rank):
+        for key in tensors:
+            writers.setdefault(key, []).append(rank)
+    assert set(writers) == set(one) and all(len(w) == 1 for w in writers.values()), writers
+    experts = [k for k in one if ".mlp.experts." in k]
+    assert len(experts) == 4 and len({writers[k][0] for k in experts}) > 1, writers
+    for key, (rank,) in writers.items():
+        assert torch.equal(by_rank[rank][key], one[key]), key
