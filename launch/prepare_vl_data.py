@@ -1,8 +1,9 @@
-"""Turn an image-text JSONL manifest into a prepared VL dataset folder.
+"""Turn an image-text (and video-text) JSONL manifest into a prepared VL dataset folder.
 
     python launch/prepare_vl_data.py --manifest data/train.jsonl --tokenizer T --out data/vl \\
         [--family qwen2_vl|qwen3_vl|glm4v] [--min-pixels N] [--max-pixels N] [--patch-size P] \\
         [--temporal-patch-size 2] [--merge-size 2] [--no-resize] \\
+        [--video-min-pixels N] [--video-max-pixels N] \\
         [--pixel-dtype float32|float16] [--overwrite]
 
 ``--family``: the model family the data is for (default qwen2_vl). Images are processed as that
@@ -12,6 +13,13 @@ Glm4vImageProcessor's own resize rule for glm4v), so each image's rows and grid 
 processor gives. The size and patch options default to the family's processor; set the patch
 sizes to the model's vision tower when it differs. The folder records the family (and its
 fingerprint covers it): a run of another family refuses it.
+
+Videos (a manifest item ``{"video": [frame files]}``, see mpcore/data/vl_manifest.py) follow the
+family's transformers video processor (``Family.image_processing.video``: Qwen2VLVideoProcessor,
+Qwen3VLVideoProcessor, Glm4vVideoProcessor on pre-sampled frames; mpcore/data/videos.py): its
+resize rule and per-frame pixel bounds (``--video-min-pixels`` / ``--video-max-pixels``, default
+the processor's), the patch sizes above, and the family's text layout (Qwen3-VL and GLM-4V write
+each temporal patch's timestamp between the frames).
 
 ``T``: a SentencePiece ``.model`` (the four VL ids are appended after its vocab), a prepared
 dataset's ``tokenizer.json``, or ``default`` (the default corpus's model, prepared under
@@ -30,6 +38,7 @@ from pathlib import Path
 
 from models import FAMILIES, family_named
 from mpcore.data.corpus import prepare_default
+from mpcore.data.videos import VideoSettings
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
 
@@ -66,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="use images at their own size (multiples of patch*merge)",
     )
+    video = "(default: the family's video processor)"
+    parser.add_argument("--video-min-pixels", type=int, help=f"video frame lower bound {video}")
+    parser.add_argument("--video-max-pixels", type=int, help=f"video frame upper bound {video}")
     parser.add_argument("--pixel-dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser.parse_args(argv)
@@ -74,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        family = family_named(args.family)
         settings = ImageSettings.for_family(
-            family_named(args.family),
+            family,
             patch_size=args.patch_size,
             temporal_patch_size=args.temporal_patch_size,
             merge_size=args.merge_size,
@@ -84,21 +97,25 @@ def main(argv: list[str] | None = None) -> int:
             resize=not args.no_resize,
             pixel_dtype=args.pixel_dtype,
         )
+        video = None
+        if family.image_processing.video is not None:
+            video = VideoSettings.for_family(family, min_pixels=args.video_min_pixels,
+                                             max_pixels=args.video_max_pixels)
         tokenizer = args.tokenizer
         if tokenizer == "default":
             tokenizer = prepare_default(args.data_dir, args.vocab_size)[0]
         out = prepare_vl_dataset(
-            args.manifest, args.out, tokenizer, settings, overwrite=args.overwrite
+            args.manifest, args.out, tokenizer, settings, overwrite=args.overwrite, video=video
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     m = VLDataset(out).meta
     print(
-        f"{out}: {m['num_samples']} samples, {m['num_images']} images, {m['num_tokens']} "
-        f"tokens ({m['num_image_tokens']} image placeholders, {m['num_target_tokens']} "
-        f"targets), vocab {m['tokenizer']['vocab_size']}, images as {args.family}'s "
-        f"processor"
+        f"{out}: {m['num_samples']} samples, {m['num_images']} images, {m['num_videos']} "
+        f"videos, {m['num_tokens']} tokens ({m['num_image_tokens']} image and "
+        f"{m['num_video_tokens']} video placeholders, {m['num_target_tokens']} targets), vocab "
+        f"{m['tokenizer']['vocab_size']}, images and videos as {args.family}'s processors"
     )
     return 0
 

@@ -147,7 +147,7 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
     per-token tensor with one ``ContextPlan`` (module docstring); the results go to
     ``device`` (``to_device``) except the family's host-side planning inputs. A batch with
     videos (``pixel_values_videos`` and ``video_grid_thw``, as transformers names them) passes
-    them on too (the prepared data path has images only).
+    them on too (prepared data carries them when its samples hold videos).
     """
     sp = cfg.parallel.sequence_parallel and state.tp > 1
     videos = {k: batch[k] for k in VIDEO_KEYS if batch.get("video_grid_thw") is not None}

@@ -43,6 +43,7 @@ from mpcore.data import DataLoader, DataSummary
 from mpcore.logical import LogicalLayout
 from mpcore.optim import GradNorm, build_optimizer
 from mpcore.train_state import TrainState
+from mpcore.vl_data import check_tower
 from parallel.random import RNGTracker, model_parallel_seed
 from parallel.state import ParallelState
 
@@ -224,6 +225,7 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
     if loader is None:
         loader, valid_loader, summary, token_ids = data_loaders(cfg, state, family)
     cfg, model_cfg = resolve_model_config(cfg, family, token_ids)
+    check_tower(summary, family, model_cfg)  # before a large model is built, or any batch
     p = cfg.parallel
     linear_backend, fp8 = linear_kernels(cfg, device)
     kwargs = dict(sequence_parallel=p.sequence_parallel and state.tp > 1,

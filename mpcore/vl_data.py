@@ -5,7 +5,9 @@ set, ``mpcore.data.prepare_vl_default``), each packed into budgets of ``data.seq
 whole samples (an image never crosses a micro-batch), blended by ``data.weights`` with the text
 datasets of ``data.paths`` (or, for the shipped default, the default text corpus); weights list
 the VL datasets first, then the text ones. A micro-batch (``collate_vl``) is one packed stream
-with ``loss_mask`` (targets) and the images' ``pixel_values`` / ``image_grid_thw``.
+with ``loss_mask`` (targets), the images' ``pixel_values`` / ``image_grid_thw`` and, when its
+samples hold videos, ``pixel_values_videos`` / ``video_grid_thw`` (the family's input builder
+places them: ``mpcore.batches.local_inputs``).
 
 Token ids: the datasets' VL tokenizer (a SentencePiece model with the placeholder and vision
 start/end ids after its vocab) names them; the model takes them from it (or, from a checkpoint,
@@ -14,7 +16,11 @@ must agree: ``mpcore.build``).
 Images: every VL dataset must have been prepared for the run's model family (its meta.json's
 ``image_settings.family``: that family's image processor, resize rule and patch size; the
 shipped set is prepared per family, ``mpcore.data.vl_default.default_settings``); data of
-another family's processor is refused, naming the prepare command that fits the run.
+another family's processor is refused, naming the prepare command that fits the run. Every VL
+dataset must share one pixel geometry (patch, temporal patch, merge; ``DataSummary.
+pixel_geometry``), which :func:`check_tower` compares with the model's vision tower when the run
+starts, before any batch, so a tower of another patch size is refused with the fix rather than
+failing at the first forward on a row width.
 """
 
 from __future__ import annotations
@@ -78,6 +84,43 @@ def check_family(ds: VLDataset, family: Family) -> None:
         f"--out NEW_DIR, and list NEW_DIR in data.vl_paths")
 
 
+def _shape(geometry: dict) -> dict:
+    return {k: geometry[k] for k in ("patch_size", "temporal_patch_size", "merge_size",
+                                     "patch_dim")}
+
+
+def _describe(g: dict) -> str:
+    return (f"patch {g['patch_size']} x temporal patch {g['temporal_patch_size']}, merge "
+            f"{g['merge_size']} (rows of {g['patch_dim']} values)")
+
+
+def check_tower(summary: DataSummary | None, family: Family, model_cfg) -> None:
+    """``ValueError`` unless the model's vision tower (``model_cfg.vision``: ``patch_size``,
+    ``temporal_patch_size``, ``spatial_merge_size``, ``patch_dim``) takes the pixel rows the
+    VL data was prepared with (``summary.pixel_geometry``), naming both and the two fixes:
+    prepare the data again for the tower, or give the tower the data's patch. Nothing to check
+    for text data (or a caller's own loader: ``summary`` None). Host only, before any batch."""
+    data = summary.pixel_geometry if summary is not None else None
+    vision = getattr(model_cfg, "vision", None)
+    if data is None or vision is None:
+        return
+    tower = {"patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+             "merge_size": vision.spatial_merge_size, "patch_dim": vision.patch_dim}
+    if tower == _shape(data):
+        return
+    source = data["source"]
+    raise ValueError(
+        f"the vision tower takes {_describe(tower)} but {source} was prepared with "
+        f"{_describe(data)}; the rows would not fit the tower. Prepare the data for this "
+        f"tower: python launch/prepare_vl_data.py --family {family.name} --patch-size "
+        f"{tower['patch_size']} --temporal-patch-size {tower['temporal_patch_size']} "
+        f"--merge-size {tower['merge_size']} --manifest M.jsonl --tokenizer "
+        f"{source}/tokenizer.json --out NEW_DIR and list NEW_DIR in data.vl_paths; or, for a "
+        f"model trained from scratch, set model.vision.patch_size={data['patch_size']} "
+        f"(model.vision.temporal_patch_size={data['temporal_patch_size']}, "
+        f"model.vision.spatial_merge_size={data['merge_size']}) to fit the data")
+
+
 def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
     """``(train loader, validation loader or None, summary, tokenizer)`` of a VL run of
     ``family`` (this dp rank's; validation holds out the last ``data.valid_fraction`` of each
@@ -90,14 +133,16 @@ def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
         raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the VL "
                          f"tokenizer's {tok.vocab_size} ids (text vocab + 4 vision ids); raise "
                          f"it")
-    train, valid, patch_dim = [], [], None
+    train, valid, geometry = [], [], None
     for folder in folders:
         ds = VLDataset(folder)
         _check_tokenizer(tok, ds.tokenizer, folder)
         check_family(ds, family)
-        if patch_dim is not None and ds.patch_dim != patch_dim:
-            raise ValueError(f"{folder} has pixel rows of {ds.patch_dim} values, the first VL "
-                             f"dataset {patch_dim}; prepare them with the same image settings")
+        if geometry is not None and ds.geometry != _shape(geometry):
+            raise ValueError(f"{folder} has pixel rows of {_describe(ds.geometry)}, the first VL "
+                             f"dataset {_describe(geometry)}; prepare them with the same image "
+                             f"settings")
+        geometry = geometry or {**ds.geometry, "source": str(folder)}
         patch_dim = ds.patch_dim
         held = int(len(ds) * d.valid_fraction)
         train.append(VLPackedDataset(ds, d.seq_len, d.seed, tok.eos_id, d.vl_drop_long,
@@ -126,7 +171,8 @@ def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
     summary = DataSummary(sum(p.num_docs for p in train), sum(p.num_tokens for p in train),
                           loader.num_samples,
                           sum(p.num_docs for p in valid), sum(p.num_tokens for p in valid),
-                          0 if valid_loader is None else valid_loader.num_samples)
+                          0 if valid_loader is None else valid_loader.num_samples,
+                          pixel_geometry=geometry)
     if dropped and state.rank == 0:
         log.warning("data: %d VL samples longer than data.seq_len=%d were dropped "
                     "(data.vl_drop_long)", dropped, d.seq_len)

@@ -37,7 +37,8 @@ shared ``DecoderSection``, or a subclass adding the family's nested sections, ``
 mpcore adds the run-level keys beside them; ``image_processing`` (an image-text family's
 :class:`ImageProcessing`) what its transformers image processor does with an image, which the
 prepared data (``launch/prepare_vl_data.py``) and score.py's ``images`` form follow;
-``image_size_rule`` / ``hf_image_processor`` read from it.
+``image_size_rule`` / ``hf_image_processor`` read from it; its ``video`` (a
+:class:`VideoProcessing`) what the family's video processor does with a video's frames.
 """
 
 from __future__ import annotations
@@ -71,6 +72,31 @@ class ImageProcessing:
     temporal_patch_size: int = 2
     merge_size: int = 2
     size_rule: Callable[..., tuple[int, int]] | None = None
+    video: VideoProcessing | None = None
+    """The family's video processor (None: the family takes no videos from prepared data)."""
+
+
+@dataclass(frozen=True)
+class VideoProcessing:
+    """An image-text family's transformers video processor, for a video given as its frames
+    (``mpcore.data.videos``): its class (``hf_class``), pixel bounds of a frame (the
+    processor's ``size``), normalisation, resize rule (``size_rule``: ``(num_frames, height,
+    width, *, patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels) ->
+    (height, width)``; None: Qwen2-VL's ``smart_resize`` of one frame) and the video's place in
+    the text (``layout``: ``(grid_thw, merge_size, frame_times, token_ids) -> [id or text,
+    ...]``, what the family's transformers processor writes for it; ``frame_times``: seconds of
+    each frame, padded to ``t * temporal_patch_size``; ``token_ids``: the data tokenizer's
+    ``*_token_id`` ids). ``extra_ids``: ids after the tokenizer's that the layout writes
+    (GLM-4V's video start / end). The patch geometry is the image processor's."""
+
+    hf_class: str
+    min_pixels: int
+    max_pixels: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    layout: Callable[..., list]
+    size_rule: Callable[..., tuple[int, int]] | None = None
+    extra_ids: int = 0
 
 
 def _no_placeholders(cfg) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.common import counts
-from models.common.family import Family, ImageProcessing
+from models.common.family import Family, ImageProcessing, VideoProcessing
 from models.common.section import given
 from models.glm4v.config import (
     ARCH,
@@ -24,11 +24,40 @@ from models.glm4v.model import build_model, load_hf_model
 from models.glm4v.processor import MAX_PIXELS, MIN_PIXELS, resize_size
 from models.glm4v.tower import Glm4vVisionTower
 from mpcore.data.images import CLIP_MEAN, CLIP_STD
+from mpcore.data.videos import smart_resize_video
 
+
+def video_span_ids(token_ids: dict) -> tuple[int, int]:
+    """GLM-4V's video start / end ids from the data tokenizer's: the two ids after its own (it
+    names none)."""
+    top = max(token_ids.values())
+    return top + 1, top + 2
+
+
+def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int | str]:
+    """A video in the text, as Glm4vProcessor writes it: video start, then per temporal patch
+    a run of ``h*w / merge^2`` image placeholders between image start/end (the tokenizer's
+    vision start/end) followed by its timestamp as text (``int`` seconds of every second frame,
+    ``timestamps[::2]``), then video end."""
+    t, h, w = grid
+    start, end = video_span_ids(ids)
+    times = frame_times[::2][:t]
+    out: list[int | str] = [start]
+    for k in range(t):
+        out += [ids["vision_start_token_id"], *[ids["image_token_id"]] * (h * w // merge ** 2),
+                ids["vision_end_token_id"], str(int(times[k]))]
+    return [*out, end]
+
+
+# transformers' Glm4vVideoProcessor defaults: its smart_resize counting the frames, CLIP mean/std
+VIDEO_PROCESSING = VideoProcessing("Glm4vVideoProcessor", min_pixels=112 * 112,
+                                   max_pixels=28 * 28 * 2 * 30000, mean=CLIP_MEAN, std=CLIP_STD,
+                                   layout=video_layout, size_rule=smart_resize_video,
+                                   extra_ids=2)
 # transformers' Glm4vImageProcessor defaults: GLM-4V's own resize rule, CLIP mean/std
 IMAGE_PROCESSING = ImageProcessing("Glm4vImageProcessor", patch_size=14, min_pixels=MIN_PIXELS,
                                    max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD,
-                                   size_rule=resize_size)
+                                   size_rule=resize_size, video=VIDEO_PROCESSING)
 
 
 def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
@@ -42,6 +71,7 @@ def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
         raise ValueError("a GLM-4V model from scratch takes its token ids from the data's "
                          "tokenizer")
     top = max(token_ids.values())
+    video_start, video_end = video_span_ids(token_ids)
     if section.vocab_size < top + 3:
         raise ValueError(f"model.vocab_size = {section.vocab_size} is smaller than {top + 3}: "
                          f"the VL tokenizer's ids plus GLM-4V's video start/end; raise it")
@@ -59,7 +89,7 @@ def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
         image_token_id=token_ids["image_token_id"], video_token_id=token_ids["video_token_id"],
         image_start_token_id=token_ids["vision_start_token_id"],
         image_end_token_id=token_ids["vision_end_token_id"],
-        video_start_token_id=top + 1, video_end_token_id=top + 2)
+        video_start_token_id=video_start, video_end_token_id=video_end)
 
 
 def num_params(cfg: Glm4vConfig) -> dict[str, int]:

@@ -6,7 +6,7 @@ import torch
 
 from models.common import counts
 from models.common.config import ModelConfig
-from models.common.family import Family, ImageProcessing
+from models.common.family import Family, ImageProcessing, VideoProcessing
 from models.common.section import given
 from models.qwen2_vl.config import (
     VL_ARCHS,
@@ -23,9 +23,24 @@ from models.qwen2_vl.tower import VisionTower
 from models.qwen2_vl.vision_config import VisionConfig
 from mpcore.data.images import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 
+
+def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int]:
+    """A video in the text, as Qwen2VLProcessor writes it: ONE run of ``t*h*w / merge^2``
+    video placeholders between vision start/end (no timestamps: ``frame_times`` unused)."""
+    del frame_times
+    t, h, w = grid
+    return [ids["vision_start_token_id"], *[ids["video_token_id"]] * (t * h * w // merge ** 2),
+            ids["vision_end_token_id"]]
+
+
+# transformers' Qwen2VLVideoProcessor defaults (its size: 128 to 768 merged tokens a frame)
+VIDEO_PROCESSING = VideoProcessing("Qwen2VLVideoProcessor", min_pixels=128 * 28 * 28,
+                                   max_pixels=28 * 28 * 768, mean=CLIP_MEAN, std=CLIP_STD,
+                                   layout=video_layout)
 # transformers' Qwen2VLImageProcessor defaults (Qwen2-VL and Qwen2.5-VL checkpoints ship them)
 IMAGE_PROCESSING = ImageProcessing("Qwen2VLImageProcessor", patch_size=14, min_pixels=MIN_PIXELS,
-                                   max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD)
+                                   max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD,
+                                   video=VIDEO_PROCESSING)
 
 
 def config_from_section(section, token_ids: dict | None) -> VLConfig:

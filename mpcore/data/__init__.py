@@ -11,6 +11,7 @@ Vision-language (image-text) data:
 vl_tokenizer.py  a SentencePiece model plus the four VL special ids after its vocab
 vl_manifest.py   the JSONL manifest schema, checked with file:line errors; image settings
 vl_dataset.py    prepare a manifest into a memory-mapped folder (ids, masks, pixels, grids)
+videos.py        a video's frames -> rows and grid, as the family's transformers video processor
 vl_packing.py    whole samples into seq_len budgets; collate_vl; VLDataLoader; TextAsVL
 vl_default.py    the shipped 15-image caption set, prepared on first use
 """

@@ -4,10 +4,13 @@
 Folder layout (sample ``i`` = manifest sample ``i``, in manifest order; ``V`` the text vocab):
 
     meta.json          format "mpcore.vl_dataset", version, counts, image settings (the
-                       processor's arguments, mean/std, and the model family whose processor
-                       they follow: ``image_settings.family``), the tokenizer json, the manifest
-                       path, fingerprint (sha256 of settings (family included), tokenizer,
-                       every image's bytes, manifest)
+                       processor's arguments, mean/std, the patch geometry ``patch_size``,
+                       ``temporal_patch_size``, ``merge_size``, and the model family whose
+                       processor they follow: ``image_settings.family``), video settings
+                       (``mpcore.data.videos``; null when prepared without), the tokenizer
+                       json, the manifest path, fingerprint (sha256 of settings (family
+                       included), tokenizer, every image's and every video frame's bytes,
+                       manifest)
     tokenizer.json     the VLTokenizer (mpcore/data/vl_tokenizer.py), with tokenizer.model
     tokens.bin/.idx    indexed dataset (mpcore/data/indexed.py), vocab V + 4: document i is
                        sample i's ids, placeholder runs expanded and the final EOS included
@@ -19,6 +22,13 @@ Folder layout (sample ``i`` = manifest sample ``i``, in manifest order; ``V`` th
                        meta "pixel_dtype"): process_image's rows of every image, back to back
     row_offsets.i64    int64 [num_samples + 1]: sample i's rows are row_offsets[i:i+2]
     lines.i64          int64 [num_samples]: sample i's manifest line (for error messages)
+    video_grids.bin/.idx, video_pixels.bin, video_row_offsets.i64
+                       the same for the samples' videos (grids (t, h, w) per video, rows of
+                       ``process_video``, same patch_dim), videos in stream order
+
+A video's tokens are its family's layout (``VideoProcessing.layout``), text parts encoded like
+any text; GLM-4V's layout writes two ids after the tokenizer's (its video start / end), so its
+``tokens`` vocabulary is ``V + 6``. Version 1 folders (before videos) read as having none.
 
 Streaming: the manifest is read line by line twice (check, then write); each image is decoded,
 processed and appended to ``pixels.bin`` on its own, so a dataset larger than RAM prepares in
@@ -29,6 +39,7 @@ the memory of one image. Atomic: everything is written into a hidden temporary f
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -39,6 +50,7 @@ import numpy as np
 from mpcore.atomic import fsync_dir
 from mpcore.data.images import load_image, num_placeholders, process_image
 from mpcore.data.indexed import IndexedDataset, IndexedWriter
+from mpcore.data.videos import VideoSettings, process_video, video_parts
 from mpcore.data.vl_manifest import (
     ImageSettings,
     ManifestSample,
@@ -48,7 +60,8 @@ from mpcore.data.vl_manifest import (
 )
 from mpcore.data.vl_tokenizer import VLTokenizer, as_vl_tokenizer
 
-FORMAT, VERSION = "mpcore.vl_dataset", 1
+FORMAT, VERSION = "mpcore.vl_dataset", 2
+READABLE = (1, 2)  # version 1: no videos
 GRID_BOUND = 1 << 16  # grid sides are patches: far below this for any real image
 PREPARE = ("python launch/prepare_vl_data.py --family F --manifest M.jsonl --tokenizer T "
            "--out DIR")
@@ -56,24 +69,62 @@ PREPARE = ("python launch/prepare_vl_data.py --family F --manifest M.jsonl --tok
 
 class VLSample(NamedTuple):
     """One prepared sample (numpy): ``input_ids`` int64 [n], ``loss_mask`` bool [n],
-    ``pixel_values`` float32 [N, patch_dim], ``grid_thw`` int64 [I, 3]."""
+    ``pixel_values`` float32 [N, patch_dim], ``grid_thw`` int64 [I, 3] (images), and its
+    videos' ``pixel_values_videos`` float32 [M, patch_dim], ``video_grid_thw`` int64 [V, 3]
+    (None for a sample built without them)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
     pixel_values: np.ndarray
     grid_thw: np.ndarray
+    pixel_values_videos: np.ndarray | None = None
+    video_grid_thw: np.ndarray | None = None
 
 
-def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings, where: str):
-    """``(ids, mask, [rows per image], [grid per image])`` of one manifest sample."""
+class _Encoded(NamedTuple):
+    ids: list[int]
+    mask: list[int]
+    rows: list[np.ndarray]
+    grids: list[tuple[int, int, int]]
+    video_rows: list[np.ndarray]
+    video_grids: list[tuple[int, int, int]]
+
+
+def _encode_video(item, tok: VLTokenizer, settings: ImageSettings, video: VideoSettings | None,
+                  where: str):
+    """``(ids, rows, grid)`` of one video item: its frames processed, its layout's texts
+    encoded."""
+    if video is None:
+        raise ValueError(f"{where}: a video, but no video settings were given")
+    frames = [load_image(frame) for frame in item.frames]
+    try:
+        pixels, grid = process_video(frames, settings, video, name=str(item.frames[0]))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    ids: list[int] = []
+    for part in video_parts(grid, len(frames), item.fps, settings, video, tok.token_ids()):
+        ids += tok.encode(part) if isinstance(part, str) else [part]
+    return ids, pixels.numpy(), grid
+
+
+def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings,
+            video: VideoSettings | None, where: str) -> _Encoded:
+    """The ids, mask, rows and grids (images, then videos) of one manifest sample."""
     ids: list[int] = []
     mask: list[int] = []
-    rows, grids = [], []
+    rows, grids, video_rows, video_grids = [], [], [], []
     for kind, value, target in sample.parts:
         if kind == "text":
             enc = tok.encode(value)
             ids += enc
             mask += [int(target)] * len(enc)
+            continue
+        if kind == "video":
+            enc, pixels, grid = _encode_video(value, tok, settings, video, where)
+            ids += enc
+            mask += [0] * len(enc)  # timestamps included: the processor's, not targets
+            video_rows.append(pixels)
+            video_grids.append(grid)
             continue
         try:
             pixels, grid = process_image(
@@ -98,32 +149,38 @@ def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings, w
         grids.append(grid)
     ids.append(tok.eos_id)
     mask.append(1)
-    return ids, mask, rows, grids
+    return _Encoded(ids, mask, rows, grids, video_rows, video_grids)
 
 
-def _fingerprint_extra(settings: ImageSettings, tok: VLTokenizer) -> dict:
-    return {
+def _fingerprint_extra(settings: ImageSettings, tok: VLTokenizer,
+                       video: VideoSettings | None = None) -> dict:
+    extra = {
         "format": FORMAT,
         "version": VERSION,
         "settings": settings.to_json(),
         "tokenizer": tok.to_json(),
     }
+    if video is not None:
+        extra["video_settings"] = video.to_json()
+    return extra
 
 
 def dataset_fingerprint(
-    manifest: str | Path, tokenizer: str | Path | VLTokenizer, settings: ImageSettings | None = None
+    manifest: str | Path, tokenizer: str | Path | VLTokenizer,
+    settings: ImageSettings | None = None, video: VideoSettings | None = None,
 ) -> str:
     """The ``fingerprint`` that :func:`prepare_vl_dataset` would write into meta.json, from a
     check of the manifest (no image is decoded): compare it to decide whether to prepare."""
     settings = settings or ImageSettings()
-    return scan_manifest(
-        manifest, settings, _fingerprint_extra(settings, as_vl_tokenizer(tokenizer)), progress=False
-    ).fingerprint
+    extra = _fingerprint_extra(settings, as_vl_tokenizer(tokenizer), video)
+    return scan_manifest(manifest, settings, extra, progress=False, video=video).fingerprint
 
 
-# The files a run reads, in the order a content fingerprint covers them (meta.json apart).
+# The files a run reads, in the order a content fingerprint covers them (meta.json apart);
+# VIDEO_FILES too in a folder of version 2.
 CONTENT_FILES = ("tokens.bin", "tokens.idx", "mask.bin", "grids.bin", "pixels.bin",
                  "row_offsets.i64", "tokenizer.json")
+VIDEO_FILES = ("video_grids.bin", "video_pixels.bin", "video_row_offsets.i64")
 
 
 def folder_fingerprint(folder: str | Path, file_fingerprint) -> str:
@@ -132,8 +189,9 @@ def folder_fingerprint(folder: str | Path, file_fingerprint) -> str:
     ``file_fingerprint(path)`` of each of :data:`CONTENT_FILES` (so files replaced without
     their meta.json differ too). A missing or foreign folder raises ``ValueError``."""
     meta = VLDataset(folder).meta
+    names = CONTENT_FILES + (VIDEO_FILES if meta["version"] >= 2 else ())
     parts = [f"prepared {str(meta.get('fingerprint'))[:16]}"]
-    parts += [f"{name} {file_fingerprint(Path(folder) / name)}" for name in CONTENT_FILES]
+    parts += [f"{name} {file_fingerprint(Path(folder) / name)}" for name in names]
     return "; ".join(parts)
 
 
@@ -144,13 +202,16 @@ def prepare_vl_dataset(
     settings: ImageSettings | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    video: VideoSettings | None = None,
 ) -> Path:
     """Check ``manifest`` (mpcore/data/vl_manifest.py), then write the dataset folder
     ``out_dir`` (layout in the module docstring) atomically; returns ``out_dir``.
 
     ``tokenizer``: a SentencePiece ``.model``, a ``tokenizer.json`` or a VLTokenizer.
-    ``settings``: the image processing (default :class:`ImageSettings`). Every problem with
-    the manifest raises ``ValueError`` (``manifest:line: ...``) before anything is written.
+    ``settings``: the image processing (default :class:`ImageSettings`); ``video``: the
+    family's video processing (``VideoSettings.for_family``; None: a manifest with videos is
+    refused). Every problem with the manifest raises ``ValueError`` (``manifest:line: ...``)
+    before anything is written.
     """
     manifest, out_dir = Path(manifest), Path(out_dir)
     settings = settings or ImageSettings()
@@ -160,16 +221,21 @@ def prepare_vl_dataset(
             f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
             f"replace it, or choose another --out"
         )
-    summary = scan_manifest(manifest, settings, _fingerprint_extra(settings, tok), progress)
+    if video is not None and video.family != settings.family:
+        raise ValueError(f"video settings of the {video.family} family with image settings of "
+                         f"the {settings.family} family; take both from one family")
+    summary = scan_manifest(manifest, settings, _fingerprint_extra(settings, tok, video),
+                            progress, video)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        counts = _write(manifest, tmp, tok, settings, progress)
-        if (counts["num_samples"], counts["num_images"]) != (
+        counts = _write(manifest, tmp, tok, settings, video, progress)
+        if (counts["num_samples"], counts["num_images"], counts["num_videos"]) != (
             summary.num_samples,
             summary.num_images,
+            summary.num_videos,
         ):
             raise ValueError(f"{manifest} changed while it was being prepared; run again")
         tok.save(tmp)
@@ -180,6 +246,7 @@ def prepare_vl_dataset(
             "patch_dim": settings.patch_dim,
             "pixel_dtype": settings.pixel_dtype,
             "image_settings": settings.to_json(),
+            "video_settings": None if video is None else video.to_json(),
             "tokenizer": tok.to_json(),
             "manifest": str(manifest.resolve()),
             "fingerprint": summary.fingerprint,
@@ -193,52 +260,85 @@ def prepare_vl_dataset(
     return out_dir
 
 
-def _write(
-    manifest: Path, folder: Path, tok: VLTokenizer, settings: ImageSettings, progress: bool
-) -> dict[str, int]:
+class _Rows:
+    """One kind of vision input being written: grids (indexed, one document per sample), raw
+    rows back to back, and int64 row offsets per sample."""
+
+    def __init__(self, folder: Path, prefix: str, dtype: np.dtype):
+        self.grids = IndexedWriter(folder / f"{prefix}grids", GRID_BOUND, progress=False)
+        self.pixels = open(folder / f"{prefix}pixels.bin", "wb")
+        self.offsets = open(folder / f"{prefix}row_offsets.i64", "wb")
+        self.offsets.write(np.zeros(1, "<i8").tobytes())
+        self.dtype, self.num_rows, self.num_items = dtype, 0, 0
+
+    def add(self, rows: list[np.ndarray], grids: list[tuple[int, int, int]]) -> None:
+        """One sample's items."""
+        self.grids.add(np.asarray(grids, dtype=np.int64).reshape(-1))
+        for r in rows:
+            self.pixels.write(r.astype(self.dtype, copy=False).tobytes())
+            self.num_rows += len(r)
+        self.offsets.write(np.array([self.num_rows], "<i8").tobytes())
+        self.num_items += len(grids)
+
+    def close(self, ok: bool) -> None:
+        for f in (self.pixels, self.offsets):
+            if ok:
+                f.flush()
+                os.fsync(f.fileno())
+            f.close()
+        if ok:
+            self.grids.close()
+        else:
+            self.grids.abort()
+
+
+def _write(manifest: Path, folder: Path, tok: VLTokenizer, settings: ImageSettings,
+           video: VideoSettings | None, progress: bool) -> dict[str, int]:
     dtype = np.dtype(settings.pixel_dtype).newbyteorder("<")
     meter = VLProgress(f"preparing {manifest}") if progress else None
-    samples = images = tokens = targets = image_tokens = rows = 0
-    with (
-        IndexedWriter(folder / "tokens", tok.vocab_size, progress=False) as ids_w,
-        IndexedWriter(folder / "mask", 2, progress=False) as mask_w,
-        IndexedWriter(folder / "grids", GRID_BOUND, progress=False) as grid_w,
-        open(folder / "pixels.bin", "wb") as pix,
-        open(folder / "row_offsets.i64", "wb") as offsets,
-        open(folder / "lines.i64", "wb") as lines,
-    ):
-        offsets.write(np.zeros(1, "<i8").tobytes())
-        for sample in iter_manifest(manifest):
-            ids, mask, pixel_rows, grids = _encode(
-                sample, tok, settings, f"{manifest}:{sample.line}"
-            )
-            ids_w.add(ids)
-            mask_w.add(mask)
-            grid_w.add(np.asarray(grids, dtype=np.int64).reshape(-1))
-            for r in pixel_rows:
-                pix.write(r.astype(dtype, copy=False).tobytes())
-                rows += len(r)
-            offsets.write(np.array([rows], "<i8").tobytes())
-            lines.write(np.array([sample.line], "<i8").tobytes())
-            samples += 1
-            images += len(grids)
-            tokens += len(ids)
-            targets += sum(mask)
-            image_tokens += sum(num_placeholders(g, settings.merge_size) for g in grids)
-            if meter:
-                meter.update(samples, tokens, images)
-        for f in (pix, offsets, lines):
-            f.flush()
-            os.fsync(f.fileno())
+    samples = tokens = targets = image_tokens = video_tokens = 0
+    vocab = tok.vocab_size + (video.extra_ids if video is not None else 0)
+    parts = [_Rows(folder, "", dtype), _Rows(folder, "video_", dtype)]
+    ok = False
+    try:
+        with (
+            IndexedWriter(folder / "tokens", vocab, progress=False) as ids_w,
+            IndexedWriter(folder / "mask", 2, progress=False) as mask_w,
+            open(folder / "lines.i64", "wb") as lines,
+        ):
+            for sample in iter_manifest(manifest):
+                enc = _encode(sample, tok, settings, video, f"{manifest}:{sample.line}")
+                ids_w.add(enc.ids)
+                mask_w.add(enc.mask)
+                parts[0].add(enc.rows, enc.grids)
+                parts[1].add(enc.video_rows, enc.video_grids)
+                lines.write(np.array([sample.line], "<i8").tobytes())
+                samples += 1
+                tokens += len(enc.ids)
+                targets += sum(enc.mask)
+                image_tokens += sum(num_placeholders(g, settings.merge_size) for g in enc.grids)
+                video_tokens += sum(num_placeholders(g, settings.merge_size)
+                                    for g in enc.video_grids)
+                if meter:
+                    meter.update(samples, tokens, parts[0].num_items)
+            lines.flush()
+            os.fsync(lines.fileno())
+        ok = True
+    finally:
+        for part in parts:
+            part.close(ok)
     if meter:
-        meter.update(samples, tokens, images, force=True)
+        meter.update(samples, tokens, parts[0].num_items, force=True)
     return {
         "num_samples": samples,
-        "num_images": images,
+        "num_images": parts[0].num_items,
+        "num_videos": parts[1].num_items,
         "num_tokens": tokens,
         "num_target_tokens": targets,
         "num_image_tokens": image_tokens,
-        "num_pixel_rows": rows,
+        "num_video_tokens": video_tokens,
+        "num_pixel_rows": parts[0].num_rows,
+        "num_video_rows": parts[1].num_rows,
     }
 
 
@@ -280,14 +380,55 @@ def _raw(path: Path, dtype, shape: tuple[int, ...]) -> np.ndarray:
     return np.memmap(path, dtype, "r", shape=shape)
 
 
+def pixel_geometry(meta: dict) -> dict[str, int]:
+    """``{"patch_size", "temporal_patch_size", "merge_size", "patch_dim"}`` of a prepared
+    folder's pixel rows, from its meta.json: the image settings' fields, or (a folder whose
+    settings predate them) inferred from the row width ``patch_dim = 3 * T * P^2`` with the
+    temporal patch 2 and merge 2 that every processor here used then."""
+    settings, dim = meta.get("image_settings") or {}, int(meta["patch_dim"])
+    if "patch_size" in settings:
+        return {"patch_size": int(settings["patch_size"]),
+                "temporal_patch_size": int(settings.get("temporal_patch_size", 2)),
+                "merge_size": int(settings.get("merge_size", 2)), "patch_dim": dim}
+    patch = math.isqrt(dim // 6)
+    if 6 * patch * patch != dim:
+        raise ValueError(f"pixel rows of {dim} values are not 3 * 2 * P^2 for any patch side "
+                         f"P, and meta.json does not say its patch size; prepare the dataset "
+                         f"again ({PREPARE})")
+    return {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, "patch_dim": dim}
+
+
+class _RowsView:
+    """The memory-mapped grids, rows and offsets of one kind of vision input."""
+
+    def __init__(self, folder: Path, prefix: str, meta_rows: int, num_samples: int,
+                 patch_dim: int, dtype: np.dtype):
+        self.grids = IndexedDataset(folder / f"{prefix}grids")
+        if len(self.grids) != num_samples:
+            raise ValueError(f"{self.grids.idx_path} holds {len(self.grids)} samples, meta.json "
+                             f"says {num_samples}; prepare the dataset again ({PREPARE})")
+        self.pixels = _raw(folder / f"{prefix}pixels.bin", dtype, (meta_rows, patch_dim))
+        offsets = folder / f"{prefix}row_offsets.i64"
+        self.offsets = _raw(offsets, "<i8", (num_samples + 1,))
+        if num_samples and int(self.offsets[-1]) != meta_rows:
+            raise ValueError(f"{offsets} does not span {prefix}pixels.bin; prepare the dataset "
+                             f"again ({PREPARE})")
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return (np.asarray(self.pixels[lo:hi], dtype=np.float32),
+                np.asarray(self.grids[i], dtype=np.int64).reshape(-1, 3))
+
+
 class VLDataset:
     """Read-only, memory-mapped view of a folder written by :func:`prepare_vl_dataset`.
 
     ``len(ds)`` samples; ``ds[i]`` is a :class:`VLSample` (pixels read from the memory map and
-    returned as float32). ``lengths`` int64 [n]: tokens per sample. ``tokenizer`` (VLTokenizer),
-    ``settings`` (ImageSettings; ``settings.family``: the model family whose image processor
-    the data follows), ``patch_dim``, ``meta`` (meta.json). A missing, foreign or truncated
-    file raises ``ValueError`` naming it.
+    returned as float32; a version 1 folder's videos are empty). ``lengths`` int64 [n]: tokens
+    per sample. ``tokenizer`` (VLTokenizer), ``settings`` (ImageSettings; ``settings.family``:
+    the model family whose image processor the data follows), ``video_settings``
+    (VideoSettings or None), ``patch_dim``, ``geometry`` (:func:`pixel_geometry`), ``meta``
+    (meta.json). A missing, foreign or truncated file raises ``ValueError`` naming it.
     """
 
     def __init__(self, folder: str | Path):
@@ -300,7 +441,7 @@ class VLDataset:
                 f"{meta_path}: not a prepared VL dataset ({type(e).__name__}); "
                 f"create it with: {PREPARE}"
             ) from None
-        if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
+        if self.meta.get("format") != FORMAT or self.meta.get("version") not in READABLE:
             raise ValueError(
                 f"{meta_path} is not {FORMAT} version {VERSION}; prepare the "
                 f"dataset again with this mpcore ({PREPARE})"
@@ -308,11 +449,13 @@ class VLDataset:
         m = self.meta
         self.num_samples, self.patch_dim = m["num_samples"], m["patch_dim"]
         self.settings = ImageSettings.from_json(m["image_settings"])
+        video = m.get("video_settings")
+        self.video_settings = VideoSettings.from_json(video) if video else None
+        self.geometry = pixel_geometry(m)
         self.tokenizer = VLTokenizer.load(self.folder / "tokenizer.json")
         self.tokens = IndexedDataset(self.folder / "tokens")
         self.mask = IndexedDataset(self.folder / "mask")
-        self.grids = IndexedDataset(self.folder / "grids")
-        for part in (self.tokens, self.mask, self.grids):
+        for part in (self.tokens, self.mask):
             if len(part) != self.num_samples:
                 raise ValueError(
                     f"{part.idx_path} holds {len(part)} samples, meta.json says "
@@ -323,16 +466,16 @@ class VLDataset:
                 f"{self.mask.idx_path} does not match the token file; prepare the "
                 f"dataset again ({PREPARE})"
             )
-        n, rows = self.num_samples, m["num_pixel_rows"]
+        n = self.num_samples
         dtype = np.dtype(m["pixel_dtype"]).newbyteorder("<")
-        self.pixels = _raw(self.folder / "pixels.bin", dtype, (rows, self.patch_dim))
-        self.row_offsets = _raw(self.folder / "row_offsets.i64", "<i8", (n + 1,))
+        self.images = _RowsView(self.folder, "", m["num_pixel_rows"], n, self.patch_dim, dtype)
+        self.videos = None
+        if m["version"] >= 2:
+            self.videos = _RowsView(self.folder, "video_", m["num_video_rows"], n,
+                                    self.patch_dim, dtype)
+        self.pixels, self.grids = self.images.pixels, self.images.grids
+        self.row_offsets = self.images.offsets
         self.lines = _raw(self.folder / "lines.i64", "<i8", (n,))
-        if n and int(self.row_offsets[-1]) != rows:
-            raise ValueError(
-                f"{self.folder / 'row_offsets.i64'} does not span pixels.bin; "
-                f"prepare the dataset again ({PREPARE})"
-            )
         self.lengths = self.tokens.doc_lengths
 
     def __len__(self) -> int:
@@ -341,13 +484,14 @@ class VLDataset:
     def __getitem__(self, i: int) -> VLSample:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
-        lo, hi = int(self.row_offsets[i]), int(self.row_offsets[i + 1])
-        return VLSample(
-            np.asarray(self.tokens[i], dtype=np.int64),
-            np.asarray(self.mask[i]) != 0,
-            np.asarray(self.pixels[lo:hi], dtype=np.float32),
-            np.asarray(self.grids[i], dtype=np.int64).reshape(-1, 3),
-        )
+        pixels, grids = self.images.sample(i)
+        if self.videos is None:
+            videos, video_grids = np.zeros((0, self.patch_dim), np.float32), np.zeros((0, 3),
+                                                                                      np.int64)
+        else:
+            videos, video_grids = self.videos.sample(i)
+        return VLSample(np.asarray(self.tokens[i], dtype=np.int64), np.asarray(self.mask[i]) != 0,
+                        pixels, grids, videos, video_grids)
 
     def describe(self, i: int) -> str:
         """``"sample i (manifest:line)"``, for messages."""

@@ -1,19 +1,29 @@
 """The image-text manifest: JSONL, one sample per line, and its check.
 
-Three kinds of line (blank lines are skipped):
+Four kinds of line (blank lines are skipped):
 
-    caption      {"image": "cats/1.jpg", "caption": "A cat on a mat."}
-    interleaved  {"content": [{"text": "Look:"}, {"image": "a.png"}, {"text": "a dog."}, ...]}
-    text only    {"text": "Any document."}
+    caption        {"image": "cats/1.jpg", "caption": "A cat on a mat."}
+    video caption  {"video": ["clip/0.png", "clip/1.png", ...], "caption": "A cat jumps."}
+    interleaved    {"content": [{"text": "Look:"}, {"image": "a.png"}, {"text": "a dog."},
+                                {"video": ["f0.png", "f1.png"]}, ...]}
+    text only      {"text": "Any document."}
+
+A video is the list of its (already sampled) frame files, in order, all of one size; optional
+beside it (a video caption line or a content video item): ``"fps": F`` (frames per second of the
+listed frames, for the timestamps Qwen3-VL and GLM-4V write between frames; default 24, what
+transformers assumes for pre-sampled frames). Videos follow the family's video processor
+(``mpcore.data.videos``); preparing them needs the family's video settings.
 
 Optional on caption and interleaved lines: ``"max_pixels": N`` (an int >= the run's min_pixels)
-caps the resize of that sample's images, as Qwen2-VL's per-image ``max_pixels``. Optional on an
-interleaved text item: ``"target": false`` (the text is context, e.g. a prompt, not a target).
-No other keys are allowed (a typo must not silently drop data).
+caps the resize of that sample's images (not its videos), as Qwen2-VL's per-image
+``max_pixels``. Optional on an interleaved text item: ``"target": false`` (the text is context,
+e.g. a prompt, not a target). No other keys are allowed (a typo must not silently drop data).
 
 Image paths are relative to the manifest's folder (absolute paths also work); the files must be
 PNG or JPEG (checked by content, not by name). A sample becomes, with ``<vs> <pad>*n <ve>`` for
-each image (``n = t*h*w / merge^2`` placeholders, its grid after the resize):
+each image (``n = t*h*w / merge^2`` placeholders, its grid after the resize) and each video as
+the family's processor writes it (``VideoProcessing.layout``: Qwen2-VL ``<vs> <video_pad>*n
+<ve>``; Qwen3-VL and GLM-4V one run per temporal patch with timestamps as text):
 
     caption      <vs> <pad>*n <ve> caption EOS
     interleaved  its items in order, then EOS
@@ -21,11 +31,12 @@ each image (``n = t*h*w / merge^2`` placeholders, its grid after the resize):
 
 Targets (``loss_mask[t]`` true = token t is a target, ``parallel.LabelShifter``'s meaning): every
 text token whose item is a target (a caption, any text without ``"target": false``) and the EOS;
-never an image's ``<vs> <pad>* <ve>``. A sample needs at least one target text.
+never an image's ``<vs> <pad>* <ve>`` nor any token of a video. A sample needs at least one
+target text.
 
 :func:`scan_manifest` checks a whole manifest before anything is written: JSON, keys, types,
 empty texts, missing files, files that are not PNG/JPEG, sizes (aspect ratio; over
-``max_pixels`` when resizing is off). It reports up to 20 problems at once, each as
+``max_pixels`` when resizing is off; a video's frames of different sizes). It reports up to 20 problems at once, each as
 ``manifest:line: what is wrong; how to fix it``. It reads only image headers (and hashes the
 bytes for the fingerprint), so it streams.
 """
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -49,11 +61,13 @@ from mpcore.data.images import (
 )
 from mpcore.data.indexed import Progress
 from mpcore.data.jsonl import json_lines
+from mpcore.data.videos import VideoSettings, video_grid
 
 SCHEMA = "mpcore/data/vl_manifest.py"
 MAX_REPORTED = 20
 _KINDS = {
     "caption": ({"image", "caption"}, {"max_pixels"}),
+    "video_caption": ({"video", "caption"}, {"fps"}),
     "interleaved": ({"content"}, {"max_pixels"}),
     "text": ({"text"}, set()),
 }
@@ -171,18 +185,31 @@ class ImageSettings:
 
 
 @dataclass(frozen=True)
+class Video:
+    """A video item: its frame files in order, and its ``fps`` (None: not given)."""
+
+    frames: tuple[Path, ...]
+    fps: float | None = None
+
+
+@dataclass(frozen=True)
 class ManifestSample:
-    """One parsed line: ``parts`` in order, each ``("text", str, is_target)`` or
-    ``("image", Path, False)``; ``max_pixels`` the sample's cap or None."""
+    """One parsed line: ``parts`` in order, each ``("text", str, is_target)``,
+    ``("image", Path, False)`` or ``("video", Video, False)``; ``max_pixels`` the sample's
+    cap of its images or None."""
 
     line: int
     kind: str
-    parts: tuple[tuple[str, str | Path, bool], ...]
+    parts: tuple[tuple[str, str | Path | Video, bool], ...]
     max_pixels: int | None
 
     @property
     def images(self) -> list[Path]:
         return [p for kind, p, _ in self.parts if kind == "image"]
+
+    @property
+    def videos(self) -> list[Video]:
+        return [v for kind, v, _ in self.parts if kind == "video"]
 
 
 class VLProgress(Progress):
@@ -212,6 +239,16 @@ def _image(value, folder: Path, where: str) -> Path:
     return folder / value
 
 
+def _video(value, fps, folder: Path, where: str) -> Video:
+    if not isinstance(value, list) or not value:
+        raise _fail(where, f"a video must be a non-empty list of frame paths, got {value!r}")
+    frames = tuple(_image(frame, folder, where) for frame in value)
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
+                            or not fps > 0 or not math.isfinite(fps)):
+        raise _fail(where, f"fps must be a positive number, got {fps!r}")
+    return Video(frames, None if fps is None else float(fps))
+
+
 def _content(items, folder: Path, where: str) -> list[tuple[str, str | Path, bool]]:
     if not isinstance(items, list) or not items:
         raise _fail(
@@ -225,6 +262,8 @@ def _content(items, folder: Path, where: str) -> list[tuple[str, str | Path, boo
         keys = set(item)
         if keys == {"image"}:
             parts.append(("image", _image(item["image"], folder, at), False))
+        elif "video" in keys and keys <= {"video", "fps"}:
+            parts.append(("video", _video(item["video"], item.get("fps"), folder, at), False))
         elif "text" in keys and keys <= {"text", "target"}:
             target = item.get("target", True)
             if not isinstance(target, bool):
@@ -233,7 +272,8 @@ def _content(items, folder: Path, where: str) -> list[tuple[str, str | Path, boo
         else:
             raise ValueError(
                 f'{at} has keys {sorted(keys)}; an item is {{"text": ...}} '
-                f'(optionally with "target": false) or {{"image": ...}}'
+                f'(optionally with "target": false), {{"image": ...}} or {{"video": [...]}} '
+                f'(optionally with "fps")'
             )
     if not any(kind == "text" and target for kind, _, target in parts):
         raise _fail(
@@ -252,6 +292,8 @@ def parse_line(obj, folder: Path, where: str) -> tuple[str, list, int | None]:
     kind = (
         "interleaved"
         if "content" in keys
+        else "video_caption"
+        if "video" in keys
         else "caption"
         if keys & {"image", "caption"}
         else "text"
@@ -262,7 +304,7 @@ def parse_line(obj, folder: Path, where: str) -> tuple[str, list, int | None]:
         raise _fail(
             where,
             f'keys {sorted(keys)} fit no sample kind; use {{"image", "caption"}}, '
-            f'{{"content": [...]}} or {{"text"}} (see {SCHEMA})',
+            f'{{"video", "caption"}}, {{"content": [...]}} or {{"text"}} (see {SCHEMA})',
         )
     required, optional = _KINDS[kind]
     if missing := required - keys:
@@ -281,6 +323,11 @@ def parse_line(obj, folder: Path, where: str) -> tuple[str, list, int | None]:
     if kind == "caption":
         parts = [
             ("image", _image(obj["image"], folder, where), False),
+            ("text", _text(obj["caption"], where, "caption"), True),
+        ]
+    elif kind == "video_caption":
+        parts = [
+            ("video", _video(obj["video"], obj.get("fps"), folder, where), False),
             ("text", _text(obj["caption"], where, "caption"), True),
         ]
     elif kind == "interleaved":
@@ -350,17 +397,42 @@ class ManifestSummary:
     num_image_tokens: int
     num_pixel_rows: int
     fingerprint: str
+    num_videos: int = 0
+    num_video_rows: int = 0
+
+
+def video_header(item: Video, settings: ImageSettings, video: VideoSettings | None,
+                 where: str) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` grid of a video item from its frames' headers (all of one size);
+    ``ValueError`` naming the line and the fix."""
+    if video is None:
+        raise _fail(where, f"a video, but no video settings were given (the {settings.family} "
+                           f"family's prepared data takes none); prepare it with "
+                           f"launch/prepare_vl_data.py --family of a family with a video "
+                           f"processor, or drop the video")
+    sizes = [image_header(frame, where) for frame in item.frames]
+    for k, size in enumerate(sizes):
+        if size != sizes[0]:
+            raise _fail(where, f"frame {k} ({item.frames[k]}) is {size[0]}x{size[1]} but frame "
+                               f"0 is {sizes[0][0]}x{sizes[0][1]}; all frames of a video must "
+                               f"have one size")
+    try:
+        return video_grid(len(sizes), *sizes[0], settings, video)
+    except ValueError as e:
+        raise _fail(where, f"video of {item.frames[0]}...: {e}") from None
 
 
 def scan_manifest(
-    path: str | Path, settings: ImageSettings, extra: dict | None = None, progress: bool = True
+    path: str | Path, settings: ImageSettings, extra: dict | None = None, progress: bool = True,
+    video: VideoSettings | None = None,
 ) -> ManifestSummary:
     """Check every line and image header of ``path`` (module docstring); raises one
-    ``ValueError`` listing up to 20 problems, each ``path:line: problem; fix``."""
+    ``ValueError`` listing up to 20 problems, each ``path:line: problem; fix``. ``video``:
+    the family's video settings (None: a video is a problem)."""
     path = Path(path)
     h = hashlib.sha256(json.dumps(extra or {}, sort_keys=True).encode())
     problems: list[str] = []
-    samples = images = tokens = rows = 0
+    samples = images = tokens = rows = videos = video_rows = 0
     meter = VLProgress(f"checking {path} (image tokens only)") if progress else None
     for where, sample, problem in _parsed_lines(path):
         if len(problems) >= MAX_REPORTED:
@@ -380,6 +452,16 @@ def scan_manifest(
             images += 1
             rows += t * gh * gw
             tokens += t * gh * gw // settings.merge_size**2
+        for item in sample.videos:
+            try:
+                t, gh, gw = video_header(item, settings, video, where)
+            except ValueError as e:
+                problems.append(str(e))
+                continue
+            for frame in item.frames:  # the content of every frame, as of every image
+                h.update(hashlib.sha256(frame.read_bytes()).digest())
+            videos += 1
+            video_rows += t * gh * gw
         if meter:
             meter.update(samples, tokens, images)
     if meter:
@@ -395,4 +477,4 @@ def scan_manifest(
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return ManifestSummary(samples, images, tokens, rows, h.hexdigest())
+    return ManifestSummary(samples, images, tokens, rows, h.hexdigest(), videos, video_rows)

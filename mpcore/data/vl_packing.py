@@ -24,11 +24,14 @@ their placeholder runs:
     loss_mask       bool  [S]              true = the token is a target (LabelShifter)
     pixel_values    float32 [N, patch_dim]
     image_grid_thw  int64 [I, 3]
+    pixel_values_videos  float32 [M, patch_dim]   the samples' videos (None: none)
+    video_grid_thw       int64 [V, 3]              videos in the order of their runs
 
 :class:`TextAsVL` turns a text ``PackedDataset`` into such samples (every token a target, no
 images), so text corpora blend with image-text budgets in a ``BlendedDataset`` by weight.
 :func:`collate_vl` concatenates ``B`` packed samples into ONE stream (cu_seqlens offset by
-``b * S``, pixels and grids concatenated in order); :class:`VLDataLoader` is ``DataLoader`` (same
+``b * S``, pixels and grids concatenated in order, the video keys only when a sample has a
+video); :class:`VLDataLoader` is ``DataLoader`` (same
 order, dp split and resumable position) yielding ``collate_vl`` micro-batches.
 """
 
@@ -55,6 +58,18 @@ class VLPackedSample:
     loss_mask: np.ndarray
     pixel_values: np.ndarray
     image_grid_thw: np.ndarray
+    pixel_values_videos: np.ndarray | None = None
+    video_grid_thw: np.ndarray | None = None
+
+
+def _videos(parts) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(rows, grids)`` of the videos of ``parts`` (VLSamples; tuples of four have none),
+    or ``(None, None)`` when there are none."""
+    given = [p for p in parts if len(p) > 4 and p[5] is not None and len(p[5])]
+    if not given:
+        return None, None
+    return (np.concatenate([np.asarray(p[4], np.float32) for p in given]),
+            np.concatenate([np.asarray(p[5], np.int64).reshape(-1, 3) for p in given]))
 
 
 def sample_lengths(dataset) -> np.ndarray:
@@ -112,7 +127,7 @@ class VLPackedDataset:
     """Budgets of ``seq_len`` tokens of whole samples of ``dataset`` (see the module docstring).
 
     ``dataset``: VLDataset, or any sequence of ``(input_ids, loss_mask, pixel_values,
-    grid_thw)``. ``pad_id``: a text id (not a placeholder) filling each budget's tail.
+    grid_thw[, pixel_values_videos, video_grid_thw])``. ``pad_id``: a text id (not a placeholder) filling each budget's tail.
     ``samples=(lo, hi)``: pack only samples ``lo .. hi-1`` (a held-out split). ``len(self)``
     budgets; ``self[b]`` a :class:`VLPackedSample`. Counts: ``num_docs`` (samples packed),
     ``num_tokens`` (their tokens), ``num_pad_tokens``, ``num_dropped``, ``num_dropped_tokens``.
@@ -197,6 +212,7 @@ class VLPackedDataset:
             np.concatenate(mask),
             np.concatenate([np.asarray(p[2], np.float32) for p in parts]),
             np.concatenate([np.asarray(p[3], np.int64).reshape(-1, 3) for p in parts]),
+            *_videos(parts),
         )
 
 
@@ -229,8 +245,11 @@ def collate_vl(samples: Sequence[VLPackedSample]) -> dict[str, torch.Tensor]:
     """One packed stream of ``B`` samples of ``S`` tokens: ``input_ids`` int64 [B*S],
     ``cu_seqlens`` int32 [segments+1], ``position_ids`` int64 [B*S] (as ``loader.collate``),
     ``loss_mask`` bool [B*S], ``pixel_values`` float32 [N, patch_dim], ``image_grid_thw``
-    int64 [I, 3] (images in stream order)."""
+    int64 [I, 3] (images in stream order), and when any sample has a video
+    ``pixel_values_videos`` float32 [M, patch_dim] and ``video_grid_thw`` int64 [V, 3]."""
+    videos = [s for s in samples if s.video_grid_thw is not None]
     widths = {s.pixel_values.shape[1] for s in samples}
+    widths |= {s.pixel_values_videos.shape[1] for s in videos}
     if len(widths) > 1:
         raise ValueError(
             f"samples with different pixel row widths {sorted(widths)} in one "
@@ -242,6 +261,11 @@ def collate_vl(samples: Sequence[VLPackedSample]) -> dict[str, torch.Tensor]:
     batch["image_grid_thw"] = torch.from_numpy(
         np.concatenate([s.image_grid_thw for s in samples]).astype(np.int64)
     )
+    if videos:
+        batch["pixel_values_videos"] = torch.from_numpy(
+            np.concatenate([s.pixel_values_videos for s in videos]))
+        batch["video_grid_thw"] = torch.from_numpy(
+            np.concatenate([s.video_grid_thw for s in videos]).astype(np.int64))
     return batch
 
 

@@ -7,7 +7,7 @@ id for id. The ids the Qwen2-VL model needs are appended after its ``V`` pieces 
 trained into it (SentencePiece user symbols would change every id after them):
 
     image_pad     V       one per merged image patch (``image_token_id``; never a target)
-    video_pad     V + 1   one per merged video patch (``video_token_id``; reserved, no videos yet)
+    video_pad     V + 1   one per merged video patch (``video_token_id``; never a target)
     vision_start  V + 2   before every placeholder run (``vision_start_token_id``)
     vision_end    V + 3   after every placeholder run (``vision_end_token_id``)
 
