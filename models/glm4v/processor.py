@@ -13,11 +13,10 @@ at rounding boundaries.
 
 from __future__ import annotations
 
-import math
+from mpcore.data.images import MAX_ASPECT_RATIO, fit_frames
 
 MIN_PIXELS = 112 * 112
 MAX_PIXELS = 28 * 28 * 15000
-MAX_ASPECT_RATIO = 200
 
 
 def resize_size(height: int, width: int, *, patch_size: int = 14, merge_size: int = 2,
@@ -28,22 +27,8 @@ def resize_size(height: int, width: int, *, patch_size: int = 14, merge_size: in
     a non-positive size or an aspect ratio over 200 (transformers refuses those too)."""
     if height <= 0 or width <= 0:
         raise ValueError(f"glm4v resize: image size {height}x{width} must be positive")
-    factor = patch_size * merge_size
-    if height < factor or width < factor:  # tiny images: the smaller side up to one block
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"glm4v resize: a {height}x{width} image has an aspect ratio over "
-                         f"{MAX_ASPECT_RATIO}; crop it or pad it closer to square")
     frames = temporal_patch_size  # an image is repeated to fill one temporal patch
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if frames * h * w > max_pixels:
-        beta = math.sqrt((frames * height * width) / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif frames * h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
+    return fit_frames(height, width, patch_size * merge_size, bound_frames=frames,
+                      scale_frames=frames, min_pixels=min_pixels, max_pixels=max_pixels,
+                      what=f"glm4v resize: a {{size}} image has an aspect ratio over "
+                           f"{MAX_ASPECT_RATIO}; crop it or pad it closer to square")

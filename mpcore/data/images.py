@@ -35,6 +35,33 @@ FORMATS = ("PNG", "JPEG")
 logger = logging.getLogger(__name__)
 
 
+def fit_frames(height: int, width: int, factor: int, *, bound_frames: int, scale_frames: int,
+               min_pixels: int, max_pixels: int, what: str) -> tuple[int, int]:
+    """The resize rule GLM-4V's image processor and the Qwen3-VL / GLM-4V video processors share
+    (transformers 5.x, float expressions in its order): a side below ``factor`` first scaled
+    up (aspect kept, truncated), sides rounded to multiples of ``factor``, the pixel bounds
+    compared with ``bound_frames * h * w`` and the shrink / grow factor taken from
+    ``scale_frames * height * width`` (an image: both its ``temporal_patch_size`` copies; a
+    video: its frame count rounded to temporal patches, and as given). ``ValueError`` naming
+    ``what`` (e.g. "a 10x3000 image") for an aspect ratio over ``MAX_ASPECT_RATIO``."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(what.format(size=f"{height}x{width}"))
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if bound_frames * h * w > max_pixels:
+        beta = math.sqrt((scale_frames * height * width) / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif bound_frames * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (scale_frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int = MIN_PIXELS,
                  max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     """The size Qwen2-VL resizes a ``height x width`` image to: both sides multiples of

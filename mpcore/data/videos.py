@@ -25,7 +25,6 @@ into the text between frames (``VideoProcessing.layout``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -33,10 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mpcore.data.images import check_image_size, smart_resize, to_rgb
+from mpcore.data.images import MAX_ASPECT_RATIO, check_image_size, fit_frames, smart_resize, to_rgb
 
 DEFAULT_FPS = 24.0  # transformers' Qwen3-VL / GLM-4V processors assume it without metadata
-MAX_ASPECT_RATIO = 200
 
 
 def smart_resize_video(num_frames: int, height: int, width: int, *, patch_size: int = 14,
@@ -55,25 +53,11 @@ def smart_resize_video(num_frames: int, height: int, width: int, *, patch_size: 
         raise ValueError(f"a video of {num_frames} frame(s) is shorter than one temporal patch "
                          f"({temporal_patch_size} frames), which this family's video processor "
                          f"refuses; give at least {temporal_patch_size} frames (or repeat it)")
-    factor = patch_size * merge_size
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"frames of {height}x{width} have an aspect ratio over "
-                         f"{MAX_ASPECT_RATIO}; crop them closer to square")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
     t = round(num_frames / temporal_patch_size) * temporal_patch_size
-    if t * h * w > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif t * h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
+    return fit_frames(height, width, patch_size * merge_size, bound_frames=t,
+                      scale_frames=num_frames, min_pixels=min_pixels, max_pixels=max_pixels,
+                      what=f"frames of {{size}} have an aspect ratio over {MAX_ASPECT_RATIO}; "
+                           f"crop them closer to square")
 
 
 @dataclass(frozen=True)
