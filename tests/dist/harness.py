@@ -73,11 +73,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
                         daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
         out, errors = {}, []
-        deadline = time.monotonic() + timeout
         try:
+            for p in procs:
+                p.start()  # inside the try: ranks started before a failing start get killed
+            deadline = time.monotonic() + timeout
             while len(out) + len(errors) < world_size:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -111,6 +111,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
             # the rest have had their time (a hung one would hold the test 5 s more per rank).
             grace = 5.0 if len(out) == world_size else 0.0
             for p in procs:
+                if p.pid is None:
+                    continue  # never started
                 p.join(timeout=grace)
                 if p.is_alive():
                     p.kill()
