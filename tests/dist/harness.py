@@ -6,20 +6,32 @@ in each and returns the list of return values by rank. An exception on any rank 
 with that rank's traceback; a rank that does not finish within ``timeout`` seconds (a hung
 collective) kills every process and fails the call instead of hanging CI.
 
-``fn`` must be a module-level function (it is pickled by name for the spawned processes).
+``fn`` must be a module-level function (it is pickled by name for the started processes).
+
+Ranks are forked from multiprocessing's fork server, started once per test session, that has
+imported torch, transformers and this project (``PRELOAD``): a fresh interpreter per rank (the
+"spawn" start) spent 3-8 s importing them on CI's 2 cores before any test code ran, for every
+call. The server is a fresh interpreter that only imported (no OpenMP pool, no process group),
+so a fork of it starts as clean as a spawn. One difference: ranks see the environment of the
+process at the session's first call, so pass anything a rank must know through ``args``.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
 import traceback
 
+# Imported once by the fork server; every rank starts with them loaded.
+PRELOAD = ["torch", "torch.distributed", "transformers", "parallel", "models", "mpcore.train",
+           "launch.score"]
 
-def _worker(fn, rank, world_size, store_path, results, args):
+
+def _worker(fn, rank, world_size, store_path, results, payload):
     import torch
     import torch.distributed as dist
 
@@ -28,7 +40,7 @@ def _worker(fn, rank, world_size, store_path, results, args):
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        results.put((rank, True, fn(rank, world_size, *pickle.loads(payload))))
         ok = True
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -48,20 +60,24 @@ def _worker(fn, rank, world_size, store_path, results, args):
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, on the first call
     results = ctx.Queue()
+    # Plain pickle copies tensors into the bytes; multiprocessing's own pickler would pass each
+    # tensor's storage as a file descriptor, and the fork server takes at most 256 of them.
+    payload = pickle.dumps(args)
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store_path, results, args),
+            ctx.Process(target=_worker, args=(fn, r, world_size, store_path, results, payload),
                         daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
         out, errors = {}, []
-        deadline = time.monotonic() + timeout
         try:
+            for p in procs:
+                p.start()  # inside the try: ranks started before a failing start get killed
+            deadline = time.monotonic() + timeout
             while len(out) + len(errors) < world_size:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -91,8 +107,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
                 raise RuntimeError(f"{fn.__name__} failed on {len(errors)} rank(s):"
                                    + "".join(errors))
         finally:
+            # Ranks that all returned are leaving on their own; after a failure or a timeout
+            # the rest have had their time (a hung one would hold the test 5 s more per rank).
+            grace = 5.0 if len(out) == world_size else 0.0
             for p in procs:
-                p.join(timeout=5)
+                if p.pid is None:
+                    continue  # never started
+                p.join(timeout=grace)
                 if p.is_alive():
                     p.kill()
                     p.join()

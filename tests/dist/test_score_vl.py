@@ -5,7 +5,9 @@ The checkpoint is a tiny random ``Qwen2VLForConditionalGeneration`` (tests/dist/
 at most 24x24 pixels). The input file mixes the three line forms: text only (one of a single
 token), ``pixel_values`` + ``image_grid_thw`` (two images: one shipped photo, one random), and
 ``images`` paths (relative and absolute, one line with a loss mask, a grey-level PNG). Layouts:
-tp=2 x cp=2 ring, cp=4 ring, cp=4 ulysses (4 query heads, 2 kv heads replicated up to cp).
+tp=2 x cp=2 ring under torchrun (the command a user types); cp=4 ring, cp=4 ulysses (4 query
+heads, 2 kv heads replicated up to cp) and cp=2 ulysses through the same ``main`` on 4 gloo
+ranks of one harness launch (a torchrun launch per layout cost ~9 s of process start-up each).
 Reference: transformers in float32, one sequence at a time, with pixel values from ITS processor
 (``Qwen2VLImageProcessorPil``), so our processor, expansion, packing, M-RoPE positions, cp split
 and gathers are all checked: log-probs (0 where the target is a placeholder or masked) and
@@ -16,7 +18,9 @@ loader.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import os
 import shutil
@@ -27,7 +31,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from harness import run_distributed
 from hf_tiny import save_hf_model
 from hf_vl_tiny import END, IMAGE, PATCH_DIM, START, save_hf_vl_model
 
@@ -35,7 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "launch" / "data" / "images"
 PROCESSOR = dict(min_pixels=8 * 8, max_pixels=24 * 24, patch_size=2, temporal_patch_size=2,
                  merge_size=2)
-LAYOUTS = [("2", "2", "ring"), ("1", "4", "ring"), ("1", "4", "ulysses"), ("1", "2", "ulysses")]
+TORCHRUN = ("2", "2", "ring")
+IN_PROCESS = [("1", "4", "ring"), ("1", "4", "ulysses"), ("1", "2", "ulysses")]
 
 
 def text(gen, n: int) -> list[int]:
@@ -141,9 +148,8 @@ def case(tmp_path_factory):
 
 def run_score(folder: Path, tp: str, cp: str, mode: str, out: Path) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--standalone", str(REPO / "launch" / "score.py"), "--hf-checkpoint",
-           str(folder / "vl"), "--tp", tp, "--cp", cp, "--cp-mode", mode,
-           "--input", str(folder / "in.jsonl"), "--output", str(out)]
+           "--standalone", str(REPO / "launch" / "score.py"),
+           *_score_args(folder, tp, cp, mode, out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
@@ -156,16 +162,36 @@ def run_score(folder: Path, tp: str, cp: str, mode: str, out: Path) -> str:
     return stdout
 
 
-@pytest.mark.parametrize("tp, cp, mode", LAYOUTS)
-@pytest.mark.slow
-def test_score_vl_under_torchrun(case, tmp_path, tp, cp, mode):
-    folder, rows, refs, want = case
-    stdout = run_score(folder, tp, cp, mode, tmp_path / "out.jsonl")
+def _score_args(folder: Path, tp: str, cp: str, mode: str, out: Path) -> list[str]:
+    return ["--hf-checkpoint", str(folder / "vl"), "--tp", tp, "--cp", cp, "--cp-mode", mode,
+            "--input", str(folder / "in.jsonl"), "--output", str(out)]
+
+
+def _main_per_layout(rank, world, folder, out_dir):
+    """``launch.score.main`` at each layout of IN_PROCESS; rank 0's stdout per layout. main
+    destroys the process group when it ends (as under torchrun), so each later layout joins
+    a fresh one."""
+    from launch.score import main
+
+    printed = []
+    for i, layout in enumerate(IN_PROCESS):
+        if not dist.is_initialized():
+            store = dist.FileStore(f"{out_dir}/store-{i}", world)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = main(_score_args(folder, *layout, out_dir / f"out-{i}.jsonl"))
+        assert code == 0, (layout, code)
+        printed.append(buffer.getvalue())
+    return printed
+
+
+def check_output(stdout: str, out: Path, tp: str, cp: str, mode: str, rows, refs, want):
     assert (f"scored {len(rows)} sequences" in stdout and "5 images" in stdout
             and f"tp={tp} cp={cp} ({mode})" in stdout), stdout
-    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(out) == len(rows)
-    for row, (ids, _, _, _), (lp, ent), got in zip(rows, refs, want, out, strict=True):
+    got_rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got_rows) == len(rows)
+    for row, (ids, _, _, _), (lp, ent), got in zip(rows, refs, want, got_rows, strict=True):
         assert ("input_ids" in got) == ("images" in row)
         if "images" in row:
             assert got["input_ids"] == ids  # the expansion matches transformers' grids
@@ -176,6 +202,20 @@ def test_score_vl_under_torchrun(case, tmp_path, tp, cp, mode):
         assert bool((got_lp[lp == 0] == 0).all())  # placeholders and masked targets
         assert float((got_lp - lp).abs().max()) <= 1e-4
         assert float((torch.tensor(got["entropy"]).double() - ent).abs().max()) <= 1e-4
+
+
+@pytest.mark.slow
+def test_score_vl_under_torchrun(case, tmp_path):
+    folder, rows, refs, want = case
+    stdout = run_score(folder, *TORCHRUN, tmp_path / "out.jsonl")
+    check_output(stdout, tmp_path / "out.jsonl", *TORCHRUN, rows, refs, want)
+
+
+def test_score_vl_main_at_other_layouts(case, tmp_path):
+    folder, rows, refs, want = case
+    printed = run_distributed(_main_per_layout, 4, folder, tmp_path, timeout=300)[0]
+    for i, layout in enumerate(IN_PROCESS):
+        check_output(printed[i], tmp_path / f"out-{i}.jsonl", *layout, rows, refs, want)
 
 
 def test_images_on_a_text_only_checkpoint_fail_before_loading(tmp_path, capsys):
