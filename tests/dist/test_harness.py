@@ -37,4 +37,4 @@ def test_exception_propagates_with_traceback():
 @pytest.mark.slow
 def test_hung_collective_times_out():
     with pytest.raises(TimeoutError, match="did not finish"):
-        run_distributed(_hang, 2, timeout=8)
+        run_distributed(_hang, 2, timeout=3)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from harness import run_distributed
 
+from launch.export_hf import main as export_main
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
 from mpcore.train import train
@@ -68,18 +69,18 @@ def layouts_agree(tiny: TinyRun, tmp: Path, layouts, *, timeout: float) -> list[
 def export_matches_transformers(tmp: Path, checkpoints: Path, family, hf_class: str,
                                 markers: tuple[str, str], grid: tuple[int, int, int],
                                 tail: tuple[int, ...], **hf_kwargs) -> None:
-    """``launch/export_hf`` of ``checkpoints`` loads in transformers (``AutoModelForImageText
-    ToText`` gives ``hf_class``) with our logits within 1e-4 on one image of ``grid`` between
-    the config's ``markers`` (start / end token id fields), text ``tail`` after it."""
+    """``launch/export_hf``'s main on ``checkpoints`` writes a folder that transformers loads
+    (``AutoModelForImageTextToText`` gives ``hf_class``) with our logits within 1e-4 on one
+    image of ``grid`` between the config's ``markers`` (start / end token id fields), text
+    ``tail`` after it."""
     import transformers
 
     from parallel.state import ParallelState
 
     out = tmp / "hf"
-    proc = subprocess.run([sys.executable, "-m", "launch.export_hf", "--checkpoint",
-                           str(checkpoints), "--output", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The command's main in this process (test_vl_train runs it as a command): a subprocess
+    # would spend ~3 s importing torch and the project again.
+    assert export_main(["--checkpoint", str(checkpoints), "--output", str(out)]) == 0
     hf = transformers.AutoModelForImageTextToText.from_pretrained(out, **hf_kwargs).eval()
     assert isinstance(hf, getattr(transformers, hf_class)), type(hf)
     state = ParallelState.build()
