@@ -426,9 +426,15 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
     protected = {keep, newest_finite(root)}
     for folder in complete[:-keep_last]:
         if folder not in protected:
-            shutil.rmtree(folder, ignore_errors=True)
+            # Renamed first: a process killed during the delete leaves pruned-step-N, never
+            # a step-N that lost part of its files (removed at the next save or start).
+            doomed = root / f"pruned-{folder.name}"
+            shutil.rmtree(doomed, ignore_errors=True)
+            folder.rename(doomed)
+            fsync_dir(root)
+            shutil.rmtree(doomed, ignore_errors=True)
     for folder in root.iterdir():
-        if folder.name.startswith(("tmp-step-", "old-step-")):
+        if folder.name.startswith(("tmp-step-", "old-step-", "pruned-step-")):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -437,6 +443,8 @@ def remove_partial_saves(root: Path) -> None:
     are never loaded and may hold most of a checkpoint's bytes."""
     if not root.is_dir():
         return
+    for folder in sorted(root.glob("pruned-step-*")):  # rotation killed while deleting it
+        shutil.rmtree(folder, ignore_errors=True)
     for folder in sorted(root.glob("tmp-step-*")):
         size = folder_bytes(folder) if folder.is_dir() else 0
         shutil.rmtree(folder, ignore_errors=True)
