@@ -91,9 +91,13 @@ class VideoSettings:
         ``ValueError`` for a family whose prepared data takes no videos."""
         proc = family.image_processing.video if family.image_processing else None
         if proc is None:
+            from models.registry import FAMILIES
+
+            takes = sorted(f.name for f in FAMILIES.values()
+                           if f.image_processing is not None and f.image_processing.video)
             raise ValueError(f"the {family.name} family takes no videos from prepared data; "
                              f"drop the videos from the manifest or prepare it for a family "
-                             f"with a video processor (qwen2_vl, qwen3_vl, glm4v)")
+                             f"with a video processor ({', '.join(takes)})")
         values = dict(min_pixels=proc.min_pixels, max_pixels=proc.max_pixels,
                       mean=tuple(proc.mean), std=tuple(proc.std), extra_ids=proc.extra_ids)
         values.update({k: v for k, v in overrides.items() if v is not None})
