@@ -49,6 +49,17 @@ def to_device(t: torch.Tensor, device: torch.device, *, ignore: int | None = Non
     return out
 
 
+def copy_to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without a CPU-GPU sync. A host tensor bound for CUDA goes through
+    pinned memory and an asynchronous copy: a plain copy from pageable memory waits for the
+    stream to drain first, so the GPU idles while the host catches up. The pinned block is
+    the caching host allocator's, which holds it until the copy has run. Anything else is
+    ``t.to(device)``."""
+    if t.device.type != "cpu" or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def known_range(t: torch.Tensor, ignore: int | None = None) -> tuple[int, int] | None:
     """``(lo, hi)`` of ``t``'s entries other than ``ignore`` when the host recorded it (with
     the same ``ignore``) and ``t`` was not changed in place since, else None."""

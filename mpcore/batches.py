@@ -167,12 +167,13 @@ def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,
     Integer tensors go through ``kernels.host_checked``: their ranges are taken here, on the
     host (``labels`` without ``ignore_index``), and ``cu_seqlens`` is kept here too, so the
     embedding, the loss head, RoPE's position limit and the attention plan check them without
-    a device sync. Floating and bool tensors are moved as they are; None stays None."""
+    a device sync. Floating and bool tensors are moved as they are; a tensor already on a device
+    (pixels a loader placed there) goes with ``.to``; None stays None."""
     pin = device.type == "cuda"
     out = {}
     for key, value in inputs.items():
-        if value is None:
-            out[key] = None
+        if value is None or value.device.type != "cpu":  # absent, or not a host tensor
+            out[key] = None if value is None else value.to(device)
             continue
         value = value.pin_memory() if pin else value
         if value.is_floating_point() or value.dtype == torch.bool:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.host_checked import copy_to
 from kernels.rope import rope
 from parallel.attention import flash, sdpa_cudnn, use_flash
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -56,7 +57,7 @@ class Segments:
     @cached_property
     def cu(self) -> torch.Tensor:
         """``[S+1]`` int32 on the device."""
-        return self.cu_host.to(self.device)
+        return copy_to(self.cu_host, self.device)
 
     @cached_property
     def groups(self) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -68,7 +69,7 @@ class Segments:
             first = starts[lengths == length]
             rows.append(first[:, None] + torch.arange(length))
         inverse = torch.argsort(torch.cat([r.flatten() for r in rows])) if rows else starts
-        return [r.to(self.device) for r in rows], inverse.to(self.device)
+        return [copy_to(r, self.device) for r in rows], copy_to(inverse, self.device)
 
 
 def attention_reference(q, k, v, segments: Segments, scale: float) -> torch.Tensor:

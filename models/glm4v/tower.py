@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.host_checked import copy_to
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
 from models.common.norm import LayerNorm, RMSNorm
@@ -194,7 +195,7 @@ class Glm4vVisionTower(TowerBase):
         self._check(pixel_values, grid)
         device = pixel_values.device
         positions, sizes, frame_cu = frame_layout(grid, m)
-        positions, sizes = positions.to(device), sizes.to(device)
+        positions, sizes = copy_to(positions, device), copy_to(sizes, device)
         x = pixel_values.to(self.patch_embed.weight.dtype)
         h = self.post_conv_norm(self.patch_embed(x))  # (N, hidden)
         h = h + resample_positions(self.pos_embed, positions, sizes).to(h.dtype)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.host_checked import copy_to
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
 from models.common.norm import LayerNorm, RMSNorm
@@ -188,8 +189,8 @@ class VisionTower(TowerBase):
         device, cfg = pixel_values.device, self.cfg
         h = self.patch_embed(pixel_values)  # (N, hidden)
         if plan.row_order is not None:
-            h = h.index_select(0, plan.row_order.to(device))
-        cos, sin = rotary_tables(plan.positions.to(device), cfg.head_dim, cfg.rope_theta)
+            h = h.index_select(0, copy_to(plan.row_order, device))
+        cos, sin = rotary_tables(copy_to(plan.positions, device), cfg.head_dim, cfg.rope_theta)
         frames = Segments(plan.frame_cu, plan.max_frame, device)
         windows = (Segments(plan.window_cu, plan.max_window, device)
                    if plan.window_cu is not None else frames)
@@ -201,7 +202,7 @@ class VisionTower(TowerBase):
                 h = layer(h, cos, sin, segments)
         out = self.merger(h)  # (N / m^2, out_hidden)
         if plan.unit_inverse is not None:
-            out = out.index_select(0, plan.unit_inverse.to(device))
+            out = out.index_select(0, copy_to(plan.unit_inverse, device))
         return out
 
 

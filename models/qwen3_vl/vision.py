@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.host_checked import copy_to
 from models.common.norm import LayerNorm
 from models.common.tower import TowerBase
 from models.common.vision_attention import Segments, VisionAttention, rotary_tables
@@ -95,8 +96,8 @@ def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int):
 def position_taps(plan: VisionPlan, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(taps [N, 4] int64, weights [N, 4] fp32)`` on the host: the bilinear resampling of
     the ``side x side`` table at each row's (h, w) patch position (``plan.positions``)."""
-    sizes = torch.tensor([[h, w] for t, h, w in plan.grid for _ in range(t * h * w)],
-                         dtype=torch.int64).view(-1, 2)
+    grid = torch.tensor(plan.grid, dtype=torch.int64).view(-1, 3)
+    sizes = grid[:, 1:].repeat_interleave(grid.prod(1), dim=0)  # (N, 2): each row's (h, w)
     h_taps, h_w = _axis_taps(plan.positions[:, 0], sizes[:, 0], side)
     w_taps, w_w = _axis_taps(plan.positions[:, 1], sizes[:, 1], side)
     taps = (h_taps[:, :, None] * side + w_taps[:, None, :]).flatten(1)
@@ -199,8 +200,8 @@ class Qwen3VisionTower(TowerBase):
         device, cfg = pixel_values.device, self.cfg
         taps, weights = position_taps(plan, cfg.grid_side)
         h = self.patch_embed(pixel_values)  # (N, hidden)
-        h = h + self.pos_embed(taps.to(device), weights.to(device)).to(h.dtype)
-        cos, sin = rotary_tables(plan.positions.to(device), cfg.head_dim, cfg.rope_theta)
+        h = h + self.pos_embed(copy_to(taps, device), copy_to(weights, device)).to(h.dtype)
+        cos, sin = rotary_tables(copy_to(plan.positions, device), cfg.head_dim, cfg.rope_theta)
         frames = Segments(plan.frame_cu, plan.max_frame, device)
         features = []
         for i, layer in enumerate(self.layers):

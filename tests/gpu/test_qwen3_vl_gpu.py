@@ -68,3 +68,42 @@ def test_qwen3_vl_on_cuda(tmp_path):
     ours = float((_ours(tmp_path, torch.bfloat16, s) - ref).abs().max())
     theirs = float((_hf_bf16(tmp_path, s) - ref).abs().max())
     assert ours <= 2 * theirs + 2e-2, (ours, theirs)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_tower_forward_never_waits_for_the_gpu(kernel):
+    """The tower's host-built tables (position taps, rotary positions, attention segments)
+    reach the GPU through pinned asynchronous copies (kernels.host_checked.copy_to): its
+    forward and backward make no host sync, so the host can run ahead of the device. The
+    result equals the same tower's run with plain copies allowed to sync."""
+    from models.common.decoder import init_weights
+    from models.qwen3_vl.config import Qwen3VisionConfig
+    from models.qwen3_vl.vision import Qwen3VisionTower
+
+    cfg = Qwen3VisionConfig(depth=2, hidden_size=128, num_heads=2, intermediate_size=256,
+                            out_hidden_size=64, patch_size=2, temporal_patch_size=2,
+                            spatial_merge_size=2, in_channels=3, num_position_embeddings=64,
+                            deepstack_visual_indexes=(0,))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        tower = Qwen3VisionTower(cfg, attention_kernel=kernel)
+    tower.to_empty(device="cuda")
+    init_weights(tower, seed=0)
+    grid = [[1, 8, 12], [3, 4, 6], [1, 6, 10]]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grid), cfg.patch_dim, device="cuda")
+
+    def run():
+        with torch.autocast("cuda", torch.bfloat16):
+            out = tower.rows(pixels, grid)
+        out.float().square().sum().backward()
+        return out.detach().float()
+
+    expected = run()  # the first call may compile kernels and build cuDNN graphs
+    tower.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, expected)

@@ -46,10 +46,13 @@ mpcore the same tokens as one packed stream of B documents.
 Step, the SAME on every side: forward + backward + gradient clipping at 1.0 + AdamW (fused on
 CUDA; lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on every tensor), fp32 parameters under bf16
 autocast (fp32 without autocast on the CPU). ``--forward-backward-only`` drops clipping and the
-optimizer step on every side. Each side's step starts from the raw sample already on the device
-(ids, pixel rows, grids, loss mask) and includes its own input preparation: mpcore's labels,
-M-RoPE positions and vision rows (``models.local_vl_inputs``, host work with one sync),
-transformers' labels and ``mm_token_type_ids`` (its M-RoPE index is computed inside its forward).
+optimizer step on every side. Each side's step starts from the raw sample with its pixel rows
+already on the device and includes its own input preparation. mpcore's is pretrain's
+(``mpcore.batches.local_inputs``): the sample's ids, grids and loss mask as the loader gives
+them, on the host; labels, M-RoPE positions and vision rows made there by the family's
+``local_inputs``, then pinned and copied asynchronously with their ranges known. transformers
+gets the ids and loss mask on the device and makes its labels and ``mm_token_type_ids`` (its
+M-RoPE index is computed inside its forward).
 Sides: mpcore (the family's ``build``, loss = ``output="loss_sum"`` / valid-label count);
 transformers' model of the family (``Qwen2VLForConditionalGeneration`` /
 ``Qwen3VLForConditionalGeneration`` of the family's ``hf_config_dict``, SDPA; flash_attention_2
@@ -96,8 +99,10 @@ from models import ModelConfig, VisionConfig, VLConfig, family_named, family_of 
 from models.qwen3_vl import config_from_hf as qwen3_vl_from_hf  # noqa: E402
 from models.qwen3_vl import config_from_section as qwen3_vl_from_section  # noqa: E402
 from models.qwen3_vl.presets import QWEN3_VL_2B, TINY  # noqa: E402
+from mpcore.batches import to_device  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.processes import init_distributed  # noqa: E402
+from parallel.labels import IGNORE_INDEX  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -231,15 +236,19 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
                          vision_cp=args.vision_cp)
     model.train()
     optimizer = _optimizer(model, cuda)
-    on_device = [b.to(device) for b in batches]
+    # As pretrain's step (mpcore.batches.local_inputs): the tokens are planned on the host and
+    # copied asynchronously with their ranges known; the pixels sit on the device beforehand,
+    # as on the transformers side.
+    pixels = [b.pixels.to(device) for b in batches]
 
     def inputs(i: int) -> dict:
-        b = on_device[i % len(on_device)]
+        b = batches[i % len(batches)]
         mask = None if b.loss_mask is None else b.loss_mask.view(-1)
-        _, kwargs = family.local_inputs(state, b.ids.view(-1), b.cu_seqlens, cfg,
-                                        pixel_values=b.pixels, image_grid_thw=b.grid,
-                                        loss_mask=mask)
-        return kwargs
+        _, local = family.local_inputs(state, b.ids.view(-1), b.cu_seqlens, cfg,
+                                       pixel_values=pixels[i % len(batches)],
+                                       image_grid_thw=b.grid, loss_mask=mask)
+        host = {k: local.pop(k) for k in family.host_inputs}
+        return {**to_device(local, device, IGNORE_INDEX), **host}
 
     def loss_fn(i: int) -> torch.Tensor:
         kwargs = inputs(i)
@@ -261,12 +270,12 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
         _sync()
         prep.append(time.perf_counter() - start)
     result["input_prep_ms"] = 1e3 * statistics.median(prep)
-    targets = torch.stack([(inputs(i)["labels"] != -100).sum() for i in range(len(on_device))])
+    targets = torch.stack([(inputs(i)["labels"] != -100).sum() for i in range(len(batches))])
     if group is not None:  # each cp rank holds a share of the targets
         dist.all_reduce(targets, group=group)
     result["target_tokens_per_step"] = targets.double().mean().item()
-    result["batches_sha256"] = digest(t for b in on_device for t in (b.ids.view(-1), b.pixels,
-                                                                     b.grid))
+    result["batches_sha256"] = digest(t for b, p in zip(batches, pixels, strict=True)
+                                      for t in (b.ids.view(-1), p, b.grid))
     return result
 
 
@@ -315,7 +324,16 @@ def apply_liger(family: str) -> dict:
     wanted = dict(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
                   fused_linear_cross_entropy=True)
     accepted = inspect.signature(apply).parameters
-    apply(**{k: v for k, v in wanted.items() if k in accepted})
+    asked = {k: v for k, v in wanted.items() if k in accepted}
+    try:
+        apply(**asked)
+    except NotImplementedError as e:
+        # liger 0.8.5's GLM-4V entry has no RoPE kernel and refuses before it patches
+        # anything: ask for the other patches again, RoPE off (its own default there).
+        if not asked.get("rope"):
+            raise
+        apply(**{**asked, "rope": False})
+        found["rope"] = f"refused: {e}"
     return {k: v for k, v in found.items() if k in accepted}
 
 
