@@ -24,7 +24,10 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
     stream,
 )
 
+from models.common.decoder import init_weights  # noqa: E402
 from models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
+from models.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402
+from models.qwen3_vl.vision import Qwen3VisionTower  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -75,11 +78,7 @@ def test_tower_forward_never_waits_for_the_gpu(kernel):
     """The tower's host-built tables (position taps, rotary positions, attention segments)
     reach the GPU through pinned asynchronous copies (kernels.host_checked.copy_to): its
     forward and backward make no host sync, so the host can run ahead of the device. The
-    result equals the same tower's run with plain copies allowed to sync."""
-    from models.common.decoder import init_weights
-    from models.qwen3_vl.config import Qwen3VisionConfig
-    from models.qwen3_vl.vision import Qwen3VisionTower
-
+    checked run equals the first one, made outside the check."""
     cfg = Qwen3VisionConfig(depth=2, hidden_size=128, num_heads=2, intermediate_size=256,
                             out_hidden_size=64, patch_size=2, temporal_patch_size=2,
                             spatial_merge_size=2, in_channels=3, num_position_embeddings=64,
