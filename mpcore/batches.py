@@ -156,6 +156,13 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
         loss_mask=batch.get("loss_mask"), sequence_parallel=sp, layout=cfg.parallel.cp_layout,
         pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
         **videos)
+    return place(local, family, device)
+
+
+def place(local: dict[str, torch.Tensor | None], family: Family,
+          device: torch.device) -> dict[str, torch.Tensor | None]:
+    """A family's ``local_inputs`` on ``device`` (``to_device``), except the inputs it plans
+    on the host (``family.host_inputs``), which stay as they are."""
     host = {k: local.pop(k) for k in family.host_inputs}
     return {**to_device(local, device, IGNORE_INDEX), **host}
 

@@ -99,10 +99,9 @@ from models import ModelConfig, VisionConfig, VLConfig, family_named, family_of 
 from models.qwen3_vl import config_from_hf as qwen3_vl_from_hf  # noqa: E402
 from models.qwen3_vl import config_from_section as qwen3_vl_from_section  # noqa: E402
 from models.qwen3_vl.presets import QWEN3_VL_2B, TINY  # noqa: E402
-from mpcore.batches import to_device  # noqa: E402
+from mpcore.batches import place  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.processes import init_distributed  # noqa: E402
-from parallel.labels import IGNORE_INDEX  # noqa: E402
 from parallel.state import ParallelState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -247,8 +246,7 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
         _, local = family.local_inputs(state, b.ids.view(-1), b.cu_seqlens, cfg,
                                        pixel_values=pixels[i % len(batches)],
                                        image_grid_thw=b.grid, loss_mask=mask)
-        host = {k: local.pop(k) for k in family.host_inputs}
-        return {**to_device(local, device, IGNORE_INDEX), **host}
+        return place(local, family, device)
 
     def loss_fn(i: int) -> torch.Tensor:
         kwargs = inputs(i)
