@@ -31,14 +31,15 @@ of the first half]; each program loads its columns in both halves of D (and each
 once for all its heads), rotates and stores both halves. CUDA tensors run the Triton kernels;
 other devices (and float64) the PyTorch reference. Both sit behind the same autograd.Function,
 and the two passes are ``torch.library.custom_op``s (namespace ``mpcore``), so ``torch.compile``
-traces ``rope`` without a graph break.
+traces ``rope`` without a graph break; eager calls skip the op's dispatch
+(``kernels._triton.eager_or_op``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton
+from kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -159,8 +160,7 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("mpcore::rope_fwd", mutates_args=())
-def _rope_fwd_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype,
+def _rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype,
                  impl: str) -> torch.Tensor:
     """x [T, H, D], cos/sin [T, D], all with unit last stride -> y [T, H, D] in out_dtype."""
     if impl == "triton":
@@ -168,18 +168,23 @@ def _rope_fwd_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtyp
     return _fwd_torch(x, cos, sin, out_dtype)
 
 
+_rope_fwd_op = torch.library.custom_op("mpcore::rope_fwd", _rope_fwd, mutates_args=())
+
+
 @_rope_fwd_op.register_fake
 def _(x, cos, sin, out_dtype, impl):
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
-@torch.library.custom_op("mpcore::rope_bwd", mutates_args=())
-def _rope_bwd_op(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype,
+def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype,
                  impl: str) -> torch.Tensor:
     """dy [T, H, D], cos/sin [T, D], all with unit last stride -> dx [T, H, D] in x_dtype."""
     if impl == "triton":
         return _rotate_triton(dy, cos, sin, x_dtype, _rope_bwd_kernel)
     return _bwd_torch(dy, cos, sin, x_dtype)
+
+
+_rope_bwd_op = torch.library.custom_op("mpcore::rope_bwd", _rope_bwd, mutates_args=())
 
 
 @_rope_bwd_op.register_fake
@@ -195,12 +200,13 @@ class _RopeFunction(torch.autograd.Function):
         cos, sin = _unit_stride(cos), _unit_stride(sin)
         ctx.save_for_backward(cos, sin)  # the only tensors kept: not x, not y
         ctx.x_dtype, ctx.impl = x.dtype, impl
-        return _rope_fwd_op(_unit_stride(x), cos, sin, out_dtype, impl)
+        return eager_or_op(_rope_fwd_op, _rope_fwd, _unit_stride(x), cos, sin, out_dtype, impl)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        dx = _rope_bwd_op(_unit_stride(dy), cos, sin, ctx.x_dtype, ctx.impl)
+        dx = eager_or_op(_rope_bwd_op, _rope_bwd, _unit_stride(dy), cos, sin, ctx.x_dtype,
+                         ctx.impl)
         return dx, None, None, None, None
 
 

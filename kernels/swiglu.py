@@ -28,7 +28,8 @@ Kernels: one Triton program per ``[BLOCK_M, BLOCK_I]`` tile of rows x columns of
 forward (read gate_up, write y) and one backward (read gate_up and dy, write the gradient).
 CUDA tensors run the Triton kernels; other devices (and float64) the PyTorch reference. Both
 sit behind the same autograd.Function, and the two passes are ``torch.library.custom_op``s
-(namespace ``mpcore``), so ``torch.compile`` traces ``swiglu`` without a graph break.
+(namespace ``mpcore``), so ``torch.compile`` traces ``swiglu`` without a graph break; eager calls skip the op's dispatch
+(``kernels._triton.eager_or_op``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton
+from kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -149,10 +150,12 @@ def _bwd_torch(gu: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return torch.cat([d_gate, dy * silu], dim=-1).to(gu.dtype)
 
 
-@torch.library.custom_op("mpcore::swiglu_fwd", mutates_args=())
-def _swiglu_fwd_op(gu: torch.Tensor, impl: str) -> torch.Tensor:
+def _swiglu_fwd(gu: torch.Tensor, impl: str) -> torch.Tensor:
     """gu [M, 2I] with unit last stride -> y [M, I], same dtype."""
     return _fwd_triton(gu) if impl == "triton" else _fwd_torch(gu)
+
+
+_swiglu_fwd_op = torch.library.custom_op("mpcore::swiglu_fwd", _swiglu_fwd, mutates_args=())
 
 
 @_swiglu_fwd_op.register_fake
@@ -160,10 +163,12 @@ def _(gu, impl):
     return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
 
 
-@torch.library.custom_op("mpcore::swiglu_bwd", mutates_args=())
-def _swiglu_bwd_op(gu: torch.Tensor, dy: torch.Tensor, impl: str) -> torch.Tensor:
+def _swiglu_bwd(gu: torch.Tensor, dy: torch.Tensor, impl: str) -> torch.Tensor:
     """gu [M, 2I], dy [M, I], both with unit last stride -> (d_gate | d_up) [M, 2I]."""
     return _bwd_triton(gu, dy) if impl == "triton" else _bwd_torch(gu, dy)
+
+
+_swiglu_bwd_op = torch.library.custom_op("mpcore::swiglu_bwd", _swiglu_bwd, mutates_args=())
 
 
 @_swiglu_bwd_op.register_fake
@@ -179,7 +184,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         shape = gate_up.shape
         # (M, 2I), a view when it can be; M spelled out, since -1 is ambiguous when 2I = 0.
         gu = _unit_stride(gate_up.reshape(math.prod(shape[:-1]), shape[-1]))
-        y = _swiglu_fwd_op(gu, impl)
+        y = eager_or_op(_swiglu_fwd_op, _swiglu_fwd, gu, impl)
         ctx.save_for_backward(gu)  # the only tensor kept: no silu(gate), no output
         ctx.impl, ctx.shape = impl, shape
         return y.view(*shape[:-1], shape[-1] // 2)
@@ -188,7 +193,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         (gu,) = ctx.saved_tensors
         dy = _unit_stride(dy.reshape(gu.shape[0], gu.shape[1] // 2))  # (M, I)
-        return _swiglu_bwd_op(gu, dy, ctx.impl).view(ctx.shape), None
+        return eager_or_op(_swiglu_bwd_op, _swiglu_bwd, gu, dy, ctx.impl).view(ctx.shape), None
 
 
 def _check_input(gate_up: torch.Tensor) -> None:

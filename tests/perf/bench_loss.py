@@ -1,10 +1,13 @@
 """Benchmark of the fused loss heads against torch, liger, cut-cross-entropy and verl (CUDA).
 
-    python tests/perf/bench_loss.py [OUT.json]               # one GPU, all shapes and peers
+    python tests/perf/bench_loss.py [OUT.json] [--chunk-mib 1024,2048]   # one GPU, all shapes and peers
     torchrun --nproc-per-node 2 tests/perf/bench_loss.py --tp2 [OUT.json]
 
 Forward + backward (gradients of hidden and weight), bf16 inputs, median of 10 timed runs after
 3 warm-ups (the first also compiles), CUDA events. Floor = 6*N*H*V / (bf16 8192^3 matmul rate measured in the same run).
+``--chunk-mib`` adds our two heads again with other logits chunk budgets
+(``_lce_chunks.CHUNK_BYTES``, default 512 MiB) as rows ``mpcore CE @N MiB`` and
+``mpcore logprobs+entropy @N MiB``, for an A/B of the chunk size in one run.
 "Extra GiB" is max_memory_allocated during one step minus memory_allocated before it, with the
 gradients (held after the step) included. Errors: against float64 math on a smaller shape.
 ``--tp2`` splits the vocab over 2 GPUs (NCCL) and reports ms per GPU against tp=1 on rank 0.
@@ -45,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from kernels import linear_cross_entropy, linear_logprobs  # noqa: E402
+from kernels import _lce_chunks, linear_cross_entropy, linear_logprobs  # noqa: E402
 
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936), (32768, 4096, 128256)]
 ERROR_SHAPE = (4096, 2048, 32000)
@@ -80,11 +83,27 @@ def matmul_tflops():
     return 2 * 8192**3 / ms / 1e9
 
 
-def _peers():
+class _Chunked:
+    """One of our heads with ``CHUNK_BYTES`` set to ``mib`` MiB for a whole step (forward and
+    backward: the RL head picks its chunks again in backward); see ``_step``."""
+
+    def __init__(self, fn, mib: int):
+        self.fn, self.chunk_bytes = fn, mib * 2**20
+
+    def __call__(self, h, w, y):
+        return self.fn(h, w, y)
+
+
+def _peers(chunk_mibs=()):
     """name -> loss(hidden, weight, labels), or the reason it is missing."""
     out = {
         "mpcore CE": lambda h, w, y: linear_cross_entropy(h, w, y),
         "mpcore logprobs+entropy": _mpcore_logprobs,
+    }
+    for mib in chunk_mibs:
+        out[f"mpcore CE @{mib} MiB"] = _Chunked(out["mpcore CE"], mib)
+        out[f"mpcore logprobs+entropy @{mib} MiB"] = _Chunked(_mpcore_logprobs, mib)
+    out |= {
         "torch bf16 CE": lambda h, w, y: F.cross_entropy(h @ w.T, y),
         "torch fp32 CE": lambda h, w, y: F.cross_entropy((h @ w.T).float(), y),
     }
@@ -185,7 +204,14 @@ def _inputs(n, h, v, seed=0, device="cuda"):
 
 
 def _step(fn, hidden, weight, labels):
-    return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+    chunk_bytes = getattr(fn, "chunk_bytes", None)
+    if chunk_bytes is None:
+        return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+    default, _lce_chunks.CHUNK_BYTES = _lce_chunks.CHUNK_BYTES, chunk_bytes
+    try:
+        return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+    finally:
+        _lce_chunks.CHUNK_BYTES = default
 
 
 def measure(fn, hidden, weight, labels, floor_ms):
@@ -216,7 +242,7 @@ def errors_vs_fp64(peers):
     rh, rw = torch.autograd.grad(ref, (h64, w64))
     out = {}
     for name, fn in peers.items():
-        if isinstance(fn, str) or "logprobs" in name:
+        if isinstance(fn, str) or "logprobs" in name or isinstance(fn, _Chunked):
             continue
         loss = fn(hidden, weight, labels)
         gh, gw = torch.autograd.grad(loss, (hidden, weight))
@@ -238,9 +264,9 @@ def errors_vs_fp64(peers):
     return out
 
 
-def run_single(path) -> int:
+def run_single(path, chunk_mibs=()) -> int:
     rate = matmul_tflops()
-    peers = _peers()
+    peers = _peers(chunk_mibs)
     if isinstance(peers[VERL_RL], str):
         print(f"{VERL_RL}: {peers[VERL_RL]}", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -392,12 +418,17 @@ def _print_table(result):
 def main(argv):
     tp2 = "--tp2" in argv
     args = [a for a in argv if a != "--tp2"]
+    chunk_mibs = ()
+    if "--chunk-mib" in args:
+        i = args.index("--chunk-mib")
+        chunk_mibs = tuple(int(m) for m in args[i + 1].split(","))
+        del args[i:i + 2]
     default = "loss_h200_tp2.json" if tp2 else "loss_h200.json"
     path = args[0] if args else os.path.join(os.path.dirname(__file__), "results", default)
     if tp2:
         run_tp2(path)
         return 0
-    return run_single(path)
+    return run_single(path, chunk_mibs)
 
 
 if __name__ == "__main__":

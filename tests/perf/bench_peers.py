@@ -31,6 +31,9 @@ Per row, ``OUT/<row>_<seq>x<micro_batch>.json`` holds bench_train's fields (medi
 over ``--steps`` after ``--warmup``, ``tokens_per_s_per_gpu``, ``peak_gib`` from CUDA's
 allocator, ``first_loss`` / ``last_loss``) plus ``row``, ``settings`` and ``versions``; a row
 that fails writes its ``error`` (the tail of its output) instead and the others still run.
+Each row also records ``row_wall_s`` (its process, start to end) and
+``matmul_bf16_tflops_before``: the bf16 8192^3 matmul rate measured in this process just before
+the row started, which shows whether the GPU kept one speed through the call.
 ``OUT/summary.json`` gathers them, and a short table goes to stdout: per shape, each row's
 step, tokens/s and peak, and our rows' speedup (tokens/s ratio) over each peer row.
 """
@@ -44,6 +47,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -52,6 +56,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import matmul_tflops  # noqa: E402
 from bench_train import RandomTokens, _timed  # noqa: E402
 from megatron_peer import (  # noqa: E402
     AdamSettings,
@@ -439,6 +444,8 @@ def run_all(args) -> list[dict]:
         for row in args.row_list:
             out = args.out / f"{row}_{seq}x{micro_batch}.json"
             print(f"== {row} {seq}x{micro_batch}", flush=True)
+            check = _gpu_check()
+            started = time.monotonic()
             try:
                 if row in OURS:
                     result = _row_json(one, row, run_ours(one, OURS[row], out))
@@ -451,10 +458,23 @@ def run_all(args) -> list[dict]:
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 result = _row_json(one, row, {"error": str(e)[-4000:]})
                 print(f"   failed: {str(e).splitlines()[0]}", flush=True)
+            result["row_wall_s"] = round(time.monotonic() - started, 1)
+            result["matmul_bf16_tflops_before"] = check
             out.write_text(json.dumps(result, indent=1) + "\n")
             rows.append(result)  # the summary after each row: a call cut short keeps it
             (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
+
+
+def _gpu_check() -> float | None:
+    """The bf16 8192^3 matmul rate (TFLOP/s), measured here just before a row starts: rows of
+    one call compare only while the GPU runs at one speed, and this says whether it did (a GPU
+    slowed down between rows shows as a lower rate). None without CUDA."""
+    if not _cuda():
+        return None
+    rate = round(matmul_tflops(), 1)
+    torch.cuda.empty_cache()  # the row's process gets the memory back
+    return rate
 
 
 def table(rows: list[dict]) -> str:
@@ -464,15 +484,18 @@ def table(rows: list[dict]) -> str:
     for shape in dict.fromkeys((r["seq"], r["micro_batch"]) for r in rows):
         group = [r for r in rows if (r["seq"], r["micro_batch"]) == shape]
         lines.append(f"seq {shape[0]} x micro-batch {shape[1]}")
-        lines.append(f"{'row':<18} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>14}")
+        lines.append(f"{'row':<18} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss':>14}"
+                     f" {'TFLOP/s':>8} {'wall s':>7}")
         for r in group:
             if "step_ms" not in r:
                 why = r.get("skipped") or "failed: " + r.get("error", "?").splitlines()[0]
                 lines.append(f"{r['row']:<18} {why[:90]}")
                 continue
             peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+            rate = r.get("matmul_bf16_tflops_before")
             lines.append(f"{r['row']:<18} {r['step_ms']:>9.1f} {r['tokens_per_s_per_gpu']:>10.0f}"
-                         f" {peak:>9} {r['first_loss']:>6.2f}->{r['last_loss']:<6.2f}")
+                         f" {peak:>9} {r['first_loss']:>6.2f}->{r['last_loss']:<6.2f}"
+                         f" {'-' if rate is None else rate:>8} {r.get('row_wall_s', '-'):>7}")
         done = [r for r in group if "step_ms" in r]
         for ours in (r for r in done if r["row"] in OURS):
             ratios = ", ".join(_ratio(ours, p) for p in done if p["row"] not in OURS)

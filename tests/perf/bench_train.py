@@ -35,7 +35,9 @@ resolved, native or te). ``--variants`` times several ``linear_backend:fp8`` pai
 the same process, beside one run of each baseline: the first fills the top-level fields, and
 ``variants`` lists each with its own speedup and memory ratio against the best baseline. A
 third field ``bf16_wgrad`` (``te:te_delayed:bf16_wgrad``) has TE return its weight gradients
-in bf16 for autograd to cast (``TEGemm.fp32_wgrad = False``), for an A/B of the fp32 ones.
+in bf16 for autograd to cast (``TEGemm.fp32_wgrad = False``), for an A/B of the fp32 ones;
+``lceMIB`` instead (``native:none:lce1024``) sets the loss head's logits chunk budget
+(``kernels._lce_chunks.CHUNK_BYTES``, default 512 MiB) for that variant.
 JSON goes to OUT (default tests/perf/results/train_h200.json), written by rank 0.
 """
 
@@ -55,6 +57,7 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from kernels import _lce_chunks  # noqa: E402
 from launch.pretrain import init_distributed  # noqa: E402
 from models import hf_config_dict  # noqa: E402
 from mpcore.backends import resolve_linear_backend  # noqa: E402
@@ -251,18 +254,20 @@ def parse_args(argv):
                              "one run of the baselines (e.g. native:none,te:te_delayed); "
                              "overrides --linear-backend and --fp8")
     args = parser.parse_args(argv)
-    args.variant_list, args.bf16_wgrad = [], False
+    args.variant_list, args.bf16_wgrad, args.lce_chunk_mib = [], False, None
     for item in filter(None, args.variants.split(",")):
         backend, _, rest = item.partition(":")
         fp8, _, option = rest.partition(":")
+        chunk = option[3:] if option.startswith("lce") else ""
         if backend not in ("native", "te", "auto") or fp8 not in (
-                "none", "tensorwise", "te_delayed", "te_current") or option not in (
-                "", "bf16_wgrad"):
-            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad] (e.g. "
-                         "te:te_delayed)")
-        args.variant_list.append((backend, fp8, option == "bf16_wgrad"))
+                "none", "tensorwise", "te_delayed", "te_current") or not (
+                option in ("", "bf16_wgrad") or (chunk.isdigit() and int(chunk) > 0)):
+            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad|:lceMIB] "
+                         "(e.g. te:te_delayed or native:none:lce1024)")
+        args.variant_list.append((backend, fp8, option == "bf16_wgrad",
+                                  int(chunk) if chunk else None))
     if args.variant_list:
-        args.linear_backend, args.fp8, args.bf16_wgrad = args.variant_list[0]
+        args.linear_backend, args.fp8, args.bf16_wgrad, args.lce_chunk_mib = args.variant_list[0]
     return args
 
 
@@ -284,14 +289,22 @@ def main(argv=None) -> int:
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))
-    pairs = args.variant_list or [(args.linear_backend, args.fp8, args.bf16_wgrad)]
+    pairs = args.variant_list or [(args.linear_backend, args.fp8, args.bf16_wgrad, None)]
     # Every variant resolved (TE imported) before the first runs: a missing backend fails here.
-    resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8, _ in pairs]
+    resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8, *_ in pairs]
     variants = []
-    for (backend, fp8, bf16_wgrad), chosen in zip(pairs, resolved, strict=True):
+    for (backend, fp8, bf16_wgrad, chunk_mib), chosen in zip(pairs, resolved, strict=True):
         one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8,
                                     "bf16_wgrad": bf16_wgrad})
-        variants.append({"fp8": fp8, "linear_backend": chosen, "mpcore": bench_mpcore(one)})
+        default_chunk = _lce_chunks.CHUNK_BYTES
+        if chunk_mib is not None:  # the loss head's logits chunk budget, for this variant only
+            _lce_chunks.CHUNK_BYTES = chunk_mib * 2**20
+        try:
+            variants.append({"fp8": fp8, "linear_backend": chosen,
+                             "lce_chunk_mib": _lce_chunks.CHUNK_BYTES // 2**20,
+                             "mpcore": bench_mpcore(one)})
+        finally:
+            _lce_chunks.CHUNK_BYTES = default_chunk
         if chosen == "te":
             variants[-1]["te_weight_grad"] = "bf16, cast by autograd" if bf16_wgrad else "fp32"
         _free()

@@ -88,3 +88,29 @@ def test_verl_kernel_imports_without_ray():
     assert callable(fn), fn
     assert "verl.utils.kernel.kernels" in sys.modules
     assert "verl.protocol" not in sys.modules  # verl/__init__.py (ray, DataProto) not run
+
+
+def test_chunk_budget_rows_set_the_budget_for_the_whole_step(monkeypatch):
+    """An ``@N MiB`` row runs forward and backward (the RL head re-chunks there) with its own
+    ``CHUNK_BYTES``, gives the default rows' gradients, and leaves the default in place."""
+    from kernels import _lce_chunks
+
+    seen = []
+    chunk_rows = _lce_chunks.Head.chunk_rows
+    monkeypatch.setattr(_lce_chunks.Head, "chunk_rows",
+                        lambda self, n, v: seen.append(chunk_rows(self, n, v)) or seen[-1])
+    hidden, weight, labels = _inputs()
+    default = _lce_chunks.CHUNK_BYTES
+    peers = bench_loss._peers(chunk_mibs=(1,))
+    for name in ("mpcore CE", "mpcore logprobs+entropy"):
+        small = peers[f"{name} @1 MiB"]
+        small.chunk_bytes = 16 * 80 * 4  # 16 rows of 80 fp32 logits: 3 chunks of the 48 rows
+        seen.clear()
+        want = bench_loss._step(peers[name], hidden, weight, labels)
+        assert set(seen) == {48}
+        seen.clear()
+        got = bench_loss._step(small, hidden, weight, labels)
+        assert set(seen) == {16} and len(seen) == (1 if name == "mpcore CE" else 2)
+        assert _lce_chunks.CHUNK_BYTES == default
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

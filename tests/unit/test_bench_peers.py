@@ -229,6 +229,7 @@ def test_smoke_rows_on_cpu(tmp_path):
         assert r == json.loads((tmp_path / f"{name}_64x2.json").read_text())
         assert (r["device"], r["seq"], r["micro_batch"], r["steps"]) == ("cpu", 64, 2, 2)
         assert r["versions"]["torch"] == torch.__version__
+        assert r["row_wall_s"] > 0 and r["matmul_bf16_tflops_before"] is None  # no GPU to check
     trained = [by_name[n] for n in ("torchtitan_bf16", "torchtitan_float8", "mpcore_bf16")]
     for r in trained:
         assert r["tokens_per_s_per_gpu"] == pytest.approx(64 * 2 / (r["step_ms"] / 1e3))

@@ -102,7 +102,7 @@ def single(tmp_path_factory) -> dict:
     """bench_train.py in one process, training steps, both sides: the layouts' loss reference."""
     tmp_path = tmp_path_factory.mktemp("bench_single")
     return _bench(tmp_path, "single", "bench_train.py", "--activation-checkpointing",
-                  "--variants", "auto:none,native:none")
+                  "--variants", "auto:none,native:none:lce1")
 
 
 def test_bench_model_with_hf_baseline(tmp_path):
@@ -127,6 +127,7 @@ def test_bench_train_single_process_with_hf_baseline(single):
     assert (first["fp8"], first["linear_backend"]) == (second["fp8"], second["linear_backend"]) \
         == ("none", "native")
     assert first["mpcore"] == single["mpcore"]
+    assert (first["lce_chunk_mib"], second["lce_chunk_mib"]) == (512, 1)  # the loss head's budget
     _check_side(second["mpcore"], SEQ * MICRO_BATCH, 1)
     assert second["mpcore"]["first_loss"] == first["mpcore"]["first_loss"]  # same seed, batches
     for v in (first, second):
