@@ -51,6 +51,15 @@ def build_optimizer(model: nn.Module, cfg: Config, device_type: str) -> torch.op
     return torch.optim.AdamW(groups, fused=device_type == "cuda" or None, **kwargs)
 
 
+def decides_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip and clip an update without the host: PyTorch's fused
+    AdamW reads two tensors at its step, ``grad_scale`` (every gradient is divided by it) and
+    ``found_inf`` (1: no parameter or moment changes and the step counts stay), so the step
+    needs no CPU-GPU sync to decide (``mpcore.train``)."""
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.param_groups) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
 def lr_at(step: int, cfg: Config) -> float:
     """Learning rate of optimizer step ``step`` (1-based).
 
@@ -141,6 +150,18 @@ class GradNorm:
         elif group_size(self.group) > 1:
             total = _sum_in_rank_order(total, self.group)
         return total.sqrt()
+
+    @staticmethod
+    def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """:meth:`clip_` as a divisor on the device, for a fused AdamW's ``grad_scale``:
+        ``(norm + 1e-6) / max_norm`` when ``norm > max_norm`` (> 0), else 1; fp32 scalar.
+        Dividing by it scales as ``clip_`` does, to fp32 rounding (``clip_`` multiplies by
+        the quotient computed in float64: the two differ by a few ulp)."""
+        one = torch.ones((), dtype=torch.float32, device=norm.device)
+        if max_norm <= 0:
+            return one
+        norm = norm.float()
+        return torch.where(norm > max_norm, (norm + 1e-6) / max_norm, one)
 
     @torch.no_grad()
     def clip_(self, norm: float, max_norm: float) -> None:

@@ -13,10 +13,16 @@ One optimizer step, on every rank:
     finite?  clip to grad_clip, set lr(step), optimizer.step()
     else     skip the update, count it; max_bad_steps in a row stop the run (TrainingDiverged)
 
+With PyTorch's fused AdamW (CUDA) that decision is made on the device (``Trainer.launch_step``):
+no CPU-GPU sync per step, and :meth:`Trainer.fit` reads a step's loss and norm while the next
+step runs, except at steps that need them at once (logging, validation, a checkpoint, the last
+step, a stop request), which it settles before going on. Otherwise the host reads both first.
+
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
 the first step boundary after SIGTERM, SIGUSR1 (what ``sbatch --signal=USR1@T`` sends before
 the time limit) or SIGINT (Ctrl-C; a second Ctrl-C, more than ``SAME_CTRL_C_S`` after the
-first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step, save,
+first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step (read a
+step later when the device decides the updates: the run then stops one step later), save,
 and :func:`fit` returns ``"preempted"``: launch/pretrain.py then exits with code 75
 (``mpcore.processes``; rerunning the same command resumes from ``latest``). Under a bare
 torchrun the launcher catches SIGTERM itself and exits 1; ``python -m mpcore.torchrun`` passes
@@ -58,7 +64,7 @@ from mpcore.checkpoint_async import AsyncSaver, background_saves, node_memory_by
 from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.moe_step import MoeStep, moe_record
-from mpcore.optim import lr_at, set_lr
+from mpcore.optim import decides_on_device, lr_at, set_lr
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import claim_run_dir, rewrite_metrics
@@ -89,6 +95,33 @@ class FitResult:
     bad_steps: int = 0
 
 
+@dataclass
+class PendingStep:
+    """One launched optimizer step (``Trainer.launch_step``): its ``[loss, norm, stop flag]``
+    on the host, still being copied from the device until ``event`` has completed."""
+
+    step: int
+    values: torch.Tensor  # fp32 [3] on the CPU (pinned, when copied from CUDA)
+    event: torch.cuda.Event | None  # recorded after the copy; None: values already there
+    on_device: bool  # the update was decided on the device (no sync at launch)
+
+    @staticmethod
+    def copied(step: int, values: torch.Tensor) -> PendingStep:
+        if values.device.type != "cuda":
+            return PendingStep(step, values, None, True)
+        host = values.to("cpu", non_blocking=True)  # into pinned memory
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(step, host, event, True)
+
+    def numbers(self) -> tuple[float, float, bool]:
+        """(loss, norm, stop asked on some rank), waiting for this step's copy only."""
+        if self.event is not None:
+            self.event.synchronize()
+        loss, norm, stop = self.values.tolist()
+        return loss, norm, stop > 0
+
+
 class Trainer:
     """Runs :class:`mpcore.build.Run`'s model to ``training.max_steps`` (module docstring).
 
@@ -109,6 +142,8 @@ class Trainer:
         self.bad_steps = self.consecutive_bad = 0
         self._fingerprint: dict | None = None
         self.stop_requested = False
+        self.stop_seen = False  # a rank's stop request, as read from a settled step
+        self.settled_step = 0  # the newest step whose numbers the host has read (settle)
         self.stop_signal: str | None = None  # the first stop signal received here
         # The last step's MoE terms (MoE models); reduced to numbers only when logged.
         self.last_moe: MoeStep | None = None
@@ -263,6 +298,18 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step; returns (global loss, global grad norm) as Python floats."""
+        return self.settle(self.launch_step())
+
+    def launch_step(self) -> PendingStep:
+        """Enqueue one optimizer step; :meth:`settle` gives its numbers.
+
+        With PyTorch's fused AdamW (CUDA) the update is decided on the device: it is skipped
+        there when the loss or the norm is not finite (``found_inf``), and clipping is the
+        optimizer's own gradient divisor (``grad_scale``, ``GradNorm.clip_divisor``), so the
+        host does not wait for the step and can enqueue the next one while it runs. The loss,
+        norm and (multi-rank) stop flag reach the host by a non-blocking copy. Otherwise the
+        host reads the loss and norm (a CPU-GPU sync) and decides, as ``clip_`` and a skipped
+        ``optimizer.step()``; both ways update the same parameters the same way."""
         run, beat = self.run, self.watchdog.beat
         beat(self.step + 1, "data")
         if self.step_hook:
@@ -272,22 +319,53 @@ class Trainer:
         loss = self._forward_backward(batches)
         beat(self.step + 1, "optimizer")
         norm = run.grad_norm()
-        loss_f, norm_f = float(loss), float(norm)  # CPU-GPU sync point: decides the update
         self.step += 1
+        opt, clip = run.optimizer, self.cfg.optimizer.grad_clip
+        if decides_on_device(opt):
+            finite = torch.isfinite(loss) & torch.isfinite(norm)
+            opt.found_inf = (~finite).to(torch.float32)
+            opt.grad_scale = run.grad_norm.clip_divisor(norm, clip)
+            set_lr(opt, lr_at(self.step, self.cfg))
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf, opt.grad_scale
+            values = torch.stack([loss.detach().float(), norm.float(), self._stop_flag()])
+            pending = PendingStep.copied(self.step, values)
+        else:
+            loss_f, norm_f = float(loss), float(norm)  # CPU-GPU sync point: decides the update
+            if math.isfinite(loss_f) and math.isfinite(norm_f):
+                run.grad_norm.clip_(norm_f, clip)
+                set_lr(opt, lr_at(self.step, self.cfg))
+                opt.step()
+            pending = PendingStep(self.step, torch.tensor([loss_f, norm_f, 0.0]), None, False)
+        opt.zero_grad(set_to_none=True)
+        beat(self.step, "step end")
+        return pending
+
+    def _stop_flag(self) -> torch.Tensor:
+        """The stop request on the device: MAX over the ranks (an all-reduce the host does not
+        wait for), read when the step settles; 0 for one process (fit reads its own flag)."""
+        flag = torch.full((), float(self.stop_requested), device=self.run.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def settle(self, pending: PendingStep) -> tuple[float, float]:
+        """``pending``'s (global loss, global grad norm) as floats, waiting for that step only
+        (not for steps enqueued after it); a non-finite one is counted as a skipped update."""
+        loss_f, norm_f, stop = pending.numbers()
+        self.settled_step = pending.step
+        self.stop_seen = self.stop_seen or stop
         if math.isfinite(loss_f) and math.isfinite(norm_f):
-            run.grad_norm.clip_(norm_f, self.cfg.optimizer.grad_clip)
-            set_lr(run.optimizer, lr_at(self.step, self.cfg))
-            run.optimizer.step()
             self.consecutive_bad = 0
         else:
             self.bad_steps += 1
             self.consecutive_bad += 1
-            if run.state.rank == 0:
+            if self.run.state.rank == 0:
                 log.warning("step %d: non-finite loss %s or grad norm %s; update skipped "
-                            "(%d in a row, %d total)", self.step, loss_f, norm_f,
+                            "(%d in a row, %d total)", pending.step, loss_f, norm_f,
                             self.consecutive_bad, self.bad_steps)
-        run.optimizer.zero_grad(set_to_none=True)
-        beat(self.step, "step end")
         return loss_f, norm_f
 
     # ------------------------------------------------------------------ the loop
@@ -322,11 +400,12 @@ class Trainer:
 
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
-        first = self.step - self.consecutive_bad + 1
+        last = self.settled_step
+        first = last - self.consecutive_bad + 1
         good = newest_finite(self.cfg.checkpoint_dir)
         intact = (f"the newest checkpoint saved from a finite state is {good}" if good else
                   f"no checkpoint from a finite state was saved in {self.cfg.checkpoint_dir}")
-        return (f"{what}: steps {first}-{self.step} had a non-finite loss or gradient norm "
+        return (f"{what}: steps {first}-{last} had a non-finite loss or gradient norm "
                 f"(updates skipped, nothing saved from them; training.max_bad_steps="
                 f"{self.cfg.training.max_bad_steps}); {intact}. Lower optimizer.lr, check the "
                 f"data, or raise training.max_bad_steps, then rerun to resume")
@@ -364,22 +443,32 @@ class Trainer:
         self.watchdog.start(self.step)
         try:
             last_time, last_step = time.perf_counter(), self.step
+            earlier = None  # a step decided on the device whose numbers were not read yet
             while self.step < cfg.training.max_steps:
-                loss, norm = self.train_step()
-                result.losses.append(loss)
-                result.grad_norms.append(norm)
-                if self.consecutive_bad >= cfg.training.max_bad_steps:
-                    raise TrainingDiverged(self._streak(
-                        f"stopped after {self.consecutive_bad} non-finite steps in a row"))
+                pending = self.launch_step()
+                if earlier is not None:  # the step before this one: done, or nearly
+                    self._record(earlier, result)
+                    earlier = None
                 done = self.step == cfg.training.max_steps
+                evaluate = bool(eval_every and run.valid_loader is not None and (
+                    self.step % eval_every == 0 or done))
+                logs = self.step % cfg.logging.log_every == 0 or done or self.step == 1
+                save = bool(every and (self.step % every == 0 or done))
+                stop_asked = self.stop_requested if run.state.world_size == 1 else self.stop_seen
+                if pending.on_device and not (done or evaluate or logs or save or stop_asked):
+                    # Nothing this step needs its numbers now: read them during the next step,
+                    # so the host enqueues that one while this one runs (no CPU-GPU sync).
+                    earlier = pending
+                    if self.async_saver is not None:
+                        self._report_background(self.async_saver.poll())
+                    continue
+                loss, norm = self._record(pending, result)
                 valid = None
-                if eval_every and run.valid_loader is not None and (
-                        self.step % eval_every == 0 or done):
+                if evaluate:
                     self.watchdog.beat(self.step, "validation")
                     valid = validation_loss(run)
                     self.watchdog.beat(self.step, "step end")
-                if (self.step % cfg.logging.log_every == 0 or done or self.step == 1
-                        or valid is not None):
+                if logs or valid is not None:
                     now = time.perf_counter()
                     self._log(metrics, loss, norm, (self.step - last_step) / (now - last_time),
                               valid, clock.fields(self.step))
@@ -387,7 +476,7 @@ class Trainer:
                 stop = self._agree_stop()
                 if self.async_saver is not None:
                     self._report_background(self.async_saver.poll())
-                if stop or (every and (self.step % every == 0 or done)):
+                if stop or save:
                     self._save_unless_streak(stop, background=not (stop or done))
                 if done and self.consecutive_bad:
                     raise TrainingDiverged(self._streak(
@@ -409,6 +498,16 @@ class Trainer:
             metrics.close()
         result.step, result.bad_steps = self.step, self.bad_steps
         return result
+
+    def _record(self, pending: PendingStep, result: FitResult) -> tuple[float, float]:
+        """Settle ``pending`` into ``result``; raise TrainingDiverged at max_bad_steps."""
+        loss, norm = self.settle(pending)
+        result.losses.append(loss)
+        result.grad_norms.append(norm)
+        if self.consecutive_bad >= self.cfg.training.max_bad_steps:
+            raise TrainingDiverged(self._streak(
+                f"stopped after {self.consecutive_bad} non-finite steps in a row"))
+        return loss, norm
 
     def _log(self, metrics: MetricsWriter, loss: float, norm: float, steps_per_s: float,
              valid: float | None = None, times: dict | None = None) -> None:

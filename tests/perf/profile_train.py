@@ -70,18 +70,33 @@ def host_syncs(step) -> str:
     (``torch.cuda.set_sync_debug_mode``): each is a point where the GPU drains and waits for
     the host."""
     import collections
+    import traceback
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
+    where = collections.Counter()
+    repo = str(Path(__file__).resolve().parents[2])
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        # The warning names the innermost Python frame (often inside torch); the innermost
+        # frame of this repository says which of our lines asked for it.
+        ours = [f for f in traceback.extract_stack()[:-1]
+                if f.filename.startswith(repo) and "tests/perf" not in f.filename]
+        place = f"{Path(filename).name}:{lineno}"
+        if ours and ours[-1].filename != filename:
+            place += f" (from {Path(ours[-1].filename).name}:{ours[-1].lineno})"
+        where[place] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                if "synchroniz" in str(w.message))
     lines = [f"host syncs in one step: {sum(where.values())}"]
     lines += [f"{n:5d}  {place}" for place, n in where.most_common()]
     return "\n".join(lines) + "\n"
