@@ -124,7 +124,8 @@ def check_cu_seqlens(cu_seqlens, total: int) -> torch.Tensor:
 def position_ids(cu_seqlens, total: int) -> torch.Tensor:
     """Positions ``[T]`` int64 that restart at 0 at each document (``cu_seqlens`` as above)."""
     cu = check_cu_seqlens(cu_seqlens, total)
-    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])  # (T,) offset of own document
+    # (T,) offset of its own document; output_size spares a CUDA cu_seqlens a host sync
+    starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=total)
     return torch.arange(total, device=cu.device) - starts
 
 

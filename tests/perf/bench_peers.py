@@ -27,8 +27,12 @@ last token of each sample without a target. Every row takes a full step: forward
 gradient clipping at the config's grad_clip, AdamW at the config's lr / betas / weight decay
 with 10 warmup steps, each through the peer's own optimizer and scheduler.
 
-Per row, ``OUT/<row>_<seq>x<micro_batch>.json`` holds bench_train's fields (median ``step_ms``
-over ``--steps`` after ``--warmup``, ``tokens_per_s_per_gpu``, ``peak_gib`` from CUDA's
+Per row, ``OUT/<row>_<seq>x<micro_batch>.json`` holds bench_train's fields (``step_ms`` over
+``--steps`` after ``--warmup``: with ``--timing steady``, the default, their mean with the steps
+run back to back, each row's step reading its loss after the next step started, as its own
+training loop would (Megatron's optimizer still reads its grad norm on the host each step, as
+it does in Megatron); ``synced``: the median with the device synchronised around each step;
+``timing`` says which; ``tokens_per_s_per_gpu``, ``peak_gib`` from CUDA's
 allocator, ``first_loss`` / ``last_loss``) plus ``row``, ``settings`` and ``versions``; a row
 that fails writes its ``error`` (the tail of its output) instead and the others still run.
 Each row also records ``row_wall_s`` (its process, start to end) and
@@ -180,11 +184,11 @@ def run_megatron(args, fp8: bool) -> dict:
                         total_steps=args.warmup + args.steps)
     model, optimizer, scheduler = training_pieces(config, model, adam)
 
-    def step(_: int) -> float:
+    def step(_: int) -> torch.Tensor:  # its optimizer reads its grad norm itself (a sync)
         ids, labels, mask = data.next()
-        return float(train_step(model, optimizer, scheduler, ids, positions, labels, mask))
+        return train_step(model, optimizer, scheduler, ids, positions, labels, mask).detach()
 
-    result = _timed(step, args.steps, args.warmup)
+    result = _timed(step, args.steps, args.warmup, steady=args.timing == "steady")
     result["settings"], result["tokens_crc32"] = settings, data.crc
     return result
 
@@ -375,9 +379,9 @@ def run_torchtitan(args, float8: bool) -> dict:
         dist_utils.clip_grad_norm_(params, opt.grad_clip, foreach=True)
         optimizers.step()
         schedulers.step()
-        return float(loss.detach())
+        return loss.detach()  # its trainer reads the loss at log steps only
 
-    result = _timed(step, args.steps, args.warmup)
+    result = _timed(step, args.steps, args.warmup, steady=args.timing == "steady")
     result["settings"] = {"flavour": flavour or "same builder at the config's shape",
                           "fsdp2": "mesh of 1, bf16 params, fp32 reduce",
                           "attention": "flex" if cuda else "sdpa (CPU)",
@@ -411,6 +415,7 @@ def run_ours(args, variant: str, out: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).parent / "bench_train.py"), str(raw), "--config",
            str(args.config), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--skip-hf",
+           "--timing", args.timing,
            "--variants", variant, "--run-dir", tempfile.mkdtemp(prefix="bench_peers_run_")]
     run_subprocess(cmd, args.timeout)
     report = json.loads(raw.read_text())
@@ -452,7 +457,8 @@ def run_all(args) -> list[dict]:
                 else:
                     run_subprocess([sys.executable, __file__, "--one", row, "--config", str(args.config),
                           "--seq", str(seq), "--micro-batch", str(micro_batch), "--steps",
-                          str(args.steps), "--warmup", str(args.warmup), "--out", str(out)],
+                          str(args.steps), "--warmup", str(args.warmup), "--timing",
+                          args.timing, "--out", str(out)],
                          args.timeout)
                     result = json.loads(out.read_text())
             except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -522,6 +528,9 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timeout", type=int, default=420, help="seconds per row")
+    parser.add_argument("--timing", default="steady", choices=["steady", "synced"],
+                        help="bench_train's --timing, for every row (each step as its own "
+                             "training loop runs it: steady)")
     parser.add_argument("--one", dest="row", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)

@@ -5,6 +5,7 @@ Usage (one GPU, both sides in one run):
         [--seq 4096] [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
         [--fp8 none|tensorwise|te_delayed|te_current] [--attention-backend auto|flash|sdpa_cudnn]
         [--linear-backend native|te|auto] [--variants native:none,te:none,te:te_delayed,...]
+        [--timing steady|synced]
 Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
     torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
         neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
@@ -25,8 +26,11 @@ both sides run on the CPU the way pretrain does there: fp32 without autocast, un
 gloo under torchrun. The JSON's ``device`` is then "cpu", ``peak_gib`` is null (there is no
 allocator peak to read) and ``tokens_per_s_per_gpu`` is per process.
 
-Reported per side: median step time over ``--steps`` timed steps (after ``--warmup``), tokens/s
-per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
+Reported per side: the step time over ``--steps`` timed steps (after ``--warmup``; ``--timing
+steady``, the default: their mean, run back to back as a training loop runs them, mpcore's
+through ``Trainer.launch_step`` / ``settle`` as ``fit`` does and the baselines' without a
+``float(loss)`` per step; ``--timing synced``: the median, the device synchronised around each
+step, as before 2026-12-02; the JSON's ``timing`` says which), tokens/s per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
 the first/last loss (a sanity check that each side trains). ``--fp8``, ``--attention-backend``
 and ``--linear-backend`` set mpcore's ``model.fp8``, ``model.attention_backend`` and
 ``model.linear_backend`` (the baselines stay bf16 with SDPA); the JSON names them (``fp8``: the
@@ -106,24 +110,43 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(step, steps: int, warmup: int) -> dict:
-    """Run ``step(i)`` (returns a loss float) for i in range(warmup + steps); median time of
-    the last ``steps``, peak memory (CUDA's allocator peak; None on CPU), first/last loss."""
+def _timed(step, steps: int, warmup: int, finish=float, steady: bool = False) -> dict:
+    """Run ``step(i)`` for i in range(warmup + steps); ``finish(what it returned)`` is that
+    step's loss as a float. Peak memory (CUDA's allocator peak; None on CPU), first/last loss.
+
+    synced (default): the device is synchronised around every step; ``step_ms`` is the median
+    of the last ``steps``. steady: the last ``steps`` run back to back as a training loop runs
+    them, each step finished after the next one was started (what ``Trainer.fit`` does), the
+    device synchronised only before and after them; ``step_ms`` is their mean. A step that
+    waits for the device itself (``float(loss)`` inside, or a peer's own sync) gains nothing
+    from steady timing; one that never waits overlaps its host work with the previous step."""
     cuda = torch.cuda.is_available()
     _sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
-    for i in range(warmup + steps):
+    for i in range(warmup + (0 if steady else steps)):
         _sync()
         start = time.perf_counter()
-        losses.append(step(i))  # the float() inside syncs
+        losses.append(finish(step(i)))
         _sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    if steady:
+        _sync()
+        start, earlier = time.perf_counter(), None
+        for i in range(warmup, warmup + steps):
+            launched = step(i)
+            if earlier is not None:
+                losses.append(finish(earlier))
+            earlier = launched
+        losses.append(finish(earlier))
+        _sync()
+        times = [(time.perf_counter() - start) / steps]
     return {"step_ms": 1e3 * statistics.median(times),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+            "first_loss": losses[0], "last_loss": losses[-1],
+            "timing": "steady" if steady else "synced"}
 
 
 def bench_mpcore(args) -> dict:
@@ -154,9 +177,13 @@ def bench_mpcore(args) -> dict:
         run.optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
-    step = (lambda _: forward_backward()) if args.forward_backward_only else (
-        lambda _: trainer.train_step()[0])
-    result = _timed(step, args.steps, args.warmup)
+    if args.forward_backward_only:
+        result = _timed(lambda _: forward_backward(), args.steps, args.warmup)
+    elif args.timing == "steady":  # launched, then settled during the next step (as fit)
+        result = _timed(lambda _: trainer.launch_step(), args.steps, args.warmup,
+                        finish=lambda pending: trainer.settle(pending)[0], steady=True)
+    else:
+        result = _timed(lambda _: trainer.train_step()[0], args.steps, args.warmup)
     tokens = args.seq * args.micro_batch * state.dp  # per step, whole world
     result["tokens_per_s_per_gpu"] = tokens / (result["step_ms"] / 1e3) / state.world_size
     result["layout"] = {"tp": state.tp, "cp": state.cp, "dp": state.dp,
@@ -210,9 +237,9 @@ def bench_hf(args, liger: bool) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return loss.detach()  # read by _timed (after the next step, when steady)
 
-    result = _timed(step, args.steps, args.warmup)
+    result = _timed(step, args.steps, args.warmup, steady=args.timing == "steady")
     result["tokens_per_s_per_gpu"] = args.seq * args.micro_batch / (result["step_ms"] / 1e3)
     return result
 
@@ -249,6 +276,9 @@ def parse_args(argv):
     parser.add_argument("--attention-backend", default="auto",
                         choices=["auto", "flash", "sdpa_cudnn", "reference"],
                         help="mpcore's model.attention_backend")
+    parser.add_argument("--timing", default="steady", choices=["steady", "synced"],
+                        help="steady: the timed steps back to back, as training runs them "
+                             "(mean); synced: the device synchronised around each (median)")
     parser.add_argument("--variants", default="",
                         help="comma-separated linear_backend:fp8 pairs of mpcore to time beside "
                              "one run of the baselines (e.g. native:none,te:te_delayed); "

@@ -128,6 +128,9 @@ def test_bench_train_single_process_with_hf_baseline(single):
         == ("none", "native")
     assert first["mpcore"] == single["mpcore"]
     assert (first["lce_chunk_mib"], second["lce_chunk_mib"]) == (512, 1)  # the loss head's budget
+    # Steady timing (the default), for mpcore and the baselines alike.
+    assert {v["mpcore"]["timing"] for v in (first, second)} == {single["hf"]["timing"]} \
+        == {"steady"}
     _check_side(second["mpcore"], SEQ * MICRO_BATCH, 1)
     assert second["mpcore"]["first_loss"] == first["mpcore"]["first_loss"]  # same seed, batches
     for v in (first, second):

@@ -1,0 +1,71 @@
+"""The training step on CUDA decides its update on the device (fused AdamW's ``found_inf`` and
+``grad_scale``): launching a step asks the host to wait for nothing, ``fit`` (which reads each
+step's numbers during the next one) gives the losses of one ``train_step`` at a time, and the
+device's decision trains as the host's did (clipping on: a few ulp per update apart)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import mpcore.train
+from mpcore.build import build, resolve_device, setup
+from mpcore.config import load_config
+from mpcore.optim import decides_on_device
+from mpcore.train import Trainer, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs CUDA")]
+STEPS = 6
+
+
+def _cfg(tmp_path, run: str, *overrides: str):
+    return load_config(None, ["training.device=cuda", f"training.max_steps={STEPS}",
+                              "checkpoint.every=0", "checkpoint.resume=false",
+                              "logging.log_every=100", "optimizer.grad_clip=0.05",
+                              f"data.cache_dir={tmp_path / 'data'}",
+                              f"logging.run_dir={tmp_path / run}", *overrides])
+
+
+def _trainer(cfg) -> Trainer:
+    return Trainer(build(cfg, setup(cfg), resolve_device(cfg)))
+
+
+def test_launching_a_step_never_waits_for_the_gpu(tmp_path):
+    trainer = _trainer(_cfg(tmp_path, "run"))
+    assert decides_on_device(trainer.run.optimizer)
+    for _ in range(2):  # first use: allocator, kernel compiles, cuDNN plans
+        trainer.train_step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            pending = trainer.launch_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == [], syncs
+    loss, norm = trainer.settle(pending)
+    assert torch.isfinite(torch.tensor([loss, norm])).all() and norm > 0.05
+
+
+def test_fit_gives_the_losses_of_one_step_at_a_time(tmp_path):
+    trainer = _trainer(_cfg(tmp_path, "stepped"))
+    stepped = [trainer.train_step() for _ in range(STEPS)]
+    fitted = train(_cfg(tmp_path, "fitted"))
+    assert fitted.losses == [loss for loss, _ in stepped]
+    assert fitted.grad_norms == [norm for _, norm in stepped]
+
+
+def test_device_decision_trains_as_the_host_decision(tmp_path, monkeypatch):
+    trainer = _trainer(_cfg(tmp_path, "device"))
+    device = [trainer.train_step() for _ in range(STEPS)]
+    monkeypatch.setattr(mpcore.train, "decides_on_device", lambda optimizer: False)
+    trainer = _trainer(_cfg(tmp_path, "host"))
+    host = [trainer.train_step() for _ in range(STEPS)]
+    assert device[0] == host[0]
+    for (dl, dn), (hl, hn) in zip(device, host, strict=True):
+        assert dl == pytest.approx(hl, rel=1e-4) and dn == pytest.approx(hn, rel=1e-3)
