@@ -15,6 +15,7 @@ import signal
 
 import pytest
 import torch
+from test_train import STEPS, data_dir, tiny  # noqa: F401 (fixture)
 
 import mpcore.build
 import mpcore.train
@@ -22,18 +23,8 @@ from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
 from mpcore.optim import build_optimizer, decides_on_device
 from mpcore.train import Trainer, TrainingDiverged, train
-from test_train import STEPS, tiny
 
 CLIP = "optimizer.grad_clip=0.05"  # below every step's norm here: each update is clipped
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from mpcore.data import prepare_default
-
-    folder = tmp_path_factory.mktemp("data")
-    prepare_default(folder, 512)
-    return folder
 
 
 @pytest.fixture
@@ -60,7 +51,7 @@ def _steps(cfg, n):
     return trainer, out
 
 
-def test_device_decision_equals_the_host_decision(tmp_path, data_dir, fused, monkeypatch):
+def test_device_decision_equals_the_host_decision(tmp_path, data_dir, fused, monkeypatch):  # noqa: F811
     cfg = tiny(tmp_path, data_dir, "run", CLIP)
     device_run, device = _steps(cfg, STEPS)
     assert decides_on_device(device_run.run.optimizer)
@@ -75,7 +66,7 @@ def test_device_decision_equals_the_host_decision(tmp_path, data_dir, fused, mon
     assert device[-1][0] < device[0][0] - 0.1
 
 
-def test_fit_reads_a_step_late_and_trains_the_same(tmp_path, data_dir, fused):
+def test_fit_reads_a_step_late_and_trains_the_same(tmp_path, data_dir, fused):  # noqa: F811
     _, stepped = _steps(tiny(tmp_path, data_dir, "stepped"), STEPS)
     fitted = train(tiny(tmp_path, data_dir, "fitted"))
     assert fitted.losses == [loss for loss, _ in stepped]
@@ -88,7 +79,7 @@ def test_fit_reads_a_step_late_and_trains_the_same(tmp_path, data_dir, fused):
     assert first.losses + second.losses == fitted.losses
 
 
-def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, fused):
+def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, fused):  # noqa: F811
     cfg = tiny(tmp_path, data_dir, "run", "training.max_bad_steps=2")
     run = build(cfg, setup(cfg), resolve_device(cfg))
     trainer = Trainer(run)
@@ -122,7 +113,7 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, fused):
     assert (trainer.step, trainer.settled_step, trainer.bad_steps) == (6, 5, 3)
 
 
-def test_sigterm_stops_at_the_same_step(tmp_path, data_dir, fused):
+def test_sigterm_stops_at_the_same_step(tmp_path, data_dir, fused):  # noqa: F811
     cfg = tiny(tmp_path, data_dir)
     run = build(cfg, setup(cfg), resolve_device(cfg))
     next_step = run.loader.next_step
