@@ -69,6 +69,16 @@ def host_syncs(step) -> str:
     """The lines of Python that synchronise with the device during one ``step()``, counted
     (``torch.cuda.set_sync_debug_mode``): each is a point where the GPU drains and waits for
     the host."""
+    where = sync_sites(step)
+    lines = [f"host syncs in one step: {sum(where.values())}"]
+    lines += [f"{n:5d}  {place}" for place, n in where.most_common()]
+    return "\n".join(lines) + "\n"
+
+
+def sync_sites(step):
+    """``collections.Counter`` of the places that synchronised with the device during
+    ``step()``: the innermost Python line, and the innermost line of this repository behind
+    it when that is another."""
     import collections
     import traceback
     import warnings
@@ -97,9 +107,7 @@ def host_syncs(step) -> str:
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    lines = [f"host syncs in one step: {sum(where.values())}"]
-    lines += [f"{n:5d}  {place}" for place, n in where.most_common()]
-    return "\n".join(lines) + "\n"
+    return where
 
 
 def main(argv=None) -> int:
