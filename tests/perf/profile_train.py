@@ -11,6 +11,7 @@ that synchronise with the device in one more step.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,9 @@ def sync_sites(step):
         place = f"{Path(filename).name}:{lineno}"
         if ours and ours[-1].filename != filename:
             place += f" (from {Path(ours[-1].filename).name}:{ours[-1].lineno})"
+        if os.environ.get("SYNC_STACKS"):  # the whole Python stack of each sync
+            place += " <- " + " <- ".join(f"{f.filename}:{f.lineno}"
+                                          for f in traceback.extract_stack()[-12:-1][::-1])
         where[place] += 1
 
     with warnings.catch_warnings():
@@ -116,14 +120,23 @@ def main(argv=None) -> int:
     args = bench_train.parse_args(argv)
     captured = {}
 
-    def timed(step, steps, warmup):
+    def timed(step, steps, warmup, finish=float, steady=False):
         for i in range(3):
-            step(i)
+            finish(step(i))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                      record_shapes=True) as prof:
+            earlier = None  # steady: each step read after the next one starts, as in fit
             for i in range(3, 6):
-                step(i)
+                launched = step(i)
+                if not steady:
+                    finish(launched)
+                    continue
+                if earlier is not None:
+                    finish(earlier)
+                earlier = launched
+            if earlier is not None:
+                finish(earlier)
             torch.cuda.synchronize()
         captured["prof"] = prof
         captured["syncs"] = host_syncs(lambda: step(6))
