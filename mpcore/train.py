@@ -21,8 +21,9 @@ step, a stop request), which it settles before going on. Otherwise the host read
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
 the first step boundary after SIGTERM, SIGUSR1 (what ``sbatch --signal=USR1@T`` sends before
 the time limit) or SIGINT (Ctrl-C; a second Ctrl-C, more than ``SAME_CTRL_C_S`` after the
-first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step (read a
-step later when the device decides the updates: the run then stops one step later), save,
+first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step (with several
+ranks and the updates decided on the device, read a step later: the run stops one step later),
+save,
 and :func:`fit` returns ``"preempted"``: launch/pretrain.py then exits with code 75
 (``mpcore.processes``; rerunning the same command resumes from ``latest``). Under a bare
 torchrun the launcher catches SIGTERM itself and exits 1; ``python -m mpcore.torchrun`` passes

@@ -27,17 +27,18 @@ from mpcore.train import Trainer, TrainingDiverged, train
 CLIP = "optimizer.grad_clip=0.05"  # below every step's norm here: each update is clipped
 
 
+def fused_adamw(model, cfg, device_type):
+    """``build_optimizer``'s AdamW (same groups and settings), fused: what CUDA runs get."""
+    plain = build_optimizer(model, cfg, device_type)
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+              for g in plain.param_groups]
+    d = plain.defaults
+    return torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], fused=True)
+
+
 @pytest.fixture
 def fused(monkeypatch):
     """Every run built in the test gets PyTorch's fused AdamW on the CPU."""
-
-    def fused_adamw(model, cfg, device_type):
-        plain = build_optimizer(model, cfg, device_type)
-        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-                  for g in plain.param_groups]
-        d = plain.defaults
-        return torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], fused=True)
-
     monkeypatch.setattr(mpcore.build, "build_optimizer", fused_adamw)
 
 
