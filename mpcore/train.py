@@ -21,13 +21,12 @@ step, a stop request), which it settles before going on. Otherwise the host read
 Checkpoints (``mpcore.checkpoint``): every ``checkpoint.every`` steps, at the last step, and at
 the first step boundary after SIGTERM, SIGUSR1 (what ``sbatch --signal=USR1@T`` sends before
 the time limit) or SIGINT (Ctrl-C; a second Ctrl-C, more than ``SAME_CTRL_C_S`` after the
-first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the ranks agree on it with one all-reduce per step (with several
-ranks and the updates decided on the device, read a step later: the run stops one step later),
-save,
-and :func:`fit` returns ``"preempted"``: launch/pretrain.py then exits with code 75
-(``mpcore.processes``; rerunning the same command resumes from ``latest``). Under a bare
-torchrun the launcher catches SIGTERM itself and exits 1; ``python -m mpcore.torchrun`` passes
-the workers' 75 on.
+first, raises KeyboardInterrupt at once, without saving). The handler only sets a flag; the
+ranks agree on it with one all-reduce per step (with several ranks and the updates decided on
+the device, read a step later: the run stops one step later), save, and :func:`fit` returns
+``"preempted"``: launch/pretrain.py then exits with code 75 (``mpcore.processes``; rerunning
+the same command resumes from ``latest``). Under a bare torchrun the launcher catches SIGTERM
+itself and exits 1; ``python -m mpcore.torchrun`` passes the workers' 75 on.
 Resume is automatic (``checkpoint.resume``): the newest checkpoint that verifies and loads
 (``mpcore.checkpoint``), if its config is the same run (``mpcore.resume_check``). Inside a
 non-finite streak no periodic or final checkpoint is saved (a stop signal still saves), and
@@ -247,7 +246,7 @@ class Trainer:
             if value is not None:
                 group["step"] = value
         self.run.loader.load_state_dict(meta["loader"])
-        self.step = int(meta["step"])
+        self.step = self.settled_step = int(meta["step"])
         self.bad_steps = int(meta["bad_steps"])
         self.consecutive_bad = int(meta["consecutive_bad"])
         if s.rank == 0:

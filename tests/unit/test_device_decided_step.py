@@ -10,12 +10,16 @@ the run, and ``fit``'s one-step-late reading of the numbers, which must not chan
 from __future__ import annotations
 
 import math
-import os
-import signal
 
 import pytest
 import torch
-from test_train import STEPS, data_dir, tiny  # noqa: F401 (fixture)
+from test_train import (  # noqa: F401 (data_dir: a fixture)
+    STEPS,
+    data_dir,
+    fit_with_sigterm_in_step_3,
+    poisonable,
+    tiny,
+)
 
 import mpcore.build
 import mpcore.train
@@ -81,12 +85,7 @@ def test_fit_reads_a_step_late_and_trains_the_same(tmp_path, data_dir, fused):  
 
 
 def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, fused):  # noqa: F811
-    cfg = tiny(tmp_path, data_dir, "run", "training.max_bad_steps=2")
-    run = build(cfg, setup(cfg), resolve_device(cfg))
-    trainer = Trainer(run)
-    poison = {"on": False}
-    run.model.norm.register_forward_hook(
-        lambda module, args, out: out * float("nan") if poison["on"] else out)
+    run, trainer, poison = poisonable(tiny(tmp_path, data_dir, "run", "training.max_bad_steps=2"))
     trainer.train_step()
 
     def snapshot():
@@ -116,16 +115,7 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, fused):  #
 
 def test_sigterm_stops_at_the_same_step(tmp_path, data_dir, fused):  # noqa: F811
     cfg = tiny(tmp_path, data_dir)
-    run = build(cfg, setup(cfg), resolve_device(cfg))
-    next_step = run.loader.next_step
-
-    def next_step_then_sigterm():
-        if run.loader.consumed == 2 * 4:  # during step 3
-            os.kill(os.getpid(), signal.SIGTERM)
-        return next_step()
-
-    run.loader.next_step = next_step_then_sigterm
-    result = Trainer(run).fit()
+    result = fit_with_sigterm_in_step_3(cfg)  # one process: its own flag, read at once
     assert (result.status, result.step) == ("preempted", 3)
     assert latest_checkpoint(cfg.checkpoint_dir).name == "step-3"
     assert len(result.losses) == 3

@@ -84,8 +84,8 @@ def test_crash_between_write_and_rename_keeps_previous(tmp_path, data_dir, strai
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-6", "step-8"]
 
 
-def test_sigterm_saves_and_stops(tmp_path, data_dir, straight):
-    cfg = tiny(tmp_path, data_dir)
+def fit_with_sigterm_in_step_3(cfg):
+    """``fit`` of a fresh run of ``cfg`` that gets SIGTERM while step 3 reads its data."""
     run = build(cfg, setup(cfg), resolve_device(cfg))
     next_step = run.loader.next_step
 
@@ -95,19 +95,30 @@ def test_sigterm_saves_and_stops(tmp_path, data_dir, straight):
         return next_step()
 
     run.loader.next_step = next_step_then_sigterm
-    result = Trainer(run).fit()
+    return Trainer(run).fit()
+
+
+def test_sigterm_saves_and_stops(tmp_path, data_dir, straight):
+    cfg = tiny(tmp_path, data_dir)
+    result = fit_with_sigterm_in_step_3(cfg)
     assert (result.status, result.step) == ("preempted", 3)
     assert latest_checkpoint(cfg.checkpoint_dir).name == "step-3"
     assert train(cfg).losses == straight[3:]
 
 
-def test_non_finite_steps_are_skipped_then_stop(tmp_path, data_dir):
-    cfg = tiny(tmp_path, data_dir, "run", "checkpoint.every=1", "training.max_bad_steps=2")
+def poisonable(cfg):
+    """(run, trainer, poison) for ``cfg``: while ``poison["on"]``, the final norm's output is
+    NaN, so the step's loss and gradients are."""
     run = build(cfg, setup(cfg), resolve_device(cfg))
-    trainer = Trainer(run)
     poison = {"on": False}
     run.model.norm.register_forward_hook(
         lambda module, args, out: out * float("nan") if poison["on"] else out)
+    return run, Trainer(run), poison
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, data_dir):
+    cfg = tiny(tmp_path, data_dir, "run", "checkpoint.every=1", "training.max_bad_steps=2")
+    run, trainer, poison = poisonable(cfg)
     trainer.train_step()
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     poison["on"] = True
