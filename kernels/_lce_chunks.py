@@ -19,6 +19,7 @@ The row math runs through a backend: ``TorchRows`` below (the PyTorch reference,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,20 @@ CHUNK_BYTES = 512 * 1024 * 1024
 # halves its row pass's memory traffic.
 FP32_LOGITS_CE = False
 FP32_LOGITS_RECOMPUTE = True
+
+
+@contextlib.contextmanager
+def chunk_budget(nbytes: int | None):
+    """``CHUNK_BYTES`` set to ``nbytes`` inside the block (None: left as it is), for A/B runs
+    of the chunk size (``tests/perf``); restored after. Covers a backward run inside the
+    block too (the log-prob head picks its chunks again there)."""
+    global CHUNK_BYTES
+    default = CHUNK_BYTES
+    CHUNK_BYTES = default if nbytes is None else nbytes
+    try:
+        yield
+    finally:
+        CHUNK_BYTES = default
 
 
 class TorchRows:

@@ -161,7 +161,7 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype,
-                 impl: str) -> torch.Tensor:
+              impl: str) -> torch.Tensor:
     """x [T, H, D], cos/sin [T, D], all with unit last stride -> y [T, H, D] in out_dtype."""
     if impl == "triton":
         return _rotate_triton(x, cos, sin, out_dtype, _rope_fwd_kernel)
@@ -177,7 +177,7 @@ def _(x, cos, sin, out_dtype, impl):
 
 
 def _rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype,
-                 impl: str) -> torch.Tensor:
+              impl: str) -> torch.Tensor:
     """dy [T, H, D], cos/sin [T, D], all with unit last stride -> dx [T, H, D] in x_dtype."""
     if impl == "triton":
         return _rotate_triton(dy, cos, sin, x_dtype, _rope_bwd_kernel)

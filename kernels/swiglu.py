@@ -28,8 +28,8 @@ Kernels: one Triton program per ``[BLOCK_M, BLOCK_I]`` tile of rows x columns of
 forward (read gate_up, write y) and one backward (read gate_up and dy, write the gradient).
 CUDA tensors run the Triton kernels; other devices (and float64) the PyTorch reference. Both
 sit behind the same autograd.Function, and the two passes are ``torch.library.custom_op``s
-(namespace ``mpcore``), so ``torch.compile`` traces ``swiglu`` without a graph break; eager calls skip the op's dispatch
-(``kernels._triton.eager_or_op``).
+(namespace ``mpcore``), so ``torch.compile`` traces ``swiglu`` without a graph break; eager
+calls skip the op's dispatch (``kernels._triton.eager_or_op``).
 """
 
 from __future__ import annotations

@@ -204,14 +204,8 @@ def _inputs(n, h, v, seed=0, device="cuda"):
 
 
 def _step(fn, hidden, weight, labels):
-    chunk_bytes = getattr(fn, "chunk_bytes", None)
-    if chunk_bytes is None:
+    with _lce_chunks.chunk_budget(getattr(fn, "chunk_bytes", None)):
         return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
-    default, _lce_chunks.CHUNK_BYTES = _lce_chunks.CHUNK_BYTES, chunk_bytes
-    try:
-        return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
-    finally:
-        _lce_chunks.CHUNK_BYTES = default
 
 
 def measure(fn, hidden, weight, labels, floor_ms):

@@ -30,7 +30,8 @@ Reported per side: the step time over ``--steps`` timed steps (after ``--warmup`
 steady``, the default: their mean, run back to back as a training loop runs them, mpcore's
 through ``Trainer.launch_step`` / ``settle`` as ``fit`` does and the baselines' without a
 ``float(loss)`` per step; ``--timing synced``: the median, the device synchronised around each
-step, as before 2026-12-02; the JSON's ``timing`` says which), tokens/s per GPU, peak allocated memory (``torch.cuda.max_memory_allocated``, reset between sides), and
+step, as before 2026-12-02; the JSON's ``timing`` says which), tokens/s per GPU, peak allocated
+memory (``torch.cuda.max_memory_allocated``, reset between sides), and
 the first/last loss (a sanity check that each side trains). ``--fp8``, ``--attention-backend``
 and ``--linear-backend`` set mpcore's ``model.fp8``, ``model.attention_backend`` and
 ``model.linear_backend`` (the baselines stay bf16 with SDPA); the JSON names them (``fp8``: the
@@ -284,7 +285,7 @@ def parse_args(argv):
                              "one run of the baselines (e.g. native:none,te:te_delayed); "
                              "overrides --linear-backend and --fp8")
     args = parser.parse_args(argv)
-    args.variant_list, args.bf16_wgrad, args.lce_chunk_mib = [], False, None
+    args.variant_list, args.bf16_wgrad = [], False
     for item in filter(None, args.variants.split(",")):
         backend, _, rest = item.partition(":")
         fp8, _, option = rest.partition(":")
@@ -297,7 +298,7 @@ def parse_args(argv):
         args.variant_list.append((backend, fp8, option == "bf16_wgrad",
                                   int(chunk) if chunk else None))
     if args.variant_list:
-        args.linear_backend, args.fp8, args.bf16_wgrad, args.lce_chunk_mib = args.variant_list[0]
+        args.linear_backend, args.fp8, args.bf16_wgrad, _ = args.variant_list[0]
     return args
 
 
@@ -326,15 +327,11 @@ def main(argv=None) -> int:
     for (backend, fp8, bf16_wgrad, chunk_mib), chosen in zip(pairs, resolved, strict=True):
         one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8,
                                     "bf16_wgrad": bf16_wgrad})
-        default_chunk = _lce_chunks.CHUNK_BYTES
-        if chunk_mib is not None:  # the loss head's logits chunk budget, for this variant only
-            _lce_chunks.CHUNK_BYTES = chunk_mib * 2**20
-        try:
+        # the loss head's logits chunk budget, for this variant only
+        with _lce_chunks.chunk_budget(None if chunk_mib is None else chunk_mib * 2**20):
             variants.append({"fp8": fp8, "linear_backend": chosen,
                              "lce_chunk_mib": _lce_chunks.CHUNK_BYTES // 2**20,
                              "mpcore": bench_mpcore(one)})
-        finally:
-            _lce_chunks.CHUNK_BYTES = default_chunk
         if chosen == "te":
             variants[-1]["te_weight_grad"] = "bf16, cast by autograd" if bf16_wgrad else "fp32"
         _free()

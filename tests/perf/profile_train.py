@@ -11,7 +11,6 @@ that synchronise with the device in one more step.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -97,9 +96,6 @@ def sync_sites(step):
         place = f"{Path(filename).name}:{lineno}"
         if ours and ours[-1].filename != filename:
             place += f" (from {Path(ours[-1].filename).name}:{ours[-1].lineno})"
-        if os.environ.get("SYNC_STACKS"):  # the whole Python stack of each sync
-            place += " <- " + " <- ".join(f"{f.filename}:{f.lineno}"
-                                          for f in traceback.extract_stack()[-12:-1][::-1])
         where[place] += 1
 
     with warnings.catch_warnings():
