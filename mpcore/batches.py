@@ -167,15 +167,22 @@ def place(local: dict[str, torch.Tensor | None], family: Family,
     return {**to_device(local, device, IGNORE_INDEX), **host}
 
 
+# Inputs whose values (not only their ranges) the model reads on the host: the attention plan
+# reads cu_seqlens; a VL model matches input_ids' placeholders against vision_rows and finds
+# the placeholders' positions (kernels.host_checked.host_copy).
+HOST_KEPT = ("cu_seqlens", "input_ids", "vision_rows")
+
+
 def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,
               ignore_index: int) -> dict[str, torch.Tensor | None]:
     """Model inputs (host tensors) on ``device``, pinned and copied asynchronously on CUDA.
 
     Integer tensors go through ``kernels.host_checked``: their ranges are taken here, on the
-    host (``labels`` without ``ignore_index``), and ``cu_seqlens`` is kept here too, so the
-    embedding, the loss head, RoPE's position limit and the attention plan check them without
-    a device sync. Floating and bool tensors are moved as they are; a tensor already on a device
-    (pixels a loader placed there) goes with ``.to``; None stays None."""
+    host (``labels`` without ``ignore_index``), and the host tensors of ``HOST_KEPT`` are kept
+    too, so the embedding, the loss head, RoPE's position limit, the attention plan and a VL
+    model's placeholder checks run without a device sync. Floating and bool tensors are moved
+    as they are; a tensor already on a device (pixels a loader placed there) goes with
+    ``.to``; None stays None."""
     pin = device.type == "cuda"
     out = {}
     for key, value in inputs.items():
@@ -188,5 +195,5 @@ def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,
         else:
             out[key] = host_checked.to_device(
                 value, device, ignore=ignore_index if key == "labels" else None,
-                non_blocking=pin, keep_host=key == "cu_seqlens")
+                non_blocking=pin, keep_host=key in HOST_KEPT)
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.host_checked import copy_to
 from parallel.collectives import copy_to_tp, sp_all_gather
 from parallel.state import ProcessGroup, group_rank, group_size
 
@@ -104,5 +105,6 @@ def vision_rows_for_rank(tower: nn.Module, pixel_values: torch.Tensor,
         base = owner[i] * width + seen[owner[i]]
         where.extend(range(base, base + n))
         seen[owner[i]] += n
-    index = torch.tensor(where, dtype=torch.int64, device=needed.device)
+    # Built on the host, copied without a CPU-GPU sync.
+    index = copy_to(torch.tensor(where, dtype=torch.int64), needed.device)
     return gathered.index_select(0, index.index_select(0, needed)), zero

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import host_checked
 from models.common.decoder import Transformer, make_packing
 from models.common.vision_cp import MODES, vision_rows_for_rank
 from models.common.vl_split import check_grid
@@ -79,12 +80,23 @@ class VisionLanguageModel(nn.Module):
         (its embeddings and mergers), so a frozen tower is its own all-frozen units."""
         return [*self.text.layers, *self.visual.layers, self.visual]
 
-    def _check_vision(self, input_ids, vision_rows, pixel_values, grids) -> torch.Tensor:
-        """``vision_rows`` as int64 (all -1 when None); raises ``ValueError`` before any compute
-        when it disagrees with the placeholders or the vision input."""
+    def _check_vision(self, input_ids, vision_rows, pixel_values, grids
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(vision_rows, host_rows)``: ``vision_rows`` as int64 (all -1 when None) and its
+        values on the host when they are known there without a device sync (None otherwise);
+        raises ``ValueError`` before any compute when it disagrees with the placeholders or
+        the vision input.
+
+        The token checks read the host copies that ``mpcore.batches.to_device`` keeps of
+        ``input_ids`` and ``vision_rows`` (``kernels.host_checked``): no CPU-GPU sync, so the
+        host can queue this step while the device still runs the previous one. Tensors made
+        on the device are checked there, with one sync."""
         num = input_ids.shape[0]
+        host_ids = host_checked.host_copy(input_ids)
+        host_rows = None if vision_rows is None else host_checked.host_copy(vision_rows)
         if vision_rows is None:
             vision_rows = torch.full((num,), -1, dtype=torch.int64, device=input_ids.device)
+            host_rows = torch.full((num,), -1, dtype=torch.int64)
         if tuple(vision_rows.shape) != (num,) or vision_rows.dtype != torch.int64:
             raise ValueError(f"vision_rows must be int64 [{num}] (one entry per local token), "
                              f"got {vision_rows.dtype} {tuple(vision_rows.shape)}; make it with "
@@ -99,12 +111,13 @@ class VisionLanguageModel(nn.Module):
                              f"in_channels * temporal_patch_size * patch_size^2)")
         if pixel_values is None and grids:
             raise ValueError("grid_thw is given without pixel_values; pass both or neither")
-        placeholder = torch.isin(input_ids, torch.tensor(self.cfg.placeholder_ids,
-                                                         device=input_ids.device))
-        # One CPU-GPU sync: a placeholder without a row (or a text token with one) would
-        # silently embed the wrong thing.
-        bad, top = torch.stack([(placeholder != (vision_rows >= 0)).sum(),
-                                vision_rows.max() if num else vision_rows.new_zeros(())]).tolist()
+        on_host = host_ids is not None and host_rows is not None
+        ids, rows = (host_ids, host_rows) if on_host else (input_ids, vision_rows)
+        placeholder = torch.isin(ids, torch.tensor(self.cfg.placeholder_ids, device=ids.device))
+        # A placeholder without a row (or a text token with one) would silently embed the
+        # wrong thing. On the device: one CPU-GPU sync.
+        bad, top = torch.stack([(placeholder != (rows >= 0)).sum(),
+                                rows.max() if num else rows.new_zeros(())]).tolist()
         if bad:
             raise ValueError(f"{bad} local tokens disagree between input_ids (image/video "
                              f"placeholder ids) and vision_rows (>= 0); split vision_rows with "
@@ -113,7 +126,7 @@ class VisionLanguageModel(nn.Module):
             raise ValueError(f"vision_rows refers to row {top} but the vision input has "
                              f"{patches // merge ** 2} merged rows; pass the micro-batch's "
                              f"whole pixel_values and grid_thw on every cp rank")
-        return vision_rows
+        return vision_rows, host_rows if on_host else None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
                 doc_id: torch.Tensor | None = None,
@@ -129,12 +142,17 @@ class VisionLanguageModel(nn.Module):
         grids = check_grid(grid_thw, "grid_thw", self.cfg.vision.spatial_merge_size)
         packing = make_packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
         self.text.check_inputs(input_ids, position_ids, packing, labels, output)
-        vision_rows = self._check_vision(input_ids, vision_rows, pixel_values, grids)
+        vision_rows, host_rows = self._check_vision(input_ids, vision_rows, pixel_values, grids)
         h = self.text.tok_embeddings(input_ids)  # (L or L/tp, hidden)
         if self.sequence_parallel:  # this tp rank's token slice, as the reduce-scatter left it
             vision_rows = vision_rows.chunk(self.tp)[self.tp_rank]
-        # Local positions of placeholders; nonzero is a CPU-GPU sync (its size is data).
-        slots = (vision_rows >= 0).nonzero().view(-1)
+            host_rows = None if host_rows is None else host_rows.chunk(self.tp)[self.tp_rank]
+        # Local positions of placeholders. Their count is data: found on the host when the
+        # rows are known there, else by the device's nonzero (a CPU-GPU sync).
+        if host_rows is not None:
+            slots = host_checked.copy_to((host_rows >= 0).nonzero().view(-1), vision_rows.device)
+        else:
+            slots = (vision_rows >= 0).nonzero().view(-1)
         if pixel_values is None:
             pixel_values = h.new_zeros(0, self.cfg.vision.patch_dim)
         tower = getattr(self.visual, "rows", self.visual)  # rows with DeepStack features beside

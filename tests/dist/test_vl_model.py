@@ -114,6 +114,56 @@ def test_bad_vision_inputs_raise(tmp_path):
         load_hf_vl_model(tmp_path / "decoder", state)
 
 
+def test_placed_inputs_are_checked_on_the_host(tmp_path):
+    """Inputs placed by ``mpcore.batches.place`` keep their host copies of ``input_ids`` and
+    ``vision_rows``: the placeholder checks and the placeholders' positions come from there
+    (no device sync on CUDA; ``tests/gpu/test_vl_gpu.py`` checks that), with the same outputs
+    and the same errors as the device path. A row changed in place after placing is no longer
+    the host copy's: it is checked on the device, and still caught."""
+    from kernels import host_checked
+    from models.registry import family_of
+    from mpcore.batches import place
+
+    save_hf_vl_model("qwen2_vl", seed=0, folder=tmp_path)
+    state = ParallelState.build()
+    model, cfg = load_hf_vl_model(tmp_path, state)
+    ids, cu, pixels, grid, _ = vl_stream(seed=1)
+    _, raw = local_vl_inputs(state, ids, cu, cfg, pixel_values=pixels, image_grid_thw=grid)
+    _, local = local_vl_inputs(state, ids, cu, cfg, pixel_values=pixels, image_grid_thw=grid)
+    placed = place(local, family_of(cfg), torch.device("cpu"))
+    grids = [tuple(g) for g in grid.tolist()]
+    check = model._check_vision
+    assert check(raw["input_ids"], raw["vision_rows"], pixels, grids)[1] is None
+    rows, host_rows = check(placed["input_ids"], placed["vision_rows"], pixels, grids)
+    assert host_rows is not None and torch.equal(host_rows, rows)
+    with torch.no_grad():
+        want = model(**raw, output="logprobs")
+        got = model(**placed, output="logprobs")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    def placed_with(edit):
+        _, local = local_vl_inputs(state, ids, cu, cfg, pixel_values=pixels,
+                                   image_grid_thw=grid)
+        edit(local["vision_rows"])
+        return place(local, family_of(cfg), torch.device("cpu"))
+
+    first_text = int((raw["vision_rows"] < 0).nonzero()[0])
+    first_image = int((raw["vision_rows"] >= 0).nonzero()[0])
+    text_row = placed_with(lambda r: r.__setitem__(first_text, 0))
+    image_row = placed_with(lambda r: r.__setitem__(first_image, 10**6))
+    for bad, message in [(text_row, "disagree between input_ids"),
+                         (image_row, r"refers to row 1000000 but the vision input has")]:
+        assert host_checked.host_copy(bad["vision_rows"]) is not None  # the host path
+        with pytest.raises(ValueError, match=message):
+            model(**bad, output="logprobs")
+    stale = place(local_vl_inputs(state, ids, cu, cfg, pixel_values=pixels,
+                                  image_grid_thw=grid)[1], family_of(cfg), torch.device("cpu"))
+    stale["vision_rows"][first_text] = 0  # after placing: the host copy no longer holds it
+    assert host_checked.host_copy(stale["vision_rows"]) is None  # the device path
+    with pytest.raises(ValueError, match="disagree between input_ids"):
+        model(**stale, output="logprobs")
+
+
 def test_vl_checkpoint_passed_to_the_decoder_loader_raises(tmp_path):
     from models import load_hf_model
 

@@ -58,3 +58,38 @@ def test_vl_model_on_cuda(arch, tmp_path):
     ours = float((_ours(tmp_path, torch.bfloat16, ids, cu, pixels, grid) - ref).abs().max())
     theirs = float((_hf_bf16(tmp_path, ids, cu, pixels, grid, per_doc) - ref).abs().max())
     assert ours <= 2 * theirs + 2e-2, (ours, theirs)
+
+
+def test_placed_step_never_waits_for_the_gpu(tmp_path):
+    """A VL training step's forward and backward, inputs placed as the trainer places them
+    (``mpcore.batches.place``: pinned asynchronous copies that keep the host copies the
+    placeholder checks read), make no CPU-GPU sync, so the host queues a step while the
+    device still runs the last one. The checked run equals the first one, made unchecked."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from models.registry import family_of
+    from mpcore.batches import place
+
+    save_hf_vl_model("qwen2_vl", seed=0, folder=tmp_path)
+    state = ParallelState.build()
+    model, cfg = load_hf_vl_model(tmp_path, state, device="cuda")
+    ids, cu, pixels, grid, _ = vl_stream(seed=1)
+
+    def step():
+        _, local = local_vl_inputs(state, ids, cu, cfg, pixel_values=pixels,
+                                   image_grid_thw=grid)
+        inputs = place(local, family_of(cfg), torch.device("cuda"))
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(**inputs, output="loss").sum()
+        loss.backward()
+        return loss.detach()
+
+    expected = step()  # the first step compiles kernels and builds cuDNN graphs
+    model.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, expected)

@@ -5,7 +5,7 @@ Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
         [--steps 10] [--warmup 3]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
         [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
-        [--data prepared|synthetic]
+        [--data prepared|synthetic] [--timing steady|synced]
 Context parallelism (mpcore only; e.g. on nvidia-h200-x2), the tower's work split over the cp
 ranks or replicated on each (which to keep at this shape is what the run decides):
     torchrun --nproc-per-node 2 tests/perf/bench_vl.py OUT.json --cp 2 [--cp-mode ring|ulysses]
@@ -61,7 +61,10 @@ as a further side only when it imports); the same with liger-kernel's patches fo
 them), each patch reported as applied or not (Qwen2-VL's RoPE patch targets a function
 transformers 5.x no longer has).
 
-Reported per side: median step time after warmup, tokens/s (all tokens) and text tokens/s
+Reported per side: the step time over ``--steps`` timed steps after ``--warmup`` (``--timing
+steady``, the default: the steps back to back, each loss read after the next step was
+started, as ``Trainer.fit`` does, mean step time; ``synced``: the median, the device
+synchronised around each step, as every VL result before 2026-12-02 was timed; the JSON's ``timing`` says which), tokens/s (all tokens) and text tokens/s
 (non-placeholder tokens), peak allocated GiB (reset between sides, everything freed between
 sides), first/last loss, the targets per step and a digest of the batches it was fed (both
 must agree across sides). Also ``data_path`` and the data (images, image-token fraction, patches
@@ -191,7 +194,7 @@ HF_CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
 def _train_step(model, optimizer, args, loss_fn, group=None):
     """``step(i)``: loss_fn(i) -> scalar loss; backward (gradients summed over ``group``: the
     cp ranks hold the same weights); clip + optimizer step unless ``--forward-backward-only``;
-    zero grads; the loss as a float."""
+    zero grads; the loss, detached (``_timed`` reads it as a float)."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(i: int) -> float:
@@ -207,7 +210,7 @@ def _train_step(model, optimizer, args, loss_fn, group=None):
         loss = loss.detach()
         if group is not None:  # each cp rank's loss is its share of the global mean
             dist.all_reduce(loss, group=group)
-        return float(loss)
+        return loss
 
     return step
 
@@ -259,7 +262,8 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
 
     group = state.cp_group if state.cp > 1 else None
     result = _rates(_timed(_train_step(model, optimizer, args, loss_fn, group), args.steps,
-                           args.warmup), batches, cfg.image_token_id, state.cp)
+                           args.warmup, steady=args.timing == "steady"),
+                    batches, cfg.image_token_id, state.cp)
     prep = []
     for i in range(5):  # the host-side input preparation alone (it is inside step_ms)
         _sync()
@@ -373,7 +377,8 @@ def bench_hf(args, cfg, batches: list[Batch], device, attn: str = "sdpa",
         return out.loss
 
     result = _rates(_timed(_train_step(model, optimizer, args, loss_fn), args.steps,
-                           args.warmup), batches, cfg.image_token_id)
+                           args.warmup, steady=args.timing == "steady"),
+                    batches, cfg.image_token_id)
     result["target_tokens_per_step"] = statistics.mean(
         int((labels(b)[:, 1:] != -100).sum()) for b in on_device)
     result["batches_sha256"] = digest(t for b in on_device for t in (b.ids, b.pixels, b.grid))
@@ -505,6 +510,10 @@ def parse_args(argv):
     parser.add_argument("--distinct-batches", type=int, default=4,
                         help="different batches, cycled over the steps")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--timing", default="steady", choices=["steady", "synced"],
+                        help="steady: steps back to back, each loss read during the next "
+                             "step (mean); synced: the device synchronised around each step "
+                             "(median)")
     parser.add_argument("--forward-backward-only", action="store_true",
                         help="time forward + backward only (no clipping, no optimizer step)")
     parser.add_argument("--skip-hf", action="store_true", help="only time mpcore")

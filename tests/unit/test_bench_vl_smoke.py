@@ -77,6 +77,7 @@ def synthetic(tmp_path_factory) -> dict:
 
 def _check_side(side: dict, data: dict) -> None:
     assert math.isfinite(side["step_ms"]) and side["step_ms"] > 0, side
+    assert side["timing"] == "steady", side  # the default: steps back to back, as fit runs
     # the same batches (what the side fed its model) and the same targets on every side
     assert side["batches_sha256"] == data["batches_sha256"], (side, data)
     assert side["target_tokens_per_step"] == data["target_tokens_per_step"], (side, data)
