@@ -27,6 +27,7 @@ import math
 import torch
 from torch import nn
 
+from kernels.host_checked import copy_to
 from kernels.rope import rope
 
 
@@ -74,16 +75,16 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq.copy_(inverse_frequencies(self.head_dim, self.theta, self.scaling))
 
     def _mrope_rows(self, device) -> torch.Tensor:
-        """``[D/2]`` int64: the position row (0 t, 1 h, 2 w) of each frequency pair."""
+        """``[D/2]`` int64: the position row (0 t, 1 h, 2 w) of each frequency pair. Made on
+        the host and copied without a CPU-GPU sync (``kernels.host_checked.copy_to``)."""
         _, s_h, s_w = self.mrope_section
         if self.mrope_interleaved:
-            row = torch.zeros(self.head_dim // 2, dtype=torch.int64, device=device)
+            row = torch.zeros(self.head_dim // 2, dtype=torch.int64)
             row[1:3 * s_h:3] = 1
             row[2:3 * s_w:3] = 2
-            return row
-        # Contiguous: 0 for the first s_t pairs, 1 for the next s_h, 2 for the last s_w.
-        return torch.repeat_interleave(torch.arange(3, device=device),
-                                       torch.tensor(self.mrope_section, device=device))
+        else:  # contiguous: 0 for the first s_t pairs, 1 for the next s_h, 2 for the last s_w
+            row = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+        return copy_to(row, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """``positions [T]`` (``[3, T]`` with M-RoPE) -> ``(cos, sin)``, each ``[T, head_dim]``

@@ -10,11 +10,11 @@ Layout, per tp rank (everything replicated over the tp group; no sequence parall
     out = out[unit_inverse]            Qwen2.5-VL: back to the input's unit order
 
 Blocks (``cfg.arch``): qwen2_vl = LayerNorm, attention over each frame, LayerNorm, fc1 ->
-quick_gelu -> fc2; qwen2_5_vl = RMSNorm, attention over each window (each frame in the
-``fullatt_block_indexes`` blocks), RMSNorm, gated SiLU MLP with biases. Column-parallel layers
-(wqkv, w1 / w13, merger.w1) shard the output over tp, row-parallel ones (wo, w2, merger.w2)
-all-reduce; norms and the patch embedding are replicated and see replicated inputs, so their
-gradients are whole on every rank.
+quick_gelu (``kernels.quick_gelu``) -> fc2; qwen2_5_vl = RMSNorm, attention over each window
+(each frame in the ``fullatt_block_indexes`` blocks), RMSNorm, gated SiLU MLP with biases.
+Column-parallel layers (wqkv, w1 / w13, merger.w1) shard the output over tp, row-parallel ones
+(wo, w2, merger.w2) all-reduce; norms and the patch embedding are replicated and see
+replicated inputs, so their gradients are whole on every rank.
 
 Weights: built on the meta device, materialised, then ``init_weights`` calls every module's
 ``reset_parameters(param_seed(seed, name))``, which draws the LOGICAL full tensor and keeps
@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.host_checked import copy_to
+from kernels.quick_gelu import quick_gelu
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
 from models.common.norm import LayerNorm, RMSNorm
@@ -78,7 +79,7 @@ class QuickGeluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.w1(x)  # (N, I/tp)
-        return self.w2(a * torch.sigmoid(1.702 * a))
+        return self.w2(quick_gelu(a))  # one fused pass each way on CUDA, only a saved
 
 
 class GatedMLP(nn.Module):

@@ -2,7 +2,7 @@
 
 Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
     python tests/perf/bench_vl.py [OUT.json] [--family qwen2_vl|qwen3_vl] [--config 2b|tiny]
-        [--steps 10] [--warmup 3]
+        [--steps 10] [--warmup N]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
         [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
         [--data prepared|synthetic] [--timing steady|synced]
@@ -61,7 +61,9 @@ as a further side only when it imports); the same with liger-kernel's patches fo
 them), each patch reported as applied or not (Qwen2-VL's RoPE patch targets a function
 transformers 5.x no longer has).
 
-Reported per side: the step time over ``--steps`` timed steps after ``--warmup`` (``--timing
+Reported per side: the step time over ``--steps`` timed steps after ``--warmup`` (by default
+one step per distinct batch: the first step on a batch builds cuDNN graphs and may compile a
+Triton variant for its image sizes; the steady timing's mean would count it) (``--timing
 steady``, the default: the steps back to back, each loss read after the next step was
 started, as ``Trainer.fit`` does, mean step time; ``synced``: the median, the device
 synchronised around each step, as every VL result before 2026-12-02 was timed; the JSON's ``timing`` says which), tokens/s (all tokens) and text tokens/s
@@ -498,7 +500,10 @@ def parse_args(argv):
     parser.add_argument("--config", default=None, choices=["2b", "9b", "tiny"],
                         help="the family's large shape (2b; glm4v: 9b) or a tiny one")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps first (default: one per distinct batch, so no "
+                             "batch's first-time work, cuDNN graphs and Triton variants for "
+                             "its image sizes, lands in the timed steps)")
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sample (default: 8192 for 2b, 256 for tiny)")
     parser.add_argument("--micro-batch", type=int, default=1, help="samples per step")
@@ -528,6 +533,8 @@ def parse_args(argv):
     parser.add_argument("--count-params", action="store_true",
                         help="print both models' parameter counts (meta device) and exit")
     args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = args.distinct_batches
     if args.steps < 1 or args.warmup < 0 or args.micro_batch < 1 or args.distinct_batches < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --micro-batch >= 1, "
                      "--distinct-batches >= 1")
