@@ -36,7 +36,9 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 K = 1.702
 
 
-@triton.jit(do_not_specialize=["n"])  # one compile for every size
+# ``n`` stays specialised (on n % 16): a mask of unknown alignment would turn the 16-byte
+# vector loads into 2-byte ones (measured: 3.5x slower at the Qwen2-VL-2B tower's shape).
+@triton.jit
 def _quick_gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -47,7 +49,7 @@ def _quick_gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, (x * s).to(dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit
 def _quick_gelu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
