@@ -36,8 +36,8 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 K = 1.702
 
 
-# ``n`` stays specialised (on n % 16): a mask of unknown alignment would turn the 16-byte
-# vector loads into 2-byte ones (measured: 3.5x slower at the Qwen2-VL-2B tower's shape).
+# ``n`` stays specialised (on n % 16): a mask of unknown alignment turns the 16-byte vector
+# accesses into 2-byte ones (tests/unit/test_quick_gelu_ptx.py says more).
 @triton.jit
 def _quick_gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
