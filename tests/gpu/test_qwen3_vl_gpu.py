@@ -23,6 +23,7 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
     save_hf_model,
     stream,
 )
+from never_syncs import second_run_never_syncs  # noqa: E402
 
 from models.common.decoder import init_weights  # noqa: E402
 from models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
@@ -97,12 +98,5 @@ def test_tower_forward_never_waits_for_the_gpu(kernel):
         out.float().square().sum().backward()
         return out.detach().float()
 
-    expected = run()  # the first call may compile kernels and build cuDNN graphs
-    tower.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    expected, got = second_run_never_syncs(run, tower.zero_grad)
     assert torch.equal(got, expected)

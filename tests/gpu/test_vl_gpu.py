@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 from hf_vl_tiny import _load, reference_scores, save_hf_vl_model, vl_stream  # noqa: E402
+from never_syncs import second_run_never_syncs  # noqa: E402
 
 from models.qwen2_vl.hf import load_hf_vl_model  # noqa: E402
 from models.qwen2_vl.inputs import local_vl_inputs  # noqa: E402
@@ -84,12 +85,5 @@ def test_placed_step_never_waits_for_the_gpu(tmp_path):
         loss.backward()
         return loss.detach()
 
-    expected = step()  # the first step compiles kernels and builds cuDNN graphs
-    model.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    expected, got = second_run_never_syncs(step, model.zero_grad)
     assert torch.equal(got, expected)
