@@ -40,7 +40,7 @@ from kernels.fp8_linear import check_fp8
 from models.common.attention import Attention
 from models.common.config import ModelConfig
 from models.common.mlp import FeedForward
-from models.common.norm import RMSNorm
+from models.common.norm import RMSNorm, matmul_dtype
 from models.common.rope import RotaryEmbedding
 from parallel.attention import AttentionPlan
 from parallel.attention.backends import check_name
@@ -82,19 +82,13 @@ class DecoderLayer(nn.Module):
         not yet added to it (None before the first layer). Each residual add runs fused into
         the norm after it (``RMSNorm.add``); the norms write the autocast dtype that the
         projections compute in, so no separate casts (the module docstring has the math)."""
-        dtype = _autocast_dtype(h)
+        dtype = matmul_dtype(h)
         if delta is None:
             x = self.attention_norm(h, dtype)
         else:
             h, x = self.attention_norm.add(h, delta, dtype)
         h, x = self.ffn_norm.add(h, self.attention(x, cos, sin, plan), dtype)
         return h, self.feed_forward(x)
-
-
-def _autocast_dtype(h: torch.Tensor) -> torch.dtype | None:
-    """The dtype the next matmul computes ``h`` in under autocast (None: no autocast)."""
-    kind = h.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class Transformer(nn.Module):
@@ -224,7 +218,7 @@ class Transformer(nn.Module):
                 delta = after_layer(i, delta)
         # The last add stays a plain one: the final norm is called as a module (its forward
         # hooks see the hidden states the head reads), at the cost of one add per forward.
-        h = self.norm(h if delta is None else h + delta, _autocast_dtype(h))
+        h = self.norm(h if delta is None else h + delta, matmul_dtype(h))
         # The head's kernels return partial hidden grads: both mappings sum them over tp.
         h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(
             h, self.tp_group)  # (L, hidden)

@@ -1,5 +1,5 @@
 """RMSNorm module over the last dim, on the project's RMSNorm kernel (HF-exact numerics), and
-the plain LayerNorm the vision towers use.
+the LayerNorm the vision towers use (``kernels.layernorm`` on CUDA).
 
 Layout: ``x [..., H]``, weight ``[H]`` replicated on every tp rank. When the ranks of the tp
 group see DIFFERENT inputs through this weight (token shards under sequence parallelism, or
@@ -19,9 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.layernorm import layer_norm
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from parallel.collectives import copy_to_tp
 from parallel.state import ProcessGroup
+
+
+def matmul_dtype(h: torch.Tensor) -> torch.dtype | None:
+    """The dtype the next matmul computes ``h`` in under autocast (None: no autocast): what a
+    norm feeding a projection writes (``out_dtype``)."""
+    kind = h.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +73,9 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """``F.layer_norm`` over the last dim (weight 1, bias 0 at init); replicated over tp."""
+    """LayerNorm over the last dim (weight 1, bias 0 at init); replicated over tp. On CUDA the
+    project's kernel (``kernels.layernorm``: float32 math, as ``F.layer_norm`` under autocast),
+    elsewhere ``F.layer_norm`` itself."""
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None):
         super().__init__()
@@ -79,5 +89,14 @@ class LayerNorm(nn.Module):
             self.weight.fill_(1.0)
             self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., dim]`` -> normalised: in ``out_dtype`` when given (the dtype of the matmul
+        it feeds, bf16 under autocast: one rounding of the float32 result, where eager writes
+        float32 and the matmul rounds it), else as ``F.layer_norm`` gives it (float32 under
+        autocast)."""
+        if x.is_cuda and x.dtype != torch.float64:
+            if out_dtype is None and torch.is_autocast_enabled("cuda"):
+                out_dtype = torch.float32  # autocast runs layer_norm in float32
+            return layer_norm(x, self.weight, self.bias, self.eps, out_dtype)
+        y = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return y if out_dtype is None else y.to(out_dtype)

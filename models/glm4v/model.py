@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from models.common.attention import Attention
-from models.common.decoder import _autocast_dtype, init_weights
+from models.common.decoder import init_weights
 from models.common.mlp import FeedForward
-from models.common.norm import RMSNorm
+from models.common.norm import RMSNorm, matmul_dtype
 from models.common.vl_model import VisionLanguageModel
 from models.glm4v.config import Glm4vConfig, config_from_hf
 from models.glm4v.hf import load_hf_weights
@@ -51,7 +51,7 @@ class Glm4vDecoderLayer(nn.Module):
         self.ffn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
 
     def forward(self, h, delta, cos, sin, plan):
-        dtype = _autocast_dtype(h)
+        dtype = matmul_dtype(h)
         if delta is None:
             x = self.attention_norm(h, dtype)
         else:

@@ -32,7 +32,7 @@ from kernels.host_checked import copy_to
 from kernels.quick_gelu import quick_gelu
 from kernels.swiglu import swiglu
 from models.common.decoder import init_weights
-from models.common.norm import LayerNorm, RMSNorm
+from models.common.norm import LayerNorm, RMSNorm, matmul_dtype
 from models.common.tower import TowerBase
 from models.common.vision_attention import Segments, VisionAttention, rotary_tables
 from models.common.vision_plan import VisionPlan, plan_vision
@@ -109,8 +109,9 @@ class VisionBlock(nn.Module):
         self.feed_forward = mlp(cfg, tp_group, dtype=dtype)
 
     def forward(self, h, cos, sin, segments: Segments):
-        h = h + self.attention(self.attention_norm(h), cos, sin, segments)
-        return h + self.feed_forward(self.ffn_norm(h))
+        dtype = matmul_dtype(h)  # the norms write what the projections compute in
+        h = h + self.attention(self.attention_norm(h, dtype), cos, sin, segments)
+        return h + self.feed_forward(self.ffn_norm(h, dtype))
 
 
 class PatchMerger(nn.Module):
@@ -128,7 +129,7 @@ class PatchMerger(nn.Module):
                                     group=tp_group, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = self.norm(h).reshape(-1, self.width)  # (N / m^2, hidden * m^2)
+        x = self.norm(h, matmul_dtype(h)).reshape(-1, self.width)  # (N / m^2, hidden * m^2)
         return self.w2(F.gelu(self.w1(x)))
 
 

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import QKVProjection
-from models.common.decoder import _autocast_dtype
 from models.common.mlp import FeedForward
-from models.common.norm import RMSNorm
+from models.common.norm import RMSNorm, matmul_dtype
 from models.common.rope import apply_rope
 from models.qwen3_5 import cp as deltanet_cp
 from models.qwen3_5 import kernels
@@ -187,7 +186,7 @@ class Qwen35Block(nn.Module):
 
     def forward(self, h, delta, cos, sin, plan: AttentionPlan):
         """``(h, delta) -> (h', delta')`` as ``models.common.decoder.DecoderLayer``."""
-        dtype = _autocast_dtype(h)
+        dtype = matmul_dtype(h)
         if delta is None:
             x = self.attention_norm(h, dtype)
         else:

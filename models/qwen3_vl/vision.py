@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.host_checked import copy_to
-from models.common.norm import LayerNorm
+from models.common.norm import LayerNorm, matmul_dtype
 from models.common.tower import TowerBase
 from models.common.vision_attention import Segments, VisionAttention, rotary_tables
 from models.common.vision_plan import VisionPlan, plan_vision
@@ -128,8 +128,9 @@ class VisionBlock(nn.Module):
         self.feed_forward = MLP(cfg, tp_group, dtype=dtype)
 
     def forward(self, h, cos, sin, segments: Segments):
-        h = h + self.attention(self.attention_norm(h), cos, sin, segments)
-        return h + self.feed_forward(self.ffn_norm(h))
+        dtype = matmul_dtype(h)  # the norms write what the projections compute in
+        h = h + self.attention(self.attention_norm(h, dtype), cos, sin, segments)
+        return h + self.feed_forward(self.ffn_norm(h, dtype))
 
 
 class PatchMerger(nn.Module):
@@ -150,9 +151,9 @@ class PatchMerger(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.post_shuffle:
-            x = self.norm(h.reshape(-1, self.width))
+            x = self.norm(h.reshape(-1, self.width), matmul_dtype(h))
         else:
-            x = self.norm(h).reshape(-1, self.width)  # (N / m^2, hidden * m^2)
+            x = self.norm(h, matmul_dtype(h)).reshape(-1, self.width)  # (N / m^2, h * m^2)
         return self.w2(F.gelu(self.w1(x)))
 
 
