@@ -1,9 +1,11 @@
 """Triton kernels, each beside a plain PyTorch reference (CUDA runs the kernel, other devices
 the reference). Imports nothing else of this project.
 
-The package exports the loss heads and RMSNorm (plain, and fused with the residual add before it); the fused SwiGLU and RoPE are imported from
-their modules (``from kernels.swiglu import swiglu``, ``from kernels.rope import rope``):
-re-exporting a function named like its module would hide the module behind the function.
+The package exports the loss heads and RMSNorm (plain, and fused with the residual add before
+it); the fused SwiGLU, RoPE, QuickGELU and the LayerNorm of the vision towers are imported from
+their modules (``from kernels.swiglu import swiglu``, ``from kernels.rope import rope``,
+``kernels.quick_gelu``, ``kernels.layernorm``): re-exporting a function named like its module
+would hide the module behind the function.
 Two helpers for the layers live here too, as modules: ``kernels.master_linear`` (fp32 weight
 gradients straight out of the GEMM under autocast) and ``kernels.host_checked`` (value ranges
 measured on the host, so the layers need no device sync to check ids and labels).
