@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton
-from kernels.rmsnorm import MAX_HIDDEN, _num_bwd_programs, _num_warps, _rows
+from kernels.rmsnorm import MAX_HIDDEN, _load_row, _num_bwd_programs, _num_warps, _rows, _slab
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, x_row_stride, y
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _load_row(x_ptr, row, x_row_stride, cols, mask)
     mean = tl.sum(x, axis=0) / H
     xc = tl.where(mask, x - mean, 0.0)
     rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / H + eps)
@@ -59,12 +59,10 @@ def _layer_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_pt
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
     db = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # int64 bounds make the loop index int64, so row offsets cannot overflow.
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = _slab(rows_per_program, M)
     for row in range(row_start, row_end):
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _load_row(x_ptr, row, x_row_stride, cols, mask)
+        dy = _load_row(dy_ptr, row, dy_row_stride, cols, mask)
         rstd = tl.load(rstd_ptr + row)
         mean = tl.sum(x, axis=0) / H
         normed = tl.where(mask, (x - mean) * rstd, 0.0)

@@ -33,6 +33,20 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
+def _load_row(ptr, row, row_stride, cols, mask):
+    """Row ``row`` of a row-major ``[M, H]`` tensor in float32 (masked columns 0)."""
+    return tl.load(ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _slab(rows_per_program, M):
+    """``(start, end)``: the rows this backward program walks. int64 bounds make the loop index
+    int64, so row offsets cannot overflow."""
+    start = tl.program_id(0).to(tl.int64) * rows_per_program
+    return start, tl.minimum(start + rows_per_program, M)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, d_ptr, s_ptr, w_ptr, y_ptr, rstd_ptr, x_row_stride, d_row_stride, s_row_stride,
     y_row_stride, H, eps, HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr
@@ -86,12 +100,10 @@ def _rms_norm_bwd_kernel(
     mask = cols < H
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # int64 bounds make the loop index int64, so row offsets cannot overflow.
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = _slab(rows_per_program, M)
     for row in range(row_start, row_end):
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _load_row(x_ptr, row, x_row_stride, cols, mask)
+        dy = _load_row(dy_ptr, row, dy_row_stride, cols, mask)
         rstd = tl.load(rstd_ptr + row)
         normed = x * rstd
         # dweight sees the rounded normalised value, exactly what multiplied the weight.

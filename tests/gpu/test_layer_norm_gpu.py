@@ -5,21 +5,11 @@ weight and bias, at the vision towers' widths."""
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_checks import rel_err
 
 from kernels.layernorm import layer_norm
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture(autouse=True)
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -35,7 +25,7 @@ def test_matches_autocast_eager_and_float64(rows, hidden, dtype):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y_eager = F.layer_norm(eager[0], (hidden,), eager[1], eager[2], 1e-6)
     assert y.dtype == y_eager.dtype == torch.float32
-    assert _rel_err(y, y_eager) <= 1e-6
+    assert rel_err(y, y_eager) <= 1e-6
     same = (layer_norm(x, weight, bias, 1e-6, torch.bfloat16) == y_eager.bfloat16())
     assert same.float().mean().item() >= 0.999
     dy = torch.randn_like(y)
@@ -46,5 +36,5 @@ def test_matches_autocast_eager_and_float64(rows, hidden, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, a, e, r in zip(("dx", "dweight", "dbias"), ours, eager, ref, strict=True):
         assert a.grad.dtype == e.grad.dtype
-        err, err_eager = _rel_err(a.grad, r.grad), _rel_err(e.grad, r.grad)
+        err, err_eager = rel_err(a.grad, r.grad), rel_err(e.grad, r.grad)
         assert err <= tol and err <= err_eager + torch.finfo(dtype).eps, (name, err, err_eager)

@@ -4,6 +4,7 @@ kept for backward."""
 
 import pytest
 import torch
+from gpu_checks import rel_err
 
 from kernels.quick_gelu import quick_gelu
 
@@ -17,17 +18,6 @@ def _eager(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture(autouse=True)
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(16500, 5120), (3, 1000, 7), (4097,)])
 def test_matches_float64_and_eager(dtype, shape):
@@ -39,7 +29,7 @@ def test_matches_float64_and_eager(dtype, shape):
     x64 = x.detach().double().requires_grad_()
     _eager(x64).backward(dy.double())
     for name, got, want in [("y", y, _eager(x64)), ("dx", x.grad, x64.grad)]:
-        err = _rel_err(got, want)
+        err = rel_err(got, want)
         assert err <= _TOL[dtype], f"{name} {dtype} {shape}: rel err {err:.2e}"
     eager = x.detach().clone().requires_grad_()
     y_eager = _eager(eager)
@@ -48,11 +38,11 @@ def test_matches_float64_and_eager(dtype, shape):
     # sigmoid evaluated another way, within rounding. The gradient closer to float64 than
     # eager's or within an ulp of it.
     if dtype == torch.float32:
-        assert _rel_err(y, y_eager) <= 1e-6
+        assert rel_err(y, y_eager) <= 1e-6
     else:
         same = (y == y_eager).float().mean().item()
         assert same >= 0.999, f"{dtype}: only {same:.4f} of the forward equals eager's"
-    assert _rel_err(x.grad, x64.grad) <= _rel_err(eager.grad, x64.grad) + torch.finfo(dtype).eps
+    assert rel_err(x.grad, x64.grad) <= rel_err(eager.grad, x64.grad) + torch.finfo(dtype).eps
 
 
 def test_keeps_only_its_input_for_backward():

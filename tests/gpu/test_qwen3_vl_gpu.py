@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+from gpu_checks import second_run_never_syncs  # noqa: E402
 from hf_qwen3_vl_tiny import (  # noqa: E402
     IMAGE,
     VIDEO,
@@ -23,7 +24,6 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
     save_hf_model,
     stream,
 )
-from never_syncs import second_run_never_syncs  # noqa: E402
 
 from models.common.decoder import init_weights  # noqa: E402
 from models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402

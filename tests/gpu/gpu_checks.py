@@ -1,10 +1,17 @@
-"""Shared check of the GPU tests: code whose second run makes no CPU-GPU sync."""
+"""Checks shared by the GPU tests (``tests/conftest.py`` skips them without CUDA): a norm-wise
+relative error, and code whose second run makes no CPU-GPU sync."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms) in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def second_run_never_syncs(run: Callable[[], torch.Tensor],
