@@ -7,6 +7,7 @@
 #   bash tests/perf/run_device.sh peers [4096x4|16384x1] [ROWS]   # TE + peer wheels (--all)
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
+#   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -112,9 +113,17 @@ elif [ "${1:-}" = x2 ]; then
     --vision-cp replicate
 elif [ "${1:-}" = vl ]; then
   # bash tests/perf/run_device.sh vl   (nvidia-h200; carry .whl for the liger-kernel side):
-  # Qwen2-VL-2B shape on real images, mpcore vs transformers (+ liger), about 2-3 minutes.
-  run vl 540 python3 tests/perf/bench_vl.py "$out/vl_h200.json"
-  tail -8 "$out/vl.log"
+  # the GPU tests of the VL path's kernels and models first (a failing kernel would make the
+  # numbers meaningless), then the three families' 2B steps on real images, mpcore vs
+  # transformers (+ liger); about 6 minutes in all.
+  run gpu_tests_vl 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_layer_norm_gpu.py \
+    tests/gpu/test_quick_gelu_gpu.py tests/gpu/test_rmsnorm_gpu.py tests/gpu/test_vl_gpu.py \
+    tests/gpu/test_qwen3_vl_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_models_gpu.py
+  tail -3 "$out/gpu_tests_vl.log"
+  run vl 200 python3 tests/perf/bench_vl.py "$out/vl_h200.json"
+  run vl_qwen3 200 python3 tests/perf/bench_vl.py "$out/vl_qwen3_h200.json" --family qwen3_vl
+  run vl_glm4v 240 python3 tests/perf/bench_vl.py "$out/vl_glm4v_h200.json" --family glm4v
+  for name in vl vl_qwen3 vl_glm4v; do tail -3 "$out/$name.log"; done
 else
   run model 240 python tests/perf/bench_model.py "$out/model_h200.json" --steps 10 --warmup 3
   run train 240 python tests/perf/bench_train.py "$out/train_h200.json" --steps 10 --warmup 3
