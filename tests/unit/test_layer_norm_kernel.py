@@ -4,12 +4,11 @@ file re-runs itself with TRITON_INTERPRET=1; fp32 and fp16, since the interprete
 truncate), and the kernels compiled for sm_90 without a GPU (16-byte vector accesses)."""
 
 import os
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from interpret import needs_triton, run_under_interpreter
+from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 from kernels.layernorm import layer_norm, layer_norm_reference, layer_norm_triton
 
@@ -99,14 +98,10 @@ def test_triton_refuses_float64_with_the_fix():
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_kernels_compile_for_sm90_with_vector_accesses(which):
     """Triton lowers the kernels to PTX for an H100/H200 here (no GPU needed): bf16 rows of a
-    width divisible by 16 must load and store in vectors (``ld.global.v4`` / ``.v2``: 16 or 8
-    bytes), not one element at a time."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
+    width divisible by 16 must load and store in vectors (``.v4`` / ``.v2``: 16 or 8 bytes),
+    not one 2-byte element at a time."""
     from kernels import layernorm
 
-    kernel = getattr(layernorm, f"_layer_norm_{which}_kernel")
     if which == "fwd":
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16",
                "rstd_ptr": "*fp32", "x_row_stride": "i32", "y_row_stride": "i32", "H": "i32",
@@ -116,20 +111,10 @@ def test_kernels_compile_for_sm90_with_vector_accesses(which):
                "dx_ptr": "*bf16", "dw_partial_ptr": "*fp32", "db_partial_ptr": "*fp32",
                "dy_row_stride": "i32", "x_row_stride": "i32", "dx_row_stride": "i32",
                "M": "i32", "H": "i32", "rows_per_program": "i32"}
-    names = kernel.arg_names
-    skip = set(kernel.do_not_specialize) | {names.index(a) for a in ("M", "rows_per_program")
-                                            if a in names}
-    # What a launch passes: 16-byte aligned pointers, strides and H divisible by 16.
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-             if (t.startswith("*") or t == "i32") and names.index(a) not in skip}
-    src = ASTSource(kernel, {**sig, "BLOCK_H": "constexpr"},
-                    {(names.index("BLOCK_H"),): 2048}, attrs)
-    try:
-        ptx = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    except Exception as exc:  # no CUDA backend in this triton build
-        pytest.skip(f"triton cannot compile for sm_90 here: {exc}")
-    bf16 = [a for a in re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx) if a.endswith("b16")]
-    assert not bf16, f"scalar 2-byte accesses: {sorted(set(bf16))}"
+    kernel = getattr(layernorm, f"_layer_norm_{which}_kernel")
+    ptx = sm90_ptx(kernel, sig, {"BLOCK_H": 2048}, num_warps=8)
+    scalar = sorted(a for a in global_accesses(ptx) if a.endswith("b16"))
+    assert not scalar, f"scalar 2-byte accesses: {scalar}"
 
 
 @needs_triton
