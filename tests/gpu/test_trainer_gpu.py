@@ -20,8 +20,7 @@ from mpcore.train import Trainer, train
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
 from profile_train import sync_sites  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without CUDA
 STEPS = 6
 
 

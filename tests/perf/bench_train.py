@@ -111,6 +111,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def back_to_back(step, indices, finish) -> list:
+    """``step(i)`` for each i, each finished (``finish(what it returned)``) only after the next
+    one was launched, as ``Trainer.fit`` does; the finished values in order."""
+    done, earlier = [], None
+    for i in indices:
+        launched = step(i)
+        if earlier is not None:
+            done.append(finish(earlier))
+        earlier = launched
+    if earlier is not None:
+        done.append(finish(earlier))
+    return done
+
+
 def _timed(step, steps: int, warmup: int, finish=float, steady: bool = False) -> dict:
     """Run ``step(i)`` for i in range(warmup + steps); ``finish(what it returned)`` is that
     step's loss as a float. Peak memory (CUDA's allocator peak; None on CPU), first/last loss.
@@ -135,13 +149,8 @@ def _timed(step, steps: int, warmup: int, finish=float, steady: bool = False) ->
             times.append(time.perf_counter() - start)
     if steady:
         _sync()
-        start, earlier = time.perf_counter(), None
-        for i in range(warmup, warmup + steps):
-            launched = step(i)
-            if earlier is not None:
-                losses.append(finish(earlier))
-            earlier = launched
-        losses.append(finish(earlier))
+        start = time.perf_counter()
+        losses += back_to_back(step, range(warmup, warmup + steps), finish)
         _sync()
         times = [(time.perf_counter() - start) / steps]
     return {"step_ms": 1e3 * statistics.median(times),

@@ -122,17 +122,11 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                      record_shapes=True) as prof:
-            earlier = None  # steady: each step read after the next one starts, as in fit
-            for i in range(3, 6):
-                launched = step(i)
-                if not steady:
-                    finish(launched)
-                    continue
-                if earlier is not None:
-                    finish(earlier)
-                earlier = launched
-            if earlier is not None:
-                finish(earlier)
+            if steady:  # each step read after the next one starts, as in fit
+                bench_train.back_to_back(step, range(3, 6), finish)
+            else:
+                for i in range(3, 6):
+                    finish(step(i))
             torch.cuda.synchronize()
         captured["prof"] = prof
         captured["syncs"] = host_syncs(lambda: step(6))
