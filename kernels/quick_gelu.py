@@ -37,7 +37,7 @@ K = 1.702
 
 
 # ``n`` stays specialised (on n % 16): a mask of unknown alignment turns the 16-byte vector
-# accesses into 2-byte ones (tests/unit/test_quick_gelu_ptx.py says more).
+# accesses into 2-byte ones (tests/unit/test_quick_gelu.py checks it).
 @triton.jit
 def _quick_gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
