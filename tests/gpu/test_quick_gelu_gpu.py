@@ -51,6 +51,11 @@ def test_keeps_only_its_input_for_backward():
     before = torch.cuda.memory_allocated()
     y = quick_gelu(x)
     kept = torch.cuda.memory_allocated() - before  # the output; x is saved, not copied
-    assert kept == y.numel() * y.element_size()
+    # The caching allocator hands out a large block whole when what is left of its 2 MiB-rounded
+    # segment is under 1 MiB, so the output may count up to the next 2 MiB; a second tensor of
+    # x's size kept for backward would be 161 MiB more.
+    out_bytes = y.numel() * y.element_size()
+    two_mib = 2 << 20
+    assert out_bytes <= kept <= -(-out_bytes // two_mib) * two_mib
     y.sum().backward()
     assert x.grad.shape == x.shape
