@@ -6,7 +6,8 @@ Builds the run exactly as ``bench_train.py`` does (pretrain's code path, random 
 up, profiles 3 steps and prints the top operators by device time and by host time, then the
 elementwise and copy operators grouped by their input shapes (to find the casts, copies and
 passes that can go), the device's idle gaps (host syncs, launch-bound stretches), and the lines
-that synchronise with the device in one more step.
+that synchronise with the device in one more step, and what is live at the peak of allocated
+memory in another (``memory_peak.py``: by the line that allocated it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
+import memory_peak  # noqa: E402
 
 ELEMENTWISE = ("aten::copy_", "aten::_to_copy", "aten::add", "aten::add_", "aten::fill_",
                "aten::cat", "aten::sum", "aten::clone", "aten::repeat_interleave", "aten::mul")
@@ -129,7 +131,10 @@ def main(argv=None) -> int:
                     finish(step(i))
             torch.cuda.synchronize()
         captured["prof"] = prof
-        captured["syncs"] = host_syncs(lambda: step(6))
+        launched = []
+        captured["syncs"] = host_syncs(lambda: launched.append(step(6)))
+        finish(launched[0])
+        captured["memory"] = memory_peak.peak_report(lambda: finish(step(7)))
         return {"step_ms": 1.0, "peak_gib": 0.0, "first_loss": 0.0, "last_loss": 0.0}
 
     bench_train._timed = timed
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
     text = (events.table(sort_by="cuda_time_total", row_limit=30) + "\n"
             + events.table(sort_by="self_cpu_time_total", row_limit=20) + "\n"
             + by_input_shape(captured["prof"]) + "\n" + idle_gaps(captured["prof"]) + "\n"
-            + captured["syncs"])
+            + captured["syncs"] + "\n" + captured["memory"])
     Path(out).write_text(text)
     print(text)
     return 0
