@@ -242,6 +242,7 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:
         model = family.build(model_cfg, state, seed=cfg.training.seed, **kwargs)
+    family.decoder(model).residual_dtype = cfg.model.residual_dtype
     if linear_backend == "te":  # the decoder's linears (a vision tower stays native)
         use_te(family.decoder(model).layers, cfg.model.fp8)
     if cfg.model.freeze_vision:

@@ -47,6 +47,7 @@ DTYPES = ("bfloat16", "float32")
 # parallel.te.LINEAR_BACKENDS (tests check they agree).
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
+RESIDUAL_DTYPES = ("float32", "autocast")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 FAMILIES = tuple(REGISTRY)
@@ -104,6 +105,12 @@ class ModelSection:
     on a GPU of compute capability >= 8.9 (Ada, Hopper): tensorwise (our kernel, per-tensor
     current scaling; linear_backend native), te_delayed (TE's DelayedScaling: scales from an
     amax history) or te_current (TE's Float8CurrentScaling); te_* need linear_backend te/auto."""
+    residual_dtype: str = "float32"
+    """The decoder's residual stream under autocast: float32 (the embedding's dtype, as
+    transformers keeps it) or autocast (cast to training.dtype after the embedding, as
+    Megatron-core and torchtitan keep it: half the stream's activation memory and traffic; the
+    values and gradients along it are rounded to that dtype at every residual add). Without
+    autocast (fp32 training) both are float32."""
     freeze_vision: bool = False
     """Keep the vision tower's weights fixed (VL models): no gradients, no optimizer state."""
     vision_cp: str = "split"
@@ -127,6 +134,7 @@ class ModelSection:
         if self.fp8 == "tensorwise" and self.linear_backend == "te":
             raise ValueError("model.fp8=tensorwise is mpcore's own kernel (linear_backend "
                              "native); with linear_backend=te use fp8=te_current or te_delayed")
+        _choice("model", "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         _choice("model", "vision_cp", self.vision_cp, ("split", "replicate"))
         _choice("model", "gdn_kernel", self.gdn_kernel, GDN_KERNELS)
         takers = [n for n, f in REGISTRY.items() if "gdn_kernel" in f.options]

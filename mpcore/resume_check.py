@@ -17,7 +17,8 @@ Refused (they change the data order or what a step means), listed as ``key: save
                                  for choices of kernels or layout that compute the same model:
                                  init_from, family (auto or the name it resolves to: the
                                  fields say what the model is), max_position_embeddings,
-                                 attention_backend, fp8, linear_backend, vision_cp
+                                 attention_backend, fp8, linear_backend, residual_dtype,
+                                 vision_cp
 A key named in ``checkpoint.accept_changes`` is accepted instead (logged). A checkpoint of
 another model family (meta.json ``model_family``: a MoE model's for a dense config, or the
 reverse) is refused outright: its tensors belong to another model.
@@ -48,7 +49,7 @@ from mpcore.vl_data import vl_sources
 _WHOLE_BELOW = 8 << 20
 _BLOCKS, _BLOCK = 64, 64 << 10
 _EXEMPT_MODEL = ("init_from", "family", "max_position_embeddings", "attention_backend", "fp8",
-                 "linear_backend", "vision_cp")
+                 "linear_backend", "residual_dtype", "vision_cp")
 REFUSED = ("data.seq_len", "data.seed", "data.weights", "data.valid_fraction",
            "data.vl_drop_long", "training.seed", "schedule.warmup_steps", "schedule.decay",
            "schedule.min_lr_ratio")

@@ -15,6 +15,8 @@ kernel each way on CUDA), so a layer hands the next its output unadded, ``(h, de
 autocast the norms write bf16, which the projections and the head would cast them to anyway.
 The values are those of the lines above to fp32 rounding (``kernels.rmsnorm``); what goes is
 the separate add, cast and gradient-accumulation passes over the fp32 residual stream.
+``residual_dtype = "autocast"`` (``model.residual_dtype``) keeps that stream in the autocast
+dtype instead (cast once after the embedding; RoPE's tables stay in the embedding's dtype).
 
 Kernels: ``attention_backend`` (``parallel.attention.backends``: auto, flash, sdpa_cudnn,
 te_fused, reference) runs every layer's attention; ``fp8`` (``none`` or ``tensorwise``) runs the four
@@ -110,6 +112,10 @@ class Transformer(nn.Module):
         self.cp_group, self.cp_mode = state.cp_group, cp_mode
         self.sequence_parallel = sequence_parallel and state.tp > 1
         self.activation_checkpointing = activation_checkpointing
+        # "float32": the residual stream in the embedding's dtype, as transformers keeps it
+        # under autocast; "autocast": cast to the autocast dtype after the embedding (as
+        # Megatron-core and torchtitan keep it), half its memory and traffic (``decode``).
+        self.residual_dtype = "float32"
         self.tok_embeddings = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group,
             sequence_parallel=self.sequence_parallel, dtype=dtype)
@@ -208,6 +214,9 @@ class Transformer(nn.Module):
                              mode=self.cp_mode, group=self.cp_group,
                              backend=self.attention_backend)
         cos, sin = self.rope(position_ids, h.dtype)  # (L, D) each
+        compute = matmul_dtype(h)
+        if self.residual_dtype == "autocast" and compute is not None:
+            h = h.to(compute)  # the residual stream and its gradient in the autocast dtype
         delta = None  # each layer's output, added to h inside the next norm
         for i, layer in enumerate(self.layers):
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -218,7 +227,7 @@ class Transformer(nn.Module):
                 delta = after_layer(i, delta)
         # The last add stays a plain one: the final norm is called as a module (its forward
         # hooks see the hidden states the head reads), at the cost of one add per forward.
-        h = self.norm(h if delta is None else h + delta, matmul_dtype(h))
+        h = self.norm(h if delta is None else h + delta, compute)
         # The head's kernels return partial hidden grads: both mappings sum them over tp.
         h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(
             h, self.tp_group)  # (L, hidden)

@@ -20,6 +20,9 @@ state):
                        Linear, lm_head kept bf16 (as torchtitan's float8 recipes filter it)
     mpcore_bf16        tests/perf/bench_train.py --skip-hf --variants native:none
     mpcore_te_fp8      tests/perf/bench_train.py --skip-hf --variants te:te_delayed
+    mpcore_bf16_res    the same two with the residual stream in bf16 (model.residual_dtype=
+    mpcore_te_fp8_res  autocast), as Megatron-core and torchtitan keep theirs (ours is fp32
+                       by default, as transformers keeps it under autocast)
 The shape is the config's model section (default launch/configs/llama3_1b.yaml: hidden 2048,
 16 layers, 32 heads, 8 KV heads, MLP 8192, vocab 128256, tied). Every row trains on the same
 tokens: bench_train's ``RandomTokens`` (seed 0), one document of ``seq`` tokens per sample, the
@@ -79,7 +82,9 @@ from mpcore.config import load_config  # noqa: E402
 
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"
 DEFAULT_OUT = Path(__file__).parent / "results" / "peers"
-OURS = {"mpcore_bf16": "native:none", "mpcore_te_fp8": "te:te_delayed"}
+OURS = {"mpcore_bf16": "native:none", "mpcore_te_fp8": "te:te_delayed",
+        "mpcore_bf16_res": "native:none:bf16_residual",
+        "mpcore_te_fp8_res": "te:te_delayed:bf16_residual"}
 PEERS = ("megatron_bf16", "megatron_fp8", "torchtitan_bf16", "torchtitan_float8")
 ROWS = (*PEERS, *OURS)
 WARMUP_LR_STEPS = 10  # bench_train's schedule override, kept for every row
@@ -424,6 +429,7 @@ def run_ours(args, variant: str, out: Path) -> dict:
     result = dict(report["mpcore"])
     result["settings"] = {"bench_train_variants": variant, "fp8": variant_report["fp8"],
                           "linear_backend": variant_report["linear_backend"],
+                          "residual_dtype": variant_report["residual_dtype"],
                           "attention_backend": report["backend"]}
     crc_data = Batches(load_config(args.config).model.vocab_size, args.seq, args.micro_batch,
                        torch.device("cpu"))

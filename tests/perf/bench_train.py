@@ -42,7 +42,9 @@ the same process, beside one run of each baseline: the first fills the top-level
 third field ``bf16_wgrad`` (``te:te_delayed:bf16_wgrad``) has TE return its weight gradients
 in bf16 for autograd to cast (``TEGemm.fp32_wgrad = False``), for an A/B of the fp32 ones;
 ``lceMIB`` instead (``native:none:lce1024``) sets the loss head's logits chunk budget
-(``kernels._lce_chunks.CHUNK_BYTES``, default 512 MiB) for that variant.
+(``kernels._lce_chunks.CHUNK_BYTES``, default 512 MiB) for that variant, and ``bf16_residual``
+(``te:te_delayed:bf16_residual``) runs it with ``model.residual_dtype=autocast`` (the residual
+stream in bf16, as Megatron-core and torchtitan keep it; default float32, as transformers).
 JSON goes to OUT (default tests/perf/results/train_h200.json), written by rank 0.
 """
 
@@ -169,7 +171,8 @@ def bench_mpcore(args) -> dict:
                  "checkpoint.resume=false", "checkpoint.every=0", "optimizer.backend=torch",
                  "schedule.warmup_steps=10", f"logging.run_dir={args.run_dir}",
                  f"model.fp8={args.fp8}", f"model.attention_backend={args.attention_backend}",
-                 f"model.linear_backend={args.linear_backend}"]
+                 f"model.linear_backend={args.linear_backend}",
+                 f"model.residual_dtype={args.residual_dtype}"]
     cfg = load_config(args.config, overrides)
     state = setup(cfg, str(args.config))
     device = resolve_device(cfg)
@@ -294,20 +297,23 @@ def parse_args(argv):
                              "one run of the baselines (e.g. native:none,te:te_delayed); "
                              "overrides --linear-backend and --fp8")
     args = parser.parse_args(argv)
-    args.variant_list, args.bf16_wgrad = [], False
+    args.variant_list, args.bf16_wgrad, args.residual_dtype = [], False, "float32"
     for item in filter(None, args.variants.split(",")):
         backend, _, rest = item.partition(":")
         fp8, _, option = rest.partition(":")
         chunk = option[3:] if option.startswith("lce") else ""
         if backend not in ("native", "te", "auto") or fp8 not in (
                 "none", "tensorwise", "te_delayed", "te_current") or not (
-                option in ("", "bf16_wgrad") or (chunk.isdigit() and int(chunk) > 0)):
-            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad|:lceMIB] "
-                         "(e.g. te:te_delayed or native:none:lce1024)")
+                option in ("", "bf16_wgrad", "bf16_residual")
+                or (chunk.isdigit() and int(chunk) > 0)):
+            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad|"
+                         ":bf16_residual|:lceMIB] (e.g. te:te_delayed or native:none:lce1024)")
         args.variant_list.append((backend, fp8, option == "bf16_wgrad",
-                                  int(chunk) if chunk else None))
+                                  int(chunk) if chunk else None,
+                                  "autocast" if option == "bf16_residual" else "float32"))
     if args.variant_list:
-        args.linear_backend, args.fp8, args.bf16_wgrad, _ = args.variant_list[0]
+        args.linear_backend, args.fp8, args.bf16_wgrad, _, args.residual_dtype = \
+            args.variant_list[0]
     return args
 
 
@@ -329,17 +335,20 @@ def main(argv=None) -> int:
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))
-    pairs = args.variant_list or [(args.linear_backend, args.fp8, args.bf16_wgrad, None)]
+    pairs = args.variant_list or [(args.linear_backend, args.fp8, args.bf16_wgrad, None,
+                                   args.residual_dtype)]
     # Every variant resolved (TE imported) before the first runs: a missing backend fails here.
     resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8, *_ in pairs]
     variants = []
-    for (backend, fp8, bf16_wgrad, chunk_mib), chosen in zip(pairs, resolved, strict=True):
+    for (backend, fp8, bf16_wgrad, chunk_mib, residual), chosen in zip(pairs, resolved,
+                                                                        strict=True):
         one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8,
-                                    "bf16_wgrad": bf16_wgrad})
+                                    "bf16_wgrad": bf16_wgrad, "residual_dtype": residual})
         # the loss head's logits chunk budget, for this variant only
         with _lce_chunks.chunk_budget(None if chunk_mib is None else chunk_mib * 2**20):
             variants.append({"fp8": fp8, "linear_backend": chosen,
                              "lce_chunk_mib": _lce_chunks.CHUNK_BYTES // 2**20,
+                             "residual_dtype": residual,
                              "mpcore": bench_mpcore(one)})
         if chosen == "te":
             variants[-1]["te_weight_grad"] = "bf16, cast by autograd" if bf16_wgrad else "fp32"

@@ -77,7 +77,7 @@ def test_model_section_is_the_family_section_plus_run_keys():
 
     run = {f.name for f in dataclasses.fields(ModelSection)}
     assert run == {"family", "init_from", "attention_backend", "linear_backend", "fp8",
-                   "freeze_vision", "vision_cp", "gdn_kernel"}
+                   "residual_dtype", "freeze_vision", "vision_cp", "gdn_kernel"}
     decoder = {f.name for f in dataclasses.fields(DecoderSection)}
     assert decoder == {f.name for f in dataclasses.fields(ModelConfig)}
     for name, family in FAMILIES.items():
@@ -235,3 +235,23 @@ def test_lr_schedule():
     assert math.isclose(lr_at(35, linear), 0.1 + 0.9 * 0.75)
     short = load_config(None, ["optimizer.lr=1.0", "training.max_steps=4"])  # warmup 20 > 4
     assert [lr_at(s, short) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
+
+
+def test_residual_dtype_choices():
+    cfg = load_config(None, ["model.residual_dtype=autocast"])
+    assert cfg.model.residual_dtype == "autocast"
+    assert load_config(None, []).model.residual_dtype == "float32"
+    with pytest.raises(ValueError, match=r"model.residual_dtype must be one of \['float32', "
+                                         r"'autocast'\], got 'bf16'"):
+        load_config(None, ["model.residual_dtype=bf16"])
+
+
+@pytest.mark.parametrize("config", ["tiny.yaml", "qwen35_tiny.yaml"])
+def test_residual_dtype_reaches_the_decoder(tmp_path, config):
+    from mpcore.build import build, resolve_device, setup
+
+    cfg = load_config(CONFIGS / config, [
+        f"logging.run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path}",
+        "training.device=cpu", "model.residual_dtype=autocast"])
+    run = build(cfg, setup(cfg), resolve_device(cfg))
+    assert run.family.decoder(run.model).residual_dtype == "autocast"

@@ -228,3 +228,51 @@ def test_positions_beyond_max_position_embeddings_raise():
                                          r"16.*larger max_position_embeddings"):
         model(ids, torch.arange(20), cu_seqlens=torch.tensor([0, 20], dtype=torch.int32),
               output="logits")
+
+
+def test_autocast_residual_stream_is_transformers_with_a_bf16_stream(tmp_path):
+    """``residual_dtype="autocast"`` under bf16 autocast computes what transformers computes
+    when its embedding output is cast to bf16 (the stream Megatron-core and torchtitan keep):
+    closer to that than to transformers' own fp32 stream, while the default stays closer to
+    the fp32 one. Without autocast the setting changes nothing."""
+    torch.manual_seed(3)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path / "ckpt")
+    ours, _ = load_hf_model(tmp_path / "ckpt", ParallelState())
+    ids, positions = torch.randint(0, 53, (64,)), torch.arange(64)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+
+    def transformers(bf16_stream: bool) -> torch.Tensor:
+        cast = hf.model.embed_tokens.register_forward_hook(
+            lambda module, args, out: out.to(torch.bfloat16)) if bf16_stream else None
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = hf(ids[None]).logits[0].float()
+        if cast is not None:
+            cast.remove()
+        return logits
+
+    def mpcore(residual_dtype: str, autocast: bool = True):
+        ours.residual_dtype = residual_dtype
+        seen = []
+        hook = ours.layers[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = ours(ids, positions, cu_seqlens=cu, output="logits").float()
+        hook.remove()
+        return logits, seen
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    bf16_stream, fp32_stream = transformers(True), transformers(False)
+    auto, auto_seen = mpcore("autocast")
+    default, default_seen = mpcore("float32")
+    assert auto_seen == [torch.bfloat16] and default_seen == [torch.float32]
+    assert err(auto, bf16_stream) < 0.9 * err(auto, fp32_stream) and err(auto, bf16_stream) < 1e-2
+    assert err(default, fp32_stream) < 0.9 * err(default, bf16_stream)
+    (plain, plain_seen), (same, same_seen) = mpcore("float32", False), mpcore("autocast", False)
+    assert torch.equal(plain, same) and plain_seen == same_seen == [torch.float32]
