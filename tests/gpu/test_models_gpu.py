@@ -131,3 +131,30 @@ def test_score_script_two_gpus(setup, tmp_path, layout):
         err = (got - ref_lp).abs().max().item()
         bound = 1e-4 if dtype == "float32" else 2 * (hf16_lp - ref_lp).abs().max().item() + 1e-2
         assert err <= bound, (layout, dtype, err, bound)
+
+
+def test_autocast_residual_stream_on_cuda(setup):
+    """``residual_dtype="autocast"`` under bf16 autocast on CUDA (the Triton add + norm on a bf16
+    stream, both ways): the layers see bf16, the loss and every gradient stay within bf16
+    rounding of the fp32-stream run's (the same model, the same tokens), and the fp32 master
+    weights get fp32 gradients."""
+    ids, cu, families = setup
+    folder = families["llama"][0]
+    runs = []
+    for residual in ("float32", "autocast"):
+        model, _ = load_hf_model(folder, ParallelState(), device="cuda")
+        model.residual_dtype = residual
+        seen = []
+        model.layers[1].register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].dtype))
+        _, inputs = local_text_inputs(ParallelState(), ids.cuda(), cu.cuda())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs, output="loss").sum() / (ids.numel() - len(LENGTHS))
+        loss.backward()
+        runs.append((seen, loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (seen32, loss32, grads32), (seen16, loss16, grads16) = runs
+    assert seen32 == [torch.float32] and seen16 == [torch.bfloat16]
+    assert abs(loss16 - loss32) <= 1e-2 * abs(loss32), (loss16, loss32)
+    for name, g in grads32.items():
+        assert grads16[name].dtype == torch.float32, name
+        rel = ((grads16[name] - g).norm() / g.norm()).item()
+        assert rel <= 5e-2, (name, rel)
