@@ -30,6 +30,7 @@ def _cfg(**kw) -> ModelConfig:
 
 @pytest.fixture
 def llama_dir(tmp_path):
+    torch.manual_seed(3)
     hf = LlamaForCausalLM(LlamaConfig(
         vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False))
@@ -230,20 +231,13 @@ def test_positions_beyond_max_position_embeddings_raise():
               output="logits")
 
 
-def test_autocast_residual_stream_is_transformers_with_a_bf16_stream(tmp_path):
+def test_autocast_residual_stream_is_transformers_with_a_bf16_stream(llama_dir):
     """``residual_dtype="autocast"`` under bf16 autocast computes what transformers computes
     when its embedding output is cast to bf16 (the stream Megatron-core and torchtitan keep):
     closer to that than to transformers' own fp32 stream, while the default stays closer to
     the fp32 one. Without autocast the setting changes nothing."""
-    torch.manual_seed(3)
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False))
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.2)
-    hf.save_pretrained(tmp_path / "ckpt")
-    ours, _ = load_hf_model(tmp_path / "ckpt", ParallelState())
+    folder, hf = llama_dir
+    ours, _ = load_hf_model(folder, ParallelState())
     ids, positions = torch.randint(0, 53, (64,)), torch.arange(64)
     cu = torch.tensor([0, 64], dtype=torch.int32)
 
