@@ -67,13 +67,15 @@ elif [ "${1:-}" = te2 ]; then
   run curve 480 python3 tests/perf/fp8_curve.py "$out/fp8_curve_h200.json"
   tail -30 "$out/curve.log"
 elif [ "${1:-}" = peers ]; then
-  # Megatron-core + TE and torchtitan (+ torchao float8) beside our bf16 and TE FP8 rows, one
-  # shape per call (its 6 row files + summary + log: the 8 files a call brings back); a third
-  # argument picks rows (comma-separated) when the six do not fit in one call.
+  # Megatron-core + TE and torchtitan (+ torchao float8) beside our rows (bf16 and TE FP8, each
+  # with the fp32 and the bf16 residual stream), one shape per call; a third argument picks rows
+  # (comma-separated) when the eight do not fit in one call. The rows' files come back as one
+  # tar (a call brings back at most 8 files): `tar -xf peers_h200_SHAPE.tar` in results/.
   shape=${2:-4096x4}
-  rows=${3:-megatron_bf16,megatron_fp8,torchtitan_bf16,torchtitan_float8,mpcore_bf16,mpcore_te_fp8}
-  run peers 560 python3 tests/perf/bench_peers.py --out "$out/peers_h200_$shape" \
-    --shapes "$shape" --rows "$rows" --timeout 200
+  rows=${3:-megatron_bf16,megatron_fp8,torchtitan_bf16,torchtitan_float8,mpcore_bf16,mpcore_te_fp8,mpcore_bf16_res,mpcore_te_fp8_res}
+  run peers 560 python3 tests/perf/bench_peers.py --out "/tmp/peers_h200_$shape" \
+    --shapes "$shape" --rows "$rows" --steps 10 --warmup 3 --timeout 240
+  tar -C /tmp -cf "$out/peers_h200_$shape.tar" "peers_h200_$shape"
   tail -16 "$out/peers.log"
 elif [ "${1:-}" = moe ]; then
   # bench_moe.py: Qwen3-30B-A3B cut to 6 layers, seq 4096, mpcore vs transformers' experts
