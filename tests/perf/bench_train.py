@@ -57,6 +57,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,17 @@ from mpcore.config import load_config  # noqa: E402
 from mpcore.optim import lr_at, set_lr  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
 from parallel.te import TEGemm  # noqa: E402
+
+
+class Variant(NamedTuple):
+    """One ``--variants`` item: ``linear_backend:fp8[:option]``."""
+
+    linear_backend: str
+    fp8: str
+    bf16_wgrad: bool = False
+    chunk_mib: int | None = None  # the loss head's logits chunk budget (None: the default)
+    residual_dtype: str = "float32"
+
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "train_h200.json"
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"
@@ -308,12 +320,13 @@ def parse_args(argv):
                 or (chunk.isdigit() and int(chunk) > 0)):
             parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad|"
                          ":bf16_residual|:lceMIB] (e.g. te:te_delayed or native:none:lce1024)")
-        args.variant_list.append((backend, fp8, option == "bf16_wgrad",
-                                  int(chunk) if chunk else None,
-                                  "autocast" if option == "bf16_residual" else "float32"))
+        args.variant_list.append(Variant(
+            backend, fp8, option == "bf16_wgrad", int(chunk) if chunk else None,
+            "autocast" if option == "bf16_residual" else "float32"))
     if args.variant_list:
-        args.linear_backend, args.fp8, args.bf16_wgrad, _, args.residual_dtype = \
-            args.variant_list[0]
+        first = args.variant_list[0]
+        args.linear_backend, args.fp8 = first.linear_backend, first.fp8
+        args.bf16_wgrad, args.residual_dtype = first.bf16_wgrad, first.residual_dtype
     return args
 
 
@@ -335,23 +348,24 @@ def main(argv=None) -> int:
     hf = world == 1 and not args.skip_hf
     if hf:  # a config the baseline cannot build fails here, before the mpcore run
         _hf_config(load_config(args.config), str(args.config))
-    pairs = args.variant_list or [(args.linear_backend, args.fp8, args.bf16_wgrad, None,
-                                   args.residual_dtype)]
+    pairs = args.variant_list or [Variant(args.linear_backend, args.fp8, args.bf16_wgrad,
+                                          residual_dtype=args.residual_dtype)]
     # Every variant resolved (TE imported) before the first runs: a missing backend fails here.
-    resolved = [resolve_linear_backend(b, _device_kind(), fp8) for b, fp8, *_ in pairs]
+    resolved = [resolve_linear_backend(v.linear_backend, _device_kind(), v.fp8) for v in pairs]
     variants = []
-    for (backend, fp8, bf16_wgrad, chunk_mib, residual), chosen in zip(pairs, resolved,
-                                                                        strict=True):
-        one = argparse.Namespace(**{**vars(args), "linear_backend": backend, "fp8": fp8,
-                                    "bf16_wgrad": bf16_wgrad, "residual_dtype": residual})
+    for v, chosen in zip(pairs, resolved, strict=True):
+        fields = {k: getattr(v, k) for k in ("linear_backend", "fp8", "bf16_wgrad",
+                                             "residual_dtype")}
+        one = argparse.Namespace(**{**vars(args), **fields})
         # the loss head's logits chunk budget, for this variant only
-        with _lce_chunks.chunk_budget(None if chunk_mib is None else chunk_mib * 2**20):
-            variants.append({"fp8": fp8, "linear_backend": chosen,
+        with _lce_chunks.chunk_budget(None if v.chunk_mib is None else v.chunk_mib * 2**20):
+            variants.append({"fp8": v.fp8, "linear_backend": chosen,
                              "lce_chunk_mib": _lce_chunks.CHUNK_BYTES // 2**20,
-                             "residual_dtype": residual,
+                             "residual_dtype": v.residual_dtype,
                              "mpcore": bench_mpcore(one)})
         if chosen == "te":
-            variants[-1]["te_weight_grad"] = "bf16, cast by autograd" if bf16_wgrad else "fp32"
+            variants[-1]["te_weight_grad"] = ("bf16, cast by autograd" if v.bf16_wgrad
+                                              else "fp32")
         _free()
     report["mpcore"] = variants[0]["mpcore"]
     if hf:
