@@ -1,7 +1,8 @@
 """Optional backends, detected in this one module: apex's FusedAdam, and (re-exported from
 ``parallel.te``, which the layers below ``mpcore`` import) TransformerEngine's GEMMs.
 
-A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``apex`` or ``auto``;
+A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``triton``, ``apex`` or
+``auto``;
 ``model.linear_backend`` is ``native``, ``te`` or ``auto`` (``resolve_linear_backend``).
 A named backend that is not installed raises ``ValueError`` with the install command; only
 ``auto`` falls back (apex / TE when importable and on CUDA, else torch / native) and logs its
@@ -38,6 +39,8 @@ def adam_backend(name: str, device_type: str) -> str:
     """
     if name == "torch":
         return "torch"
+    if name == "triton":
+        return "triton"  # kernels.adamw on CUDA, its PyTorch reference elsewhere
     if name == "apex":
         if device_type != "cuda":
             raise ValueError("optimizer.backend=apex needs CUDA (FusedAdam is a CUDA kernel); "
@@ -48,7 +51,8 @@ def adam_backend(name: str, device_type: str) -> str:
                              f"optimizer.backend=torch")
         return "apex"
     if name != "auto":
-        raise ValueError(f"unknown optimizer backend {name!r}; use torch, apex or auto")
+        raise ValueError(f"unknown optimizer backend {name!r}; use torch, triton, apex or "
+                         f"auto")
     chosen = "apex" if device_type == "cuda" and apex_fused_adam() is not None else "torch"
     if "adam" not in _logged:
         _logged.add("adam")

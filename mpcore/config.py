@@ -319,15 +319,16 @@ class OptimizerSection:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     backend: str = "auto"
-    """torch (AdamW, fused on CUDA), apex (FusedAdam; needs apex) or auto (apex when installed
-    and on CUDA, else torch)."""
+    """torch (AdamW, fused on CUDA), triton (``mpcore.optim.TritonAdamW``: the same update in
+    one Triton pass per parameter on CUDA, PyTorch elsewhere), apex (FusedAdam; needs apex) or
+    auto (apex when installed and on CUDA, else torch)."""
 
     def __post_init__(self):
         if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("optimizer.lr and eps must be > 0, weight_decay and grad_clip >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
-        _choice("optimizer", "backend", self.backend, ("auto", "torch", "apex"))
+        _choice("optimizer", "backend", self.backend, ("auto", "torch", "triton", "apex"))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """AdamW, the learning-rate schedule, and gradient clipping by the true global norm.
 
 Parameters are fp32 (master weights); on CUDA the forward runs under bf16 autocast. AdamW is
-PyTorch's (``fused=True`` on CUDA) or apex's FusedAdam (``mpcore.backends``); weight decay
-applies to tensors with 2 or more dims (matrices, embeddings), not to norms and biases.
+PyTorch's (``fused=True`` on CUDA), ours in Triton (:class:`TritonAdamW`, the same update with
+less memory traffic) or apex's FusedAdam (``mpcore.backends``); weight decay applies to tensors
+with 2 or more dims (matrices, embeddings), not to norms and biases.
 
 Global gradient norm. A parameter is held as a tp shard (``mpcore.logical``: pieces of HF
 tensors), possibly further sharded on dim 0 over dp x cp by FSDP2 (a DTensor), or replicated
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import Config
 from mpcore.logical import LogicalLayout
@@ -46,16 +48,102 @@ def build_optimizer(model: nn.Module, cfg: Config, device_type: str) -> torch.op
     groups = [{"params": decay, "weight_decay": opt.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
-    if adam_backend(opt.backend, device_type) == "apex":
+    backend = adam_backend(opt.backend, device_type)
+    if backend == "apex":
         return apex_fused_adam()(groups, adam_w_mode=True, **kwargs)
+    if backend == "triton":
+        return TritonAdamW(groups, **kwargs)
     return torch.optim.AdamW(groups, fused=device_type == "cuda" or None, **kwargs)
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (decoupled weight decay) whose step is ``kernels.adamw``: one
+    Triton pass per parameter that reads the parameter, gradient and moments once and writes
+    the parameter and moments (28 bytes per fp32 element; PyTorch's fused step also writes the
+    divided gradient back, 32). Like PyTorch's fused step it reads ``grad_scale`` (every
+    gradient is divided by it) and ``found_inf`` (1: nothing changes, the step counts stay)
+    from attributes set before :meth:`step`, so clipping and skipping need no host sync.
+
+    Its state and ``state_dict`` are AdamW's (``step``, ``exp_avg``, ``exp_avg_sq`` per
+    parameter, the step a float32 scalar on the parameter's device), so checkpoints move freely
+    between this and ``optimizer.backend=torch``. Off CUDA the same update runs in PyTorch
+    (``adamw_step_reference_``). ``amsgrad``, ``maximize`` and ``differentiable`` are not
+    supported; parameters and moments are float32."""
+
+    def __init__(self, params, **kwargs):
+        for flag in ("amsgrad", "maximize", "differentiable", "fused", "foreach", "capturable"):
+            if kwargs.get(flag):
+                raise ValueError(f"TritonAdamW does not support {flag}=True; use "
+                                 f"optimizer.backend=torch (torch.optim.AdamW) for it")
+        super().__init__(params, foreach=False, fused=False, **kwargs)
+        self._scalars: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _defaults(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``grad_scale`` 1 and ``found_inf`` 0 on ``device``, for a step without them."""
+        if device not in self._scalars:
+            self._scalars[device] = (torch.ones((), device=device),
+                                     torch.zeros((), device=device))
+        return self._scalars[device]
+
+    def _group_tensors(self, group: dict) -> tuple[list[torch.Tensor], ...]:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("TritonAdamW does not support sparse gradients")
+            state = self.state[p]
+            local = _local(p)
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != local.device:  # loaded from a CPU state dict
+                state["step"] = state["step"].to(local.device, torch.float32)
+            params.append(local)
+            grads.append(_local(p.grad).contiguous())
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        return params, grads, exp_avgs, exp_avg_sqs, steps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = self._group_tensors(group)
+            if not params:
+                continue
+            device = params[0].device
+            if any(t.device != device for t in params):
+                raise ValueError("TritonAdamW: a parameter group spans devices; keep one "
+                                 "device per group")
+            scale_one, no_inf = self._defaults(device)
+            grad_scale = getattr(self, "grad_scale", None)
+            found_inf = getattr(self, "found_inf", None)
+            grad_scale = scale_one if grad_scale is None else grad_scale.to(device)
+            found_inf = no_inf if found_inf is None else found_inf.to(device)
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = (float(b) for b in group["betas"])
+            coefs = step_coefficients(steps, group["lr"], beta1, beta2, group["weight_decay"])
+            update = adamw_step_ if device.type == "cuda" else adamw_step_reference_
+            update(params, grads, exp_avgs, exp_avg_sqs, coefs, grad_scale, found_inf, beta1,
+                   beta2, group["eps"])
+            if found_inf is not no_inf:
+                torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
+        return loss
 
 
 def decides_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` can skip and clip an update without the host: PyTorch's fused
-    AdamW reads two tensors at its step, ``grad_scale`` (every gradient is divided by it) and
-    ``found_inf`` (1: no parameter or moment changes and the step counts stay), so the step
-    needs no CPU-GPU sync to decide (``mpcore.train``)."""
+    AdamW and :class:`TritonAdamW` read two tensors at their step, ``grad_scale`` (every
+    gradient is divided by it) and ``found_inf`` (1: no parameter or moment changes and the
+    step counts stay), so the step needs no CPU-GPU sync to decide (``mpcore.train``)."""
+    if isinstance(optimizer, TritonAdamW):
+        return True
     return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.param_groups) and all(
         g.get("fused") for g in optimizer.param_groups)
 

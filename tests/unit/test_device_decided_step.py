@@ -5,6 +5,8 @@ contract as on CUDA, so the path that CUDA training takes is checked here agains
 decision (the same fused optimizer, with ``decides_on_device`` off): clipping as a divisor,
 non-finite steps skipped (weights, moments and step counts untouched), the streak that stops
 the run, and ``fit``'s one-step-late reading of the numbers, which must not change them.
+``optimizer.backend=triton`` (``TritonAdamW``, its PyTorch update on the CPU) keeps the same
+contract: it trains like the fused AdamW and skips the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import mpcore.build
 import mpcore.train
 from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
-from mpcore.optim import build_optimizer, decides_on_device
+from mpcore.optim import TritonAdamW, build_optimizer, decides_on_device
 from mpcore.train import Trainer, TrainingDiverged, train
 
 CLIP = "optimizer.grad_clip=0.05"  # below every step's norm here: each update is clipped
@@ -84,8 +86,28 @@ def test_fit_reads_a_step_late_and_trains_the_same(tmp_path, data_dir, fused):  
     assert first.losses + second.losses == fitted.losses
 
 
-def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, fused):  # noqa: F811
-    run, trainer, poison = poisonable(tiny(tmp_path, data_dir, "run", "training.max_bad_steps=2"))
+def test_triton_adamw_trains_like_the_fused_adamw(tmp_path, data_dir, monkeypatch):  # noqa: F811
+    cfg = tiny(tmp_path, data_dir, "triton", CLIP, "optimizer.backend=triton")
+    triton_run, triton = _steps(cfg, STEPS)
+    assert isinstance(triton_run.run.optimizer, TritonAdamW)
+    assert decides_on_device(triton_run.run.optimizer)
+    monkeypatch.setattr(mpcore.build, "build_optimizer", fused_adamw)
+    _, fused = _steps(tiny(tmp_path, data_dir, "fused", CLIP), STEPS)
+    assert triton[0] == fused[0]
+    # The fused kernel keeps some scalar products in float64 where TritonAdamW rounds its
+    # step coefficients to float32 once: a few ulp per update.
+    for (tl, tn), (fl, fn) in zip(triton, fused, strict=True):
+        assert tl == pytest.approx(fl, rel=1e-5) and tn == pytest.approx(fn, rel=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, backend, request):  # noqa: F811
+    if backend == "fused":
+        request.getfixturevalue("fused")
+    chosen = "optimizer.backend=" + ("triton" if backend == "triton" else "torch")
+    run, trainer, poison = poisonable(tiny(tmp_path, data_dir, "run", "training.max_bad_steps=2",
+                                           chosen))
+    assert isinstance(run.optimizer, TritonAdamW) == (backend == "triton")
     trainer.train_step()
 
     def snapshot():
