@@ -22,7 +22,9 @@ state):
     mpcore_te_fp8      tests/perf/bench_train.py --skip-hf --variants te:te_delayed
     mpcore_bf16_res    the same two with the residual stream in bf16 (model.residual_dtype=
     mpcore_te_fp8_res  autocast), as Megatron-core and torchtitan keep theirs (ours is fp32
-                       by default, as transformers keeps it under autocast)
+                       by default, as transformers keeps it under autocast); our rows'
+                       optimizer is ``--optimizer-backend`` (torch: PyTorch's fused AdamW,
+                       triton: TritonAdamW), named in each row's settings
 The shape is the config's model section (default launch/configs/llama3_1b.yaml: hidden 2048,
 16 layers, 32 heads, 8 KV heads, MLP 8192, vocab 128256, tied). Every row trains on the same
 tokens: bench_train's ``RandomTokens`` (seed 0), one document of ``seq`` tokens per sample, the
@@ -420,7 +422,7 @@ def run_ours(args, variant: str, out: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).parent / "bench_train.py"), str(raw), "--config",
            str(args.config), "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--skip-hf",
-           "--timing", args.timing,
+           "--timing", args.timing, "--optimizer-backend", args.optimizer_backend,
            "--variants", variant, "--run-dir", tempfile.mkdtemp(prefix="bench_peers_run_")]
     run_subprocess(cmd, args.timeout)
     report = json.loads(raw.read_text())
@@ -430,6 +432,7 @@ def run_ours(args, variant: str, out: Path) -> dict:
     result["settings"] = {"bench_train_variants": variant, "fp8": variant_report["fp8"],
                           "linear_backend": variant_report["linear_backend"],
                           "residual_dtype": variant_report["residual_dtype"],
+                          "optimizer_backend": variant_report["optimizer_backend"],
                           "attention_backend": report["backend"]}
     crc_data = Batches(load_config(args.config).model.vocab_size, args.seq, args.micro_batch,
                        torch.device("cpu"))
@@ -537,6 +540,8 @@ def parse_args(argv):
     parser.add_argument("--timing", default="steady", choices=["steady", "synced"],
                         help="bench_train's --timing, for every row (each step as its own "
                              "training loop runs it: steady)")
+    parser.add_argument("--optimizer-backend", default="torch", choices=["torch", "triton"],
+                        help="our rows' optimizer.backend (bench_train's --optimizer-backend)")
     parser.add_argument("--one", dest="row", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)

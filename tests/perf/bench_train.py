@@ -45,6 +45,9 @@ in bf16 for autograd to cast (``TEGemm.fp32_wgrad = False``), for an A/B of the 
 (``kernels._lce_chunks.CHUNK_BYTES``, default 512 MiB) for that variant, and ``bf16_residual``
 (``te:te_delayed:bf16_residual``) runs it with ``model.residual_dtype=autocast`` (the residual
 stream in bf16, as Megatron-core and torchtitan keep it; default float32, as transformers).
+Options combine with ``+`` (``te:te_delayed:bf16_residual+adamw_triton``); ``adamw_triton`` /
+``adamw_torch`` pick that variant's ``optimizer.backend`` (default ``--optimizer-backend``,
+torch: PyTorch's fused AdamW).
 JSON goes to OUT (default tests/perf/results/train_h200.json), written by rank 0.
 """
 
@@ -84,6 +87,7 @@ class Variant(NamedTuple):
     bf16_wgrad: bool = False
     chunk_mib: int | None = None  # the loss head's logits chunk budget (None: the default)
     residual_dtype: str = "float32"
+    optimizer_backend: str | None = None  # None: --optimizer-backend
 
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "train_h200.json"
@@ -180,7 +184,8 @@ def bench_mpcore(args) -> dict:
                  f"parallel.sequence_parallel={args.tp > 1}",
                  f"parallel.activation_checkpointing={args.activation_checkpointing}",
                  f"training.device={_device_kind()}", "training.dtype=bfloat16",
-                 "checkpoint.resume=false", "checkpoint.every=0", "optimizer.backend=torch",
+                 "checkpoint.resume=false", "checkpoint.every=0",
+                 f"optimizer.backend={args.optimizer_backend}",
                  "schedule.warmup_steps=10", f"logging.run_dir={args.run_dir}",
                  f"model.fp8={args.fp8}", f"model.attention_backend={args.attention_backend}",
                  f"model.linear_backend={args.linear_backend}",
@@ -301,6 +306,8 @@ def parse_args(argv):
     parser.add_argument("--attention-backend", default="auto",
                         choices=["auto", "flash", "sdpa_cudnn", "reference"],
                         help="mpcore's model.attention_backend")
+    parser.add_argument("--optimizer-backend", default="torch", choices=["torch", "triton"],
+                        help="mpcore's optimizer.backend (a variant's adamw_* option wins)")
     parser.add_argument("--timing", default="steady", choices=["steady", "synced"],
                         help="steady: the timed steps back to back, as training runs them "
                              "(mean); synced: the device synchronised around each (median)")
@@ -313,16 +320,21 @@ def parse_args(argv):
     for item in filter(None, args.variants.split(",")):
         backend, _, rest = item.partition(":")
         fp8, _, option = rest.partition(":")
-        chunk = option[3:] if option.startswith("lce") else ""
+        options = set(filter(None, option.split("+")))
+        chunks = [o[3:] for o in options if o.startswith("lce")]
+        adams = [o[len("adamw_"):] for o in options if o.startswith("adamw_")]
+        known = {"bf16_wgrad", "bf16_residual", "adamw_torch", "adamw_triton"}
         if backend not in ("native", "te", "auto") or fp8 not in (
-                "none", "tensorwise", "te_delayed", "te_current") or not (
-                option in ("", "bf16_wgrad", "bf16_residual")
-                or (chunk.isdigit() and int(chunk) > 0)):
-            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:bf16_wgrad|"
-                         ":bf16_residual|:lceMIB] (e.g. te:te_delayed or native:none:lce1024)")
+                "none", "tensorwise", "te_delayed", "te_current") or not all(
+                o in known or (o[3:].isdigit() and int(o[3:]) > 0) for o in options) or len(
+                chunks) > 1 or len(adams) > 1:
+            parser.error(f"--variants: {item!r} is not linear_backend:fp8[:OPTION[+OPTION]] "
+                         "with options bf16_wgrad, bf16_residual, lceMIB, adamw_torch|triton "
+                         "(e.g. te:te_delayed or native:none:lce1024+adamw_triton)")
         args.variant_list.append(Variant(
-            backend, fp8, option == "bf16_wgrad", int(chunk) if chunk else None,
-            "autocast" if option == "bf16_residual" else "float32"))
+            backend, fp8, "bf16_wgrad" in options, int(chunks[0]) if chunks else None,
+            "autocast" if "bf16_residual" in options else "float32",
+            adams[0] if adams else None))
     if args.variant_list:
         first = args.variant_list[0]
         args.linear_backend, args.fp8 = first.linear_backend, first.fp8
@@ -356,12 +368,14 @@ def main(argv=None) -> int:
     for v, chosen in zip(pairs, resolved, strict=True):
         fields = {k: getattr(v, k) for k in ("linear_backend", "fp8", "bf16_wgrad",
                                              "residual_dtype")}
+        fields["optimizer_backend"] = v.optimizer_backend or args.optimizer_backend
         one = argparse.Namespace(**{**vars(args), **fields})
         # the loss head's logits chunk budget, for this variant only
         with _lce_chunks.chunk_budget(None if v.chunk_mib is None else v.chunk_mib * 2**20):
             variants.append({"fp8": v.fp8, "linear_backend": chosen,
                              "lce_chunk_mib": _lce_chunks.CHUNK_BYTES // 2**20,
                              "residual_dtype": v.residual_dtype,
+                             "optimizer_backend": fields["optimizer_backend"],
                              "mpcore": bench_mpcore(one)})
         if chosen == "te":
             variants[-1]["te_weight_grad"] = ("bf16, cast by autograd" if v.bf16_wgrad

@@ -102,7 +102,7 @@ def single(tmp_path_factory) -> dict:
     """bench_train.py in one process, training steps, both sides: the layouts' loss reference."""
     tmp_path = tmp_path_factory.mktemp("bench_single")
     return _bench(tmp_path, "single", "bench_train.py", "--activation-checkpointing",
-                  "--variants", "auto:none,native:none:lce1")
+                  "--variants", "auto:none,native:none:lce1+adamw_triton")
 
 
 def test_bench_model_with_hf_baseline(tmp_path):
@@ -128,6 +128,9 @@ def test_bench_train_single_process_with_hf_baseline(single):
         == ("none", "native")
     assert first["mpcore"] == single["mpcore"]
     assert (first["lce_chunk_mib"], second["lce_chunk_mib"]) == (512, 1)  # the loss head's budget
+    assert (first["optimizer_backend"], second["optimizer_backend"]) == ("torch", "triton")
+    # TritonAdamW (its PyTorch update here) trains like torch's AdamW: a few ulp per update.
+    assert second["mpcore"]["last_loss"] == pytest.approx(first["mpcore"]["last_loss"], rel=1e-4)
     # Steady timing (the default), for mpcore and the baselines alike.
     assert {v["mpcore"]["timing"] for v in (first, second)} == {single["hf"]["timing"]} \
         == {"steady"}
