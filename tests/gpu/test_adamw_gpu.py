@@ -85,6 +85,11 @@ def test_kernel_equals_reference_on_cuda(grad_dtype):
     state = [[torch.randn(s, device="cuda", generator=g) for s in shapes] for _ in range(3)]
     state[2] = [v.abs() for v in state[2]]
     runs = [[[t.clone() for t in part] for part in state] for _ in range(2)]
+    for run in runs:  # the first tensors at an odd offset: not 16-byte aligned
+        for part in run:
+            buf = torch.empty(part[0].numel() + 1, device="cuda")
+            buf[1:].copy_(part[0])
+            part[0] = buf[1:]
     coefs = step_coefficients([torch.tensor(7.0, device="cuda")] * 3, 1e-3, 0.9, 0.95, 0.1)
     grads = [torch.randn(s, device="cuda", generator=g).to(grad_dtype) for s in shapes]
     scale, skip = torch.tensor(3.0, device="cuda"), torch.tensor(0.0, device="cuda")

@@ -169,22 +169,30 @@ def test_step_coefficients_in_float64():
     assert got.dtype == torch.float32
 
 
-def test_fp32_accesses_compile_to_16_byte_vectors():
-    """For sm_90 (no GPU needed) the kernel's fp32 state is read and written in 16-byte
-    vectors (the update is bandwidth-bound: 28 bytes per element); its only scalar loads are
-    the three step coefficients, the divisor and the skip flag."""
+@pytest.mark.parametrize("grad", ["float32", "bfloat16"])
+def test_full_blocks_compile_to_16_byte_vectors(grad):
+    """For sm_90 (no GPU needed): with the addresses marked 16-byte aligned, a full block's
+    fp32 state is read and written in 16-byte vectors (the update is bandwidth-bound: 28 bytes
+    per element), with an fp32 or a bf16 gradient; without the mark (a tensor at an
+    odd offset), nothing is vectorised, which is why the host checks the alignment."""
     from kernels import adamw as module
 
-    kernel = module._adamw_kernel
-    sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32",
-           "coef_ptr": "*fp32", "scale_ptr": "*fp32", "skip_ptr": "*fp32", "n": "i32",
-           "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
-    ptx = sm90_ptx(kernel, sig, {"BLOCK": module.BLOCK}, num_warps=module.NUM_WARPS)
-    accesses = global_accesses(ptx)
-    assert {a for a in accesses if a.startswith("st.")} == {"st.global.v4.b32"}, accesses
-    assert "ld.global.v4.b32" in accesses, accesses
-    scalar_loads = [line for line in ptx.splitlines() if "ld.global" in line and ".v" not in line]
-    assert len(scalar_loads) <= 5, scalar_loads
+    sig = {"table_ptr": "*i64", "blocks_ptr": "*i64", "coef_ptr": "*fp32", "scale_ptr": "*fp32",
+           "skip_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
+    kinds = {}
+    for aligned in (True, False):
+        ptx = sm90_ptx(module._adamw_kernel, sig, {"GRAD": getattr(tl_types(), grad),
+                                                    "ALIGNED": aligned, "BLOCK": module.BLOCK},
+                       num_warps=module.NUM_WARPS)
+        kinds[aligned] = global_accesses(ptx)
+    assert "st.global.v4.b32" in kinds[True] and "ld.global.v4.b32" in kinds[True], kinds[True]
+    assert not any(".v" in a for a in kinds[False]), kinds[False]
+
+
+def tl_types():
+    import triton.language as tl
+
+    return tl
 
 
 @needs_triton
@@ -194,13 +202,18 @@ def test_triton_kernel_under_interpreter():
 
 
 def _check_kernel_equals_reference(grad_dtype):
-    """The kernel and the reference on the same inputs (ragged sizes, bf16 or fp32 gradients,
-    weight decay, a divisor) over three steps, then a skipped one."""
+    """The kernel and the reference on the same inputs (ragged sizes, an unaligned tensor, bf16
+    or fp32 gradients, weight decay, a divisor) over three steps, then a skipped one."""
     shapes = [(3000,), (17, 5), (2048,), (1,)]
     g = torch.Generator().manual_seed(1)
     state = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
     state[2] = [v.abs() for v in state[2]]
     runs = [copy.deepcopy(state) for _ in range(2)]
+    for run in runs:  # the first tensors at an odd offset: not 16-byte aligned
+        for part in run:
+            buf = torch.empty(part[0].numel() + 1)
+            buf[1:].copy_(part[0])
+            part[0] = buf[1:]
     steps = [torch.tensor(5.0) for _ in shapes]
     for step in range(4):
         coefs = step_coefficients([s + step for s in steps], 2e-3, 0.9, 0.95, 0.1)
