@@ -71,10 +71,12 @@ elif [ "${1:-}" = peers ]; then
   # with the fp32 and the bf16 residual stream), one shape per call; a third argument picks rows
   # (comma-separated) when the eight do not fit in one call. The rows' files come back as one
   # tar (a call brings back at most 8 files): `tar -xf peers_h200_SHAPE.tar` in results/.
+  # Our rows' optimizer: OPTIMIZER_BACKEND (default triton, TritonAdamW).
   shape=${2:-4096x4}
   rows=${3:-megatron_bf16,megatron_fp8,torchtitan_bf16,torchtitan_float8,mpcore_bf16,mpcore_te_fp8,mpcore_bf16_res,mpcore_te_fp8_res}
   run peers 560 python3 tests/perf/bench_peers.py --out "/tmp/peers_h200_$shape" \
-    --shapes "$shape" --rows "$rows" --steps 10 --warmup 3 --timeout 240
+    --shapes "$shape" --rows "$rows" --steps 10 --warmup 3 --timeout 240 \
+    --optimizer-backend "${OPTIMIZER_BACKEND:-triton}"
   tar -C /tmp -cf "$out/peers_h200_$shape.tar" "peers_h200_$shape"
   tail -16 "$out/peers.log"
 elif [ "${1:-}" = moe ]; then
