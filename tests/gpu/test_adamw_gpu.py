@@ -97,7 +97,9 @@ def test_kernel_equals_reference_on_cuda(grad_dtype):
         fn(p, grads, m, v, coefs, scale, skip, 0.9, 0.95, 1e-8)
     for a, b in zip(*runs, strict=True):
         for x, y in zip(a, b, strict=True):
-            assert torch.allclose(x, y, rtol=2e-6, atol=1e-9)
+            # The kernel contracts its multiply-adds (FMA), the reference rounds twice: 1-2
+            # ulp of the operands (O(1) here), also where m cancels towards 0.
+            assert torch.allclose(x, y, rtol=2e-6, atol=1e-6)
 
 
 def test_state_dict_from_fused_adamw_resumes():

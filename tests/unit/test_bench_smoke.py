@@ -162,9 +162,16 @@ def test_bench_train_model_parallel_matches_one_process(tmp_path, single, name, 
 
 
 def test_bench_train_data_parallel_fsdp(tmp_path):
+    """FSDP2 on 2 ranks, with torch's AdamW and with TritonAdamW (over the DTensor shards'
+    local tensors): the two train alike."""
     report = _bench(tmp_path, "dp2_fsdp", "bench_train.py", "--data-parallel", "fsdp",
-                    "--skip-hf", nproc=2)
+                    "--skip-hf", "--variants", "native:none,native:none:adamw_triton", nproc=2)
     _check_header(report, 2, forward_backward_only=False)
     _check_side(report["mpcore"], 2 * SEQ * MICRO_BATCH, 2)  # each dp rank its own batch
     assert report["mpcore"]["layout"] == _layout(dp=2)
     assert "hf" not in report
+    torch_adamw, triton_adamw = (v["mpcore"] for v in report["variants"])
+    assert [v["optimizer_backend"] for v in report["variants"]] == ["torch", "triton"]
+    assert triton_adamw["first_loss"] == torch_adamw["first_loss"]
+    assert triton_adamw["last_loss"] == pytest.approx(torch_adamw["last_loss"], rel=1e-4)
+    assert triton_adamw["last_loss"] != triton_adamw["first_loss"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels._triton import HAVE_TRITON
 from models import ModelConfig, build_model
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import ModelSection, load_config, model_section, save_config
@@ -222,7 +223,10 @@ def test_backends():
     if apex_fused_adam() is None:
         with pytest.raises(ValueError, match="github.com/NVIDIA/apex"):
             adam_backend("apex", "cuda")
-        assert adam_backend("auto", "cuda") == "torch"
+        assert adam_backend("auto", "cuda") == ("triton" if HAVE_TRITON else "torch")
+    assert adam_backend("triton", "cpu") == adam_backend("triton", "cuda") == "triton"
+    with pytest.raises(ValueError, match="use torch, triton, apex or auto"):
+        adam_backend("fused", "cuda")
 
 
 def test_lr_schedule():
