@@ -40,7 +40,7 @@ NUM_WARPS = 8
 _STATE_DTYPE = torch.float32
 _GRAD_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
                 torch.float16: tl.float16} if HAVE_TRITON else {}
-_ENTRY = 6  # a table row: parameter, gradient, exp_avg, exp_avg_sq addresses, numel, coef row
+_BLOCKS_KEPT = 8  # block tables cached (one per set of tensor sizes: a run has one or two)
 _blocks_cache: dict[tuple, torch.Tensor] = {}
 
 
@@ -78,7 +78,8 @@ def _adamw_kernel(
     table_ptr, blocks_ptr, coef_ptr, scale_ptr, skip_ptr, beta1, beta2, eps,
     GRAD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # blocks: per program [table row, first element]; table: per tensor _ENTRY int64s; coef
+    # blocks: per program [table row, first element]; table: per tensor 6 int64s, the
+    # parameter's, gradient's, exp_avg's and exp_avg_sq's addresses, numel, coef row; coef
     # rows: [lr / (1 - beta1^t), sqrt(1 - beta2^t), lr * weight_decay].
     pid = tl.program_id(0).to(tl.int64)
     # A skipped step reads and writes nothing.
@@ -119,8 +120,7 @@ def step_coefficients(steps: list[torch.Tensor], lr: float | torch.Tensor, beta1
     # from pageable memory, which waits for the device (a sync per step).
     step_size = lr / (1.0 - torch.pow(beta1, t))
     bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t))
-    lr_wd = torch.zeros_like(t).add_(lr * weight_decay) if not isinstance(lr, torch.Tensor) else (
-        (lr * weight_decay).expand_as(t))
+    lr_wd = torch.zeros_like(t) + lr * weight_decay
     return torch.stack([step_size, bc2_sqrt, lr_wd], dim=1).float()
 
 
@@ -145,6 +145,8 @@ def _blocks(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     tensors of ``numels`` (cached: a model's sizes do not change between steps)."""
     key = (numels, BLOCK, device)
     if key not in _blocks_cache:
+        if len(_blocks_cache) >= _BLOCKS_KEPT:  # the oldest goes
+            del _blocks_cache[next(iter(_blocks_cache))]
         counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels])
         rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
         first = torch.cat([torch.arange(c) * BLOCK for c in counts.tolist()])
