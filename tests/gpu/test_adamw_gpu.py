@@ -40,11 +40,11 @@ def _groups(params):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def _train(opt, params, skip=3, device_decides=True):
-    """Five steps; step ``skip`` is non-finite. With ``device_decides`` the optimizer reads
+def _train(opt, params, skip=3, device_decides=True, steps=range(5)):
+    """``steps`` (of five); step ``skip`` is non-finite. With ``device_decides`` the optimizer reads
     ``grad_scale`` and ``found_inf``; else (float64 AdamW, which has neither) the host divides
     the gradients and leaves the step out. Returns the gradients of the last step."""
-    for step in range(5):
+    for step in steps:
         for group in opt.param_groups:
             group["lr"] = LRS[step]
         grads = _grads(step, params[0].dtype)
@@ -107,26 +107,12 @@ def test_state_dict_from_fused_adamw_resumes():
     _train(torch.optim.AdamW(_groups(straight), fused=True, **HYPER), straight, skip=-1)
     params = _params(torch.float32)
     first = torch.optim.AdamW(_groups(params), fused=True, **HYPER)
-    for step in range(2):
-        for group in first.param_groups:
-            group["lr"] = LRS[step]
-        for p, g in zip(params, _grads(step, torch.float32), strict=True):
-            p.grad = g
-        first.grad_scale = torch.tensor(SCALES[step], device="cuda")
-        first.found_inf = torch.tensor(0.0, device="cuda")
-        first.step()
+    _train(first, params, skip=-1, steps=range(2))
     sd = first.state_dict()
     sd = {"state": {k: {n: t.cpu() for n, t in v.items()} for k, v in sd["state"].items()},
           "param_groups": sd["param_groups"]}  # as a checkpoint holds it
     second = TritonAdamW(_groups(params), **HYPER)
     second.load_state_dict(sd)
-    for step in range(2, 5):
-        for group in second.param_groups:
-            group["lr"] = LRS[step]
-        for p, g in zip(params, _grads(step, torch.float32), strict=True):
-            p.grad = g
-        second.grad_scale = torch.tensor(SCALES[step], device="cuda")
-        second.found_inf = torch.tensor(0.0, device="cuda")
-        second.step()
+    _train(second, params, skip=-1, steps=range(2, 5))
     for i, (a, b) in enumerate(zip(params, straight, strict=True)):
         assert _rel_err(a, b) < 1e-6, f"param {i}"
