@@ -11,8 +11,8 @@ from mpcore.optim import TritonAdamW
 
 pytestmark = pytest.mark.gpu
 
-# Ragged sizes around the block (2048), a Llama-1B-sized matrix and a norm weight.
-SHAPES = [(3072, 2048), (2047,), (2049,), (5, 7), (1,), (2048,)]
+# Ragged sizes around block multiples (1024, 2048), a Llama-1B-sized matrix, a norm weight.
+SHAPES = [(3072, 2048), (2047,), (2049,), (5, 7), (1,), (2048,), (1023,)]
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
 LRS = [1e-3, 8e-4, 3e-4, 5e-4, 1e-4]
 SCALES = [1.0, 2.5, 1.0, 0.7, 4.0]

@@ -29,8 +29,8 @@ from mpcore.optim import TritonAdamW  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "adamw_h200.json"
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"
-VARIANTS = {"torch_fused": None, "triton": (2048, 8), "triton_b1024_w4": (1024, 4),
-            "triton_b2048_w4": (2048, 4), "triton_b4096_w8": (4096, 8)}
+VARIANTS = {"torch_fused": None, "triton": (1024, 4), "triton_b2048_w8": (2048, 8),
+            "triton_b2048_w4": (2048, 4), "triton_b512_w2": (512, 2)}
 
 
 def _shapes(cfg) -> list[tuple[int, ...]]:
