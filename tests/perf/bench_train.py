@@ -321,13 +321,13 @@ def parse_args(argv):
         backend, _, rest = item.partition(":")
         fp8, _, option = rest.partition(":")
         options = set(filter(None, option.split("+")))
-        chunks = [o[3:] for o in options if o.startswith("lce")]
+        chunks = [o[3:] for o in options if o.startswith("lce") and o[3:].isdigit()]
         adams = [o[len("adamw_"):] for o in options if o.startswith("adamw_")]
         known = {"bf16_wgrad", "bf16_residual", "adamw_torch", "adamw_triton"}
+        unknown = options - known - {f"lce{c}" for c in chunks}
         if backend not in ("native", "te", "auto") or fp8 not in (
-                "none", "tensorwise", "te_delayed", "te_current") or not all(
-                o in known or (o[3:].isdigit() and int(o[3:]) > 0) for o in options) or len(
-                chunks) > 1 or len(adams) > 1:
+                "none", "tensorwise", "te_delayed", "te_current") or unknown or len(
+                chunks) > 1 or len(adams) > 1 or any(int(c) == 0 for c in chunks):
             parser.error(f"--variants: {item!r} is not linear_backend:fp8[:OPTION[+OPTION]] "
                          "with options bf16_wgrad, bf16_residual, lceMIB, adamw_torch|triton "
                          "(e.g. te:te_delayed or native:none:lce1024+adamw_triton)")

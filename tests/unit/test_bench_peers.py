@@ -245,3 +245,21 @@ def test_smoke_rows_on_cpu(tmp_path):
         bench_peers.expected_params(m)
     assert "error" in by_name["mpcore_te_fp8"]  # no TE on the CPU: recorded, not fatal
     assert "mpcore_bf16 vs: torchtitan_bf16" in proc.stdout
+
+
+def test_bench_train_variant_options():
+    """Our rows' ``--variants`` items (bench_train): options combine with ``+``; a typo, a zero
+    or a second chunk budget, or two optimizers in one item are refused, not ignored."""
+    import bench_train
+
+    (v,) = bench_train.parse_args(["--variants", "te:te_delayed:bf16_residual+adamw_triton"]
+                                  ).variant_list
+    assert (v.linear_backend, v.fp8, v.residual_dtype, v.optimizer_backend, v.chunk_mib) == (
+        "te", "te_delayed", "autocast", "triton", None)
+    (v,) = bench_train.parse_args(["--variants", "native:none:lce256+bf16_wgrad"]).variant_list
+    assert (v.chunk_mib, v.bf16_wgrad, v.optimizer_backend) == (256, True, None)
+    for bad in ("native:none:xyz12", "native:none:lce0", "native:none:lce00",
+                "native:none:lce1+lce2", "native:none:adamw_torch+adamw_triton",
+                "native:none:adamw_fused", "native:bf16:"):
+        with pytest.raises(SystemExit):
+            bench_train.parse_args(["--variants", bad])
