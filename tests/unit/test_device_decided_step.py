@@ -100,6 +100,20 @@ def test_triton_adamw_trains_like_the_fused_adamw(tmp_path, data_dir, monkeypatc
         assert tl == pytest.approx(fl, rel=1e-5) and tn == pytest.approx(fn, rel=1e-4)
 
 
+@pytest.mark.parametrize("first, second", [("torch", "triton"), ("triton", "torch")])
+def test_a_checkpoint_resumes_across_optimizer_backends(tmp_path, data_dir, first, second):  # noqa: F811
+    """4 steps with one optimizer.backend, saved, 4 more resumed with the other (an allowed
+    change): the losses of 8 straight steps with torch's AdamW, to a few ulp per update."""
+    straight = train(tiny(tmp_path, data_dir, "straight", "optimizer.backend=torch")).losses
+    resumed = []
+    for backend, steps in ((first, 4), (second, STEPS)):
+        resumed += train(tiny(tmp_path, data_dir, "switched", "checkpoint.every=4",
+                              f"training.max_steps={steps}", f"schedule.total_steps={STEPS}",
+                              f"optimizer.backend={backend}")).losses
+    assert len(resumed) == STEPS and resumed[:4] == pytest.approx(straight[:4], rel=1e-6)
+    assert resumed == pytest.approx(straight, rel=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 def test_non_finite_step_is_skipped_on_the_device(tmp_path, data_dir, backend, request):  # noqa: F811
     if backend == "fused":
