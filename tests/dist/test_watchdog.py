@@ -19,6 +19,7 @@ from mpcore.watchdog import stuck_message
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc"),
               pytest.mark.slow]
 CHILD = """import json, logging, os, sys, time
+import torch.distributed
 from mpcore.config import load_config
 from mpcore.processes import init_distributed
 from mpcore.train import train
@@ -33,7 +34,11 @@ def hook(step):
         print("hanging at step", step, flush=True)
         time.sleep(3600)
 
-train(cfg, step_hook=hook, store=store)
+try:
+    train(cfg, step_hook=hook, store=store)
+finally:  # as pretrain.py does; without it one full-suite run saw rank 1 abort at exit
+    # ("terminate called without an active exception") after all 8 steps and saves
+    torch.distributed.destroy_process_group()
 """
 
 
