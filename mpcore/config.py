@@ -320,8 +320,8 @@ class OptimizerSection:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     backend: str = "auto"
     """torch (AdamW, fused on CUDA), triton (``mpcore.optim.TritonAdamW``: the same update in
-    one Triton pass per parameter on CUDA, PyTorch elsewhere), apex (FusedAdam; needs apex) or
-    auto (on CUDA apex when installed, else triton; torch on other devices)."""
+    one Triton pass over all the parameters on CUDA, PyTorch elsewhere), apex (FusedAdam; needs
+    apex) or auto (on CUDA apex when installed, else triton; torch on other devices)."""
 
     def __post_init__(self):
         if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:

@@ -59,10 +59,11 @@ def build_optimizer(model: nn.Module, cfg: Config, device_type: str) -> torch.op
 class TritonAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay) whose step is ``kernels.adamw``: one
     Triton pass over all the parameters of a group that reads each parameter, gradient and
-    moment once and writes the parameter and moments (28 bytes per fp32 element; PyTorch's fused step also writes the
-    divided gradient back, 32). Like PyTorch's fused step it reads ``grad_scale`` (every
-    gradient is divided by it) and ``found_inf`` (1: nothing changes, the step counts stay)
-    from attributes set before :meth:`step`, so clipping and skipping need no host sync.
+    moment once and writes the parameter and moments (28 bytes per fp32 element; PyTorch's
+    fused step also writes the divided gradient back, 32). Like PyTorch's fused step it reads
+    ``grad_scale`` (every gradient is divided by it) and ``found_inf`` (1: nothing changes, the
+    step counts stay) from attributes set before :meth:`step`, so clipping and skipping need no
+    host sync.
 
     Its state and ``state_dict`` are AdamW's (``step``, ``exp_avg``, ``exp_avg_sq`` per
     parameter, the step a float32 scalar on the parameter's device), so checkpoints move freely

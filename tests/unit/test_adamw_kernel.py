@@ -35,7 +35,8 @@ def _grads(step, dtype=torch.float32):
 
 
 def _groups(params):
-    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+    return [{"params": params[:2], "weight_decay": 0.1},
+            {"params": params[2:], "weight_decay": 0.0}]
 
 
 def _run(opt_cls, params, steps, grad_scale=None, found_inf=None, **kw):
@@ -140,7 +141,8 @@ def test_parameters_without_gradients_are_left_alone():
     opt.step()
     assert set(opt.state) == {params[1]}
     assert not torch.equal(params[1], before[1])
-    assert all(torch.equal(p, b) for i, (p, b) in enumerate(zip(params, before, strict=True)) if i != 1)
+    assert all(torch.equal(p, b)
+               for i, (p, b) in enumerate(zip(params, before, strict=True)) if i != 1)
 
 
 def test_bad_input_says_what_to_change():
