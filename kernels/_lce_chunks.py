@@ -13,7 +13,7 @@ of the rescaled [s, t, w]); then ``lse = m + log s``, ``logprob = t - lse``,
 ``entropy = log s - w / s`` and ``E_p[z] = m + w / s``.
 
 The row math runs through a backend: ``TorchRows`` below (the PyTorch reference, any device) or
-``kernels._lce_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``); both have the same
+``mpcore.kernels._lce_triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``); both have the same
 ``row_stats`` / ``row_grad`` / ``row_stats_and_grad``. The GEMMs are cuBLAS (``torch.mm``).
 """
 
@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from kernels.master_linear import mm_has_out_dtype
+from mpcore.kernels.master_linear import mm_has_out_dtype
 
 # Upper bound on one chunk of logits; the peak workspace of every path is about this much.
 CHUNK_BYTES = 512 * 1024 * 1024
@@ -53,7 +52,7 @@ def chunk_budget(nbytes: int | None):
 
 
 class TorchRows:
-    """PyTorch reference of the row math; same signatures as ``kernels._lce_triton``."""
+    """PyTorch reference of the row math; same signatures as ``mpcore.kernels._lce_triton``."""
 
     @staticmethod
     def row_stats(logits, tgt, n_valid_cols, inv_temp, with_entropy):
@@ -103,7 +102,7 @@ class Head:
     v_start: int
     n_valid_cols: int
     inv_temp: float
-    rows: Any  # TorchRows or the kernels._lce_triton module
+    rows: Any  # TorchRows or the mpcore.kernels._lce_triton module
     logits_dtype: torch.dtype
 
     @staticmethod

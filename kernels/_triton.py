@@ -8,7 +8,7 @@ kernel modules use two names while they are imported, ``triton.jit`` (a decorato
 of ``triton`` or ``tl`` (launching a kernel, sizing its grid) raises an ``ImportError`` that
 says how to install it. Usage in a kernel module::
 
-    from kernels._triton import tl, triton
+    from mpcore.kernels._triton import tl, triton
 """
 
 from __future__ import annotations

@@ -32,9 +32,8 @@ with one masked launch per tensor, and 11.7 ms for PyTorch's fused AdamW.
 from __future__ import annotations
 
 import torch
-
-from kernels._triton import HAVE_TRITON, tl, triton
-from kernels.host_checked import copy_to
+from mpcore.kernels._triton import HAVE_TRITON, tl, triton
+from mpcore.kernels.host_checked import copy_to
 
 # Elements per program: 8 per thread at 4 warps, two 16-byte accesses per tensor. On the H200
 # (bench_adamw.py) 1024 / 4 warps ran at 87% of the bytes floor, 2048 / 8 at 83%, 2048 / 4 at

@@ -33,8 +33,7 @@ matmuls) on any device: what the CPU tests check.
 from __future__ import annotations
 
 import torch
-
-from kernels._triton import tl, triton
+from mpcore.kernels._triton import tl, triton
 
 RECIPES = ("none", "tensorwise")
 FWD_DTYPE = torch.float8_e4m3fn

@@ -9,12 +9,12 @@ Qwen2-VL, Qwen3-VL and GLM-4V compute:
     y = ((x.float() - m) * r) * weight + bias          rounded once, to out_dtype
 
 ``out_dtype`` (default: promote(x.dtype, weight.dtype), what ``F.layer_norm`` returns outside
-autocast; ``models.common.norm.LayerNorm`` asks for float32 under autocast) lets the output go
+autocast; ``mpcore.models.common.norm.LayerNorm`` asks for float32 under autocast) lets the output go
 straight to the dtype its consumer computes in (bf16 for the next autocast matmul), where eager
 writes float32 and the matmul casts it again; the values are the same (one rounding of the same
 float32 result). x is read in its own dtype, so a bf16 input is not first copied to float32.
 
-Kernels: as ``kernels.rmsnorm``'s. One program per row forward (the row in registers, H at most
+Kernels: as ``mpcore.kernels.rmsnorm``'s. One program per row forward (the row in registers, H at most
 ``MAX_HIDDEN``), saving the per-row rstd; the backward runs a fixed grid of programs, each over a
 contiguous slab of rows, recomputing the mean from x and keeping float32 partials of dweight and
 dbias in registers, summed in float32 afterwards:
@@ -27,9 +27,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels._triton import tl, triton
-from kernels.rmsnorm import MAX_HIDDEN, _load_row, _num_bwd_programs, _num_warps, _rows, _slab
+from mpcore.kernels._triton import tl, triton
+from mpcore.kernels.rmsnorm import (
+    MAX_HIDDEN,
+    _load_row,
+    _num_bwd_programs,
+    _num_warps,
+    _rows,
+    _slab,
+)
 
 
 @triton.jit

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from kernels import _lce_chunks as chunks
-from kernels import host_checked
-from kernels.master_linear import master_linear_applies
+from mpcore.kernels import _lce_chunks as chunks
+from mpcore.kernels import host_checked
+from mpcore.kernels.master_linear import master_linear_applies
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
@@ -36,7 +35,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def _rows(impl: str):
     if impl == "triton":
-        from kernels import _lce_triton
+        from mpcore.kernels import _lce_triton
 
         return _lce_triton
     return chunks.TorchRows
@@ -122,7 +121,7 @@ def _ce_sum_setup(ctx, inputs, output):
 def _scale_grad_op(grad: torch.Tensor, scale: torch.Tensor) -> None:
     """``grad *= scale`` in place; on CUDA a scale of exactly 1 skips the pass, with no sync."""
     if grad.is_cuda:
-        from kernels import _lce_triton
+        from mpcore.kernels import _lce_triton
 
         _lce_triton.scale_(grad, scale.float())
     else:
@@ -139,7 +138,7 @@ def _scale_grad_to_op(grad: torch.Tensor, scale: torch.Tensor,
                       dtype: torch.dtype) -> torch.Tensor:
     """``grad * scale`` as a new ``dtype`` tensor, one pass (the product in fp32)."""
     if grad.is_cuda:
-        from kernels import _lce_triton
+        from mpcore.kernels import _lce_triton
 
         return _lce_triton.scale_to(grad, scale.float(), dtype)
     return (grad.float() * scale.float()).to(dtype)

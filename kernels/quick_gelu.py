@@ -23,14 +23,13 @@ intermediate products: ours is slightly closer to the float64 gradient).
 CUDA tensors (fp32, fp16, bf16) run the Triton kernels; other devices and float64 the PyTorch
 reference; both behind one autograd.Function, the two passes ``torch.library.custom_op``s
 (namespace ``mpcore``) so ``torch.compile`` keeps them without a graph break, skipped in eager
-mode (``kernels._triton.eager_or_op``).
+mode (``mpcore.kernels._triton.eager_or_op``).
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels._triton import eager_or_op, tl, triton
+from mpcore.kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 K = 1.702

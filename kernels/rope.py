@@ -32,14 +32,13 @@ once for all its heads), rotates and stores both halves. CUDA tensors run the Tr
 other devices (and float64) the PyTorch reference. Both sit behind the same autograd.Function,
 and the two passes are ``torch.library.custom_op``s (namespace ``mpcore``), so ``torch.compile``
 traces ``rope`` without a graph break; eager calls skip the op's dispatch
-(``kernels._triton.eager_or_op``).
+(``mpcore.kernels._triton.eager_or_op``).
 """
 
 from __future__ import annotations
 
 import torch
-
-from kernels._triton import eager_or_op, tl, triton
+from mpcore.kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -29,7 +29,7 @@ forward (read gate_up, write y) and one backward (read gate_up and dy, write the
 CUDA tensors run the Triton kernels; other devices (and float64) the PyTorch reference. Both
 sit behind the same autograd.Function, and the two passes are ``torch.library.custom_op``s
 (namespace ``mpcore``), so ``torch.compile`` traces ``swiglu`` without a graph break; eager
-calls skip the op's dispatch (``kernels._triton.eager_or_op``).
+calls skip the op's dispatch (``mpcore.kernels._triton.eager_or_op``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from kernels._triton import eager_or_op, tl, triton
+from mpcore.kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

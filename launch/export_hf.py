@@ -1,10 +1,10 @@
 """Export a training checkpoint to a Hugging Face folder (config.json + model.safetensors).
 
-    python -m launch.export_hf --checkpoint RUN/checkpoints/step-N --output HF_DIR
+    python -m mpcore.launch.export_hf --checkpoint RUN/checkpoints/step-N --output HF_DIR
 
 Runs in one process on the CPU, whatever layout the checkpoint was saved at (its tensors are in
 logical form): the model is rebuilt from the checkpoint's ``meta.json`` at tp=1, loaded, and
-written by its family's export (``models.registry``). Memory: the full model in fp32 plus one load batch.
+written by its family's export (``mpcore.models.registry``). Memory: the full model in fp32 plus one load batch.
 ``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
 
 The run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
@@ -14,7 +14,7 @@ beside the weights as ``tokenizer.model`` when it can be found, with ``tokenizer
 follows the weights. Files get mode 0644 and folders 0755 whatever the umask of the run, so
 the export can be shared as it is.
 
-Safety (``launch.export_target``): the checkpoint's manifest is verified first, as resume
+Safety (``mpcore.launch.export_target``): the checkpoint's manifest is verified first, as resume
 does, and a damaged checkpoint is refused naming the file. ``--output`` must be a new or empty
 folder, or, with ``--overwrite``, an earlier export; never a file, a run folder or a
 checkpoint. The export is written into a hidden sibling folder and renamed into place when
@@ -32,9 +32,11 @@ import sys
 from pathlib import Path
 
 import torch
+from mpcore.launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
+from mpcore.models import Family, family_named
+from mpcore.parallel.random import RNGTracker
+from mpcore.parallel.state import ParallelState
 
-from launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
-from models import Family, family_named
 from mpcore import atomic
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.data.tokenizer import Tokenizer
@@ -42,13 +44,11 @@ from mpcore.data.vl_tokenizer import VLTokenizer
 from mpcore.logical import LogicalLayout
 from mpcore.progress import ProgressBar
 from mpcore.train_state import TrainState
-from parallel.random import RNGTracker
-from parallel.state import ParallelState
 
 
 def export(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -> Path:
     """Write the folder ``output`` from ``checkpoint`` (a step-N folder or a root), whole or not
-    at all (``launch.export_target``); returns the checkpoint folder exported."""
+    at all (``mpcore.launch.export_target``); returns the checkpoint folder exported."""
     final = Path(output)
     check_output(final, overwrite)  # before any work
     stage = staging_folder(final)

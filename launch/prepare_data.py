@@ -9,7 +9,7 @@ Inputs, one document each (in the order given):
 Writes ``<prefix>.bin`` and ``<prefix>.idx`` (streaming, with a progress bar on stderr). With
 ``--train-tokenizer`` a SentencePiece model is first trained on the same inputs
 (deterministic: same files, same order, same settings -> same model). Also runs as
-``python -m launch.prepare_data``.
+``python -m mpcore.launch.prepare_data``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ dataset's ``tokenizer.json``, or ``default`` (the default corpus's model, prepar
 launch/data/images/README.md); the folder layout in mpcore/data/vl_dataset.py. The manifest is
 checked first (every problem reported as ``file:line``, nothing written), then streamed with a
 progress line on stderr; the folder appears only when complete. Also runs as
-``python -m launch.prepare_vl_data``.
+``python -m mpcore.launch.prepare_vl_data``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from models import FAMILIES, family_named
+from mpcore.models import FAMILIES, family_named
+
 from mpcore.data.corpus import prepare_default
 from mpcore.data.videos import VideoSettings
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset

@@ -40,12 +40,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
+from mpcore.launch.score_output import check_paths, lock_output, write_output
+from mpcore.models import Family, family_of, family_of_hf, read_hf_config
+from mpcore.parallel.state import ParallelState
 
-from launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
-from launch.score_output import check_paths, lock_output, write_output
-from models import Family, family_of, family_of_hf, read_hf_config
 from mpcore.checkpoint import from_rank0
-from parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EPILOG = """exit codes: 0 scored and written; 2 an input or usage error (the message names the
@@ -64,7 +64,7 @@ def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
     model also takes the stream's ``pixel_values [N, patch_dim]`` and ``image_grid_thw [I, 3]``
     (every image of the stream, in placeholder order; may be None) and likewise its videos'
     ``pixel_values_videos`` / ``video_grid_thw``. The model's family
-    (``models.family_of(model.cfg)``) makes this rank's inputs."""
+    (``mpcore.models.family_of(model.cfg)``) makes this rank's inputs."""
     family = family_of(model.cfg)
     videos = {} if video_grid_thw is None else {"pixel_values_videos": pixel_values_videos,
                                                 "video_grid_thw": video_grid_thw}
@@ -239,7 +239,7 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
 
 
 def claim_output(args: argparse.Namespace, state: ParallelState):
-    """Refuse an output that is the input (every rank), lock it (rank 0; ``launch.score_output``):
+    """Refuse an output that is the input (every rank), lock it (rank 0; ``mpcore.launch.score_output``):
     before the model loads. Returns the lock (rank 0) or None. Collective."""
     check_paths(args.input, args.output)
     lock, error = None, None

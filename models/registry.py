@@ -1,4 +1,4 @@
-"""The family registry: which ``models.common.family.Family`` a config, checkpoint or name is.
+"""The family registry: which ``mpcore.models.common.family.Family`` a config, checkpoint or name is.
 
 The rest of mpcore asks here (and then the family's record), never "is this a VL model?":
     family_named("qwen2_vl")         by our name (YAML ``model.family``)
@@ -12,18 +12,18 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from models.common.family import Family
-from models.common.hf_io import read_hf_config
-from models.glm4v.family import FAMILY as GLM4V
-from models.llama.family import FAMILY as LLAMA
-from models.qwen2_vl.family import FAMILY as QWEN2_VL
-from models.qwen3_5.family import FAMILY as QWEN3_5
-from models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
-from models.qwen3_5_vl.family import FAMILY as QWEN3_5_VL
-from models.qwen3_5_vl_moe.family import FAMILY as QWEN3_5_VL_MOE
-from models.qwen3_moe.family import FAMILY as QWEN3_MOE
-from models.qwen3_vl.family import FAMILY as QWEN3_VL
-from models.qwen3_vl_moe.family import FAMILY as QWEN3_VL_MOE
+from mpcore.models.common.family import Family
+from mpcore.models.common.hf_io import read_hf_config
+from mpcore.models.glm4v.family import FAMILY as GLM4V
+from mpcore.models.llama.family import FAMILY as LLAMA
+from mpcore.models.qwen2_vl.family import FAMILY as QWEN2_VL
+from mpcore.models.qwen3_5.family import FAMILY as QWEN3_5
+from mpcore.models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
+from mpcore.models.qwen3_5_vl.family import FAMILY as QWEN3_5_VL
+from mpcore.models.qwen3_5_vl_moe.family import FAMILY as QWEN3_5_VL_MOE
+from mpcore.models.qwen3_moe.family import FAMILY as QWEN3_MOE
+from mpcore.models.qwen3_vl.family import FAMILY as QWEN3_VL
+from mpcore.models.qwen3_vl_moe.family import FAMILY as QWEN3_VL_MOE
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (LLAMA, QWEN2_VL, QWEN3_VL, GLM4V, QWEN3_5, QWEN3_5_VL, QWEN3_MOE,

@@ -1,5 +1,5 @@
 """Optional backends, detected in this one module: apex's FusedAdam, and (re-exported from
-``parallel.te``, which the layers below ``mpcore`` import) TransformerEngine's GEMMs.
+``mpcore.parallel.te``, which the layers below ``mpcore`` import) TransformerEngine's GEMMs.
 
 A backend is an explicit config value: ``optimizer.backend`` is ``torch``, ``triton``, ``apex`` or
 ``auto``; ``model.linear_backend`` is ``native``, ``te`` or ``auto`` (``resolve_linear_backend``).
@@ -14,8 +14,14 @@ from __future__ import annotations
 import importlib
 import logging
 
-from kernels._triton import HAVE_TRITON
-from parallel.te import TE_INSTALL, forward_region, resolve_linear_backend, te_available, use_te
+from mpcore.kernels._triton import HAVE_TRITON
+from mpcore.parallel.te import (
+    TE_INSTALL,
+    forward_region,
+    resolve_linear_backend,
+    te_available,
+    use_te,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ def adam_backend(name: str, device_type: str) -> str:
     if name == "torch":
         return "torch"
     if name == "triton":
-        return "triton"  # kernels.adamw on CUDA, its PyTorch reference elsewhere
+        return "triton"  # mpcore.kernels.adamw on CUDA, its PyTorch reference elsewhere
     if name == "apex":
         if device_type != "cuda":
             raise ValueError("optimizer.backend=apex needs CUDA (FusedAdam is a CUDA kernel); "

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from kernels import host_checked
-from models import Family
 from mpcore.config import Config
 from mpcore.data import (
     BlendedDataset,
@@ -36,9 +34,11 @@ from mpcore.data import (
     Tokenizer,
     prepare_default,
 )
+from mpcore.kernels import host_checked
+from mpcore.models import Family
+from mpcore.parallel.labels import IGNORE_INDEX
+from mpcore.parallel.state import ParallelState
 from mpcore.vl_data import build_vl_loaders
-from parallel.labels import IGNORE_INDEX
-from parallel.state import ParallelState
 
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
@@ -169,7 +169,7 @@ def place(local: dict[str, torch.Tensor | None], family: Family,
 
 # Inputs whose values (not only their ranges) the model reads on the host: the attention plan
 # reads cu_seqlens; a VL model matches input_ids' placeholders against vision_rows and finds
-# the placeholders' positions (kernels.host_checked.host_copy).
+# the placeholders' positions (mpcore.kernels.host_checked.host_copy).
 HOST_KEPT = ("cu_seqlens", "input_ids", "vision_rows")
 
 
@@ -177,7 +177,7 @@ def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,
               ignore_index: int) -> dict[str, torch.Tensor | None]:
     """Model inputs (host tensors) on ``device``, pinned and copied asynchronously on CUDA.
 
-    Integer tensors go through ``kernels.host_checked``: their ranges are taken here, on the
+    Integer tensors go through ``mpcore.kernels.host_checked``: their ranges are taken here, on the
     host (``labels`` without ``ignore_index``), and the host tensors of ``HOST_KEPT`` are kept
     too, so the embedding, the loss head, RoPE's position limit, the attention plan and a VL
     model's placeholder checks run without a device sync. Floating and bool tensors are moved

@@ -14,7 +14,7 @@ Both average over W = dp * cp ranks, so the loop backpropagates ``W * loss_share
 
 ``model.linear_backend=te``: the model is built with our layers (``fp8`` none), then
 ``use_te`` gives the decoder layers' linears TransformerEngine's GEMM and ``model.fp8``'s TE
-recipe (``parallel.te``); parameters, wrapping and checkpoints are the same as native.
+recipe (``mpcore.parallel.te``); parameters, wrapping and checkpoints are the same as native.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import (
+from mpcore.backends import resolve_linear_backend, use_te
+from mpcore.batches import data_loaders
+from mpcore.config import Config
+from mpcore.data import DataLoader, DataSummary
+from mpcore.logical import LogicalLayout
+from mpcore.models import (
     Family,
     ModelConfig,
     family_named,
@@ -35,17 +40,12 @@ from models import (
     family_of_hf,
     read_hf_config,
 )
-from models.common.moe import MoeBlock, expert_param_names
-from mpcore.backends import resolve_linear_backend, use_te
-from mpcore.batches import data_loaders
-from mpcore.config import Config
-from mpcore.data import DataLoader, DataSummary
-from mpcore.logical import LogicalLayout
+from mpcore.models.common.moe import MoeBlock, expert_param_names
 from mpcore.optim import GradNorm, build_optimizer
+from mpcore.parallel.random import RNGTracker, model_parallel_seed
+from mpcore.parallel.state import ParallelState
 from mpcore.train_state import TrainState
 from mpcore.vl_data import check_tower
-from parallel.random import RNGTracker, model_parallel_seed
-from parallel.state import ParallelState
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Run:
     tracker: RNGTracker
     valid_loader: DataLoader | None = None  # held-out documents (data.valid_fraction)
     data: DataSummary | None = None  # None when the caller passed its own loader
-    family: Family | None = None  # the model's registry entry (models.registry)
+    family: Family | None = None  # the model's registry entry (mpcore.models.registry)
 
 
 def resolve_device(cfg: Config) -> torch.device:

@@ -5,7 +5,7 @@
 ``--help`` lists every config key with its default and its docstring. The docstrings are the
 string literals under each field of the dataclasses in ``mpcore/config.py`` and, for the model
 section's family keys, of the config dataclasses under ``models/`` they are derived from
-(``models.common.section.field_docs``). ``--print-config`` prints the resolved config as YAML
+(``mpcore.models.common.section.field_docs``). ``--print-config`` prints the resolved config as YAML
 and trains nothing.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from models.common.section import field_docs
 from mpcore import config as config_module
+from mpcore.models.common.section import field_docs
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 

@@ -20,7 +20,7 @@ key. :func:`save_config` writes the resolved config (every field) as YAML, which
 
 The ``model`` section's keys depend on its family (``model.family``, or what ``auto`` resolves
 to, :func:`section_family`): each family's are a dataclass in its folder under ``models/``
-(``Family.section``, derived from the config it builds: ``models.common.section``), and
+(``Family.section``, derived from the config it builds: ``mpcore.models.common.section``), and
 :class:`ModelSection` adds the run-level ones; :func:`model_section` is the type of both. Keys of
 nested sections (``model.vision.depth``) are checked against the family's too.
 """
@@ -37,21 +37,21 @@ from typing import Any, ClassVar
 
 import yaml
 
-from models.common.family import Family
-from models.registry import FAMILIES as REGISTRY
-from models.registry import family_named, family_of_hf
 from mpcore import atomic
+from mpcore.models.common.family import Family
+from mpcore.models.registry import FAMILIES as REGISTRY
+from mpcore.models.registry import family_named, family_of_hf
 
 DTYPES = ("bfloat16", "float32")
-# parallel.attention.backends.BACKENDS, kernels.fp8_linear.RECIPES + parallel.te.TE_RECIPES and
-# parallel.te.LINEAR_BACKENDS (tests check they agree).
+# mpcore.parallel.attention.backends.BACKENDS, mpcore.kernels.fp8_linear.RECIPES + mpcore.parallel.te.TE_RECIPES and
+# mpcore.parallel.te.LINEAR_BACKENDS (tests check they agree).
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa_cudnn", "te_fused", "reference")
 FP8_RECIPES = ("none", "tensorwise", "te_delayed", "te_current")
 RESIDUAL_DTYPES = ("float32", "autocast")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 FAMILIES = tuple(REGISTRY)
-GDN_KERNELS = ("auto", "fla", "reference")  # models.qwen3_5.kernels.GDN_KERNELS (a test checks)
+GDN_KERNELS = ("auto", "fla", "reference")  # mpcore.models.qwen3_5.kernels.GDN_KERNELS (a test checks)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -75,7 +75,7 @@ class ModelSection:
     ``models/``. A key of another family is refused, naming the families that take it."""
 
     family: str = "auto"
-    """The model family (models.registry), whose keys the section takes: llama (Llama 3 /
+    """The model family (mpcore.models.registry), whose keys the section takes: llama (Llama 3 /
     Qwen2 / Qwen3 by the decoder keys), qwen2_vl (Qwen2-VL / Qwen2.5-VL: needs vision),
     qwen3_vl (Qwen3-VL: needs vision, qk_norm, mrope_interleaved), glm4v (GLM-4V / GLM-4.1V:
     needs vision), qwen3_5 (Qwen3.5 text: Gated DeltaNet beside gated attention), qwen3_5_vl
@@ -200,7 +200,7 @@ class ParallelSection:
     """Context-parallel degree (ranks sharing each sequence)."""
     ep: int = 1
     """Expert-parallel degree of a MoE model: its experts split over ep of the dp x cp ranks
-    (ep divides dp * cp; ep fastest inside dp x cp, parallel.state). Needs data_parallel
+    (ep divides dp * cp; ep fastest inside dp x cp, mpcore.parallel.state). Needs data_parallel
     fsdp (expert weights sharded over the expert-data-parallel group). Checkpoints hold every
     expert, so a run resumes at any ep (mpcore.logical)."""
     cp_mode: str = "ring"

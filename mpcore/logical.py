@@ -1,7 +1,7 @@
 """Layout-independent (logical) form of the model's tensors, and per-element norm weights.
 
 A parameter of a family's model (its registry entry's ``shard_map``; the decoder's is
-``models.common.decoder_hf.shard_map``) on tp rank r is a concatenation, along one dim, of
+``mpcore.models.common.decoder_hf.shard_map``) on tp rank r is a concatenation, along one dim, of
 pieces of Hugging Face tensors: ``wqkv`` holds rows of q_proj, k_proj and v_proj,
 ``w13`` rows of gate_proj and up_proj, ``wo``/``w2`` columns of o_proj/down_proj, the embedding
 and untied head rows of a vocab shard padded with zero rows, norms the whole vector. The LOGICAL
@@ -17,8 +17,8 @@ element 1 / (number of tp ranks holding it), 0 for padding, so summing ``weight 
 tp group counts every logical element exactly once (the true global gradient norm).
 
 Expert parallelism: the experts of a MoE layer (``experts``: our names of the tensors split
-over ep, ``models.common.moe.expert_param_names``) are split on dim 0 over the ep group, ep
-rank r holding the global experts ``[r E / ep, (r + 1) E / ep)`` (``parallel.experts``). Their
+over ep, ``mpcore.models.common.moe.expert_param_names``) are split on dim 0 over the ep group, ep
+rank r holding the global experts ``[r E / ep, (r + 1) E / ep)`` (``mpcore.parallel.experts``). Their
 logical form holds all ``E`` experts, the same at every ep: ``gather_experts`` all-gathers the
 ep slices back into the ``[E, ...]`` tensor the tp maps describe (expert tensors are whole on
 every tp rank; ``gather_experts_to`` onto one ep rank only, what saving uses), ``shard`` keeps
@@ -35,10 +35,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from models import family_of
-from models.common.hf_io import Piece
-from parallel.collectives import all_gather
-from parallel.state import ProcessGroup
+from mpcore.models import family_of
+from mpcore.models.common.hf_io import Piece
+from mpcore.parallel.collectives import all_gather
+from mpcore.parallel.state import ProcessGroup
 
 
 def _sizes(pieces: list[Piece]) -> list[int]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from models import family_of
+from mpcore.models import family_of
 
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}

@@ -1,7 +1,7 @@
 """The load-balancing (and z-) loss of a MoE model inside one training step.
 
 The step's loss is ``ce + router_aux_loss_coef * aux + router_z_loss_coef * z`` with aux and z
-GLOBAL statistics of the step (``models.common.moe_loss``): every micro-batch's share needs
+GLOBAL statistics of the step (``mpcore.models.common.moe_loss``): every micro-batch's share needs
 the step's expert loads C and row count R. With one micro-batch they come from its own forward
 (one [E + 1] all-reduce over dp x cp); with several, ``MoeStep`` first runs a counting forward
 of each micro-batch without gradients (one extra forward per micro-batch: the price of an
@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from models.common.moe_loss import aux_share, global_counts, z_share
-from parallel.loss import sum_over_group
-from parallel.state import ParallelState
+from mpcore.models.common.moe_loss import aux_share, global_counts, z_share
+from mpcore.parallel.loss import sum_over_group
+from mpcore.parallel.state import ParallelState
 
 
 class MoeStep:

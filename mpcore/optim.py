@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import Config
+from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.logical import LogicalLayout
-from parallel.collectives import all_gather
-from parallel.state import ProcessGroup, group_size
+from mpcore.parallel.collectives import all_gather
+from mpcore.parallel.state import ProcessGroup, group_size
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device_type: str) -> torch.op
 
 
 class TritonAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` (decoupled weight decay) whose step is ``kernels.adamw``: one
+    """``torch.optim.AdamW`` (decoupled weight decay) whose step is ``mpcore.kernels.adamw``: one
     Triton pass over all the parameters of a group that reads each parameter, gradient and
     moment once and writes the parameter and moments (28 bytes per fp32 element; PyTorch's
     fused step also writes the divided gradient back, 32). Like PyTorch's fused step it reads

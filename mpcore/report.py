@@ -21,8 +21,8 @@ from torch import nn
 from mpcore.batches import local_inputs
 from mpcore.build import Run
 from mpcore.metrics import num_params
-from parallel import global_valid_count
-from parallel.loss import sum_over_group
+from mpcore.parallel import global_valid_count
+from mpcore.parallel.loss import sum_over_group
 
 
 def _count(n: float) -> str:

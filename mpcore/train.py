@@ -65,12 +65,12 @@ from mpcore.config import Config, save_config, to_dict
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.moe_step import MoeStep, moe_record
 from mpcore.optim import decides_on_device, lr_at, set_lr
+from mpcore.parallel import global_valid_count
+from mpcore.parallel.loss import sum_over_group
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import claim_run_dir, rewrite_metrics
 from mpcore.watchdog import StepWatchdog
-from parallel import global_valid_count
-from parallel.loss import sum_over_group
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
@@ -160,7 +160,7 @@ class Trainer:
         ids = run.family.placeholder_ids(run.model_cfg)
         self.placeholders = torch.tensor(ids) if ids else None
         self.image_tokens = self.window_steps = 0
-        # TransformerEngine layers: one te.autocast region per forward (parallel.te).
+        # TransformerEngine layers: one te.autocast region per forward (mpcore.parallel.te).
         self.te_region = forward_region(run.model)
 
     # ------------------------------------------------------------------ checkpoints
@@ -275,7 +275,7 @@ class Trainer:
             with sync:
                 with autocast, self.te_region():
                     local_sum = run.module(**inp, output="loss_sum")  # () fp32, valid tokens
-                # This rank's share of the global mean (parallel.loss): sum / global count.
+                # This rank's share of the global mean (mpcore.parallel.loss): sum / global count.
                 share = local_sum / count.clamp(min=1).to(local_sum.dtype)
                 if moe is not None:  # + the load-balancing loss's share (a global statistic)
                     share = share + moe.share()

@@ -27,10 +27,10 @@ loads at any other. RNG states are restored only when the layout is the same (th
 depends on the rank).
 
     fp8/rank<R>/<layer>/<key>        TransformerEngine delayed-scaling state of each layer
-                                     (``parallel.te.FP8_STATE_KEYS``) on global rank R
+                                     (``mpcore.parallel.te.FP8_STATE_KEYS``) on global rank R
 
 FP8 scaling state (``model.fp8=te_delayed``) is restored exactly at the same layout; at another
-layout each layer gets the merge of its saved ranks' states (``parallel.te.merge_fp8_states``).
+layout each layer gets the merge of its saved ranks' states (``mpcore.parallel.te.merge_fp8_states``).
 A checkpoint without it (a bf16 or ``tensorwise`` run) resumed with te_delayed starts the
 histories empty, and a te_delayed checkpoint resumed without it ignores it; both are logged.
 """
@@ -44,9 +44,9 @@ from torch import nn
 
 from mpcore.checkpoint import load_tensors, stored_tensors
 from mpcore.logical import LogicalLayout
-from parallel.random import RNGTracker
-from parallel.state import ParallelState
-from parallel.te import fp8_state, fp8_state_layers, load_fp8_state, merge_fp8_states
+from mpcore.parallel.random import RNGTracker
+from mpcore.parallel.state import ParallelState
+from mpcore.parallel.te import fp8_state, fp8_state_layers, load_fp8_state, merge_fp8_states
 
 log = logging.getLogger(__name__)
 

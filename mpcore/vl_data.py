@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from models.common.family import Family
 from mpcore.config import Config
 from mpcore.data import (
     BlendedDataset,
@@ -43,7 +42,8 @@ from mpcore.data import (
     prepare_vl_default,
 )
 from mpcore.data.vl_default import default_settings
-from parallel.state import ParallelState
+from mpcore.models.common.family import Family
+from mpcore.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 

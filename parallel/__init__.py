@@ -1,8 +1,13 @@
 """The math of splitting: collectives, TP/SP layers, CP split and attention, labels, losses."""
 
-from parallel.context import ContextPlan, RankLayout, split_batch
-from parallel.labels import LabelShifter, pack_padded, position_ids
-from parallel.loss import global_mean_loss, global_valid_count, loss_share
+if __name__ != "mpcore.parallel":  # reached by the bare name; mpcore/_names.py says why
+    from mpcore._names import bare_import
+
+    bare_import(__name__, __path__)
+else:
+    from mpcore.parallel.context import ContextPlan, RankLayout, split_batch
+    from mpcore.parallel.labels import LabelShifter, pack_padded, position_ids
+    from mpcore.parallel.loss import global_mean_loss, global_valid_count, loss_share
 
 __all__ = [
     "ContextPlan",

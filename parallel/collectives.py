@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from parallel.state import ProcessGroup, group_rank, group_size
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 
 # torch 2.13 renamed the tensor collectives; torch 2.11 (the GPU machine) has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -47,10 +47,9 @@ from functools import cached_property, partial
 from typing import NamedTuple
 
 import torch
-
-from parallel.collectives import gather_along
-from parallel.labels import check_cu_seqlens
-from parallel.state import ProcessGroup, group_size
+from mpcore.parallel.collectives import gather_along
+from mpcore.parallel.labels import check_cu_seqlens
+from mpcore.parallel.state import ProcessGroup, group_size
 
 __all__ = ["LAYOUTS", "Chunk", "ContextPlan", "RankLayout", "split_batch"]
 

@@ -9,7 +9,7 @@ Forward (fp32): local row max -> all-reduce MAX; local sum of exp(z - max) and t
 logit (only the owning rank contributes) -> one all-reduce SUM of both. Loss = log(sum) + max -
 target. Backward needs no communication: d loss / d z = softmax - onehot, local columns only.
 
-The fused Triton head (``kernels.linear_cross_entropy``) computes the same thing without
+The fused Triton head (``mpcore.kernels.linear_cross_entropy``) computes the same thing without
 materialising logits; this reference exists for tests and small models.
 """
 
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from parallel.state import ProcessGroup, group_rank, group_size
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Expert parallelism: token dispatch to the ranks that own the experts, and the way back.
 
 The ``E`` experts of a MoE layer are split over the ``ep`` ranks of ``state.ep_group``
-(``parallel.state``): ep rank r owns experts ``[r * E / ep, (r + 1) * E / ep)``. Each rank
+(``mpcore.parallel.state``): ep rank r owns experts ``[r * E / ep, (r + 1) * E / ep)``. Each rank
 routes its own tokens (T of them, k experts each) and then:
 
     sort the T * k (token, expert) assignments by expert      -> x_sorted [T * k, hidden]
@@ -28,8 +28,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-
-from parallel.state import ProcessGroup, group_size
+from mpcore.parallel.state import ProcessGroup, group_size
 
 
 class _AllToAllV(torch.autograd.Function):

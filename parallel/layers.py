@@ -14,11 +14,11 @@ works). Under SP the activations between TP regions are split along the token di
   and the partial embeddings summed over tp (all-reduce, or reduce-scatter under SP).
 
 FP8 (``fp8="tensorwise"``, Hopper): the local matmul of the two linear layers runs its three
-GEMMs in FP8 (``kernels.fp8_linear``); the collectives around it are unchanged and move the
+GEMMs in FP8 (``mpcore.kernels.fp8_linear``); the collectives around it are unchanged and move the
 activations in their own dtype (bf16 under autocast), so TP, SP and CP work as they do without
 it. ``"none"``: ``F.linear``.
 
-TransformerEngine (``parallel.te.use_te``, after the build): the same two layers run their local
+TransformerEngine (``mpcore.parallel.te.use_te``, after the build): the same two layers run their local
 GEMM through TE (bf16, or TE's FP8 recipes ``te_delayed`` / ``te_current``); the layer keeps its
 parameters, collectives and checkpoint keys, only ``gemm`` (the local ``x @ W.T``) changes.
 
@@ -34,20 +34,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from kernels import host_checked
-from kernels.fp8_linear import check_fp8, fp8_linear
-from kernels.master_linear import master_linear, master_linear_applies
-from parallel.collectives import (
+from mpcore.kernels import host_checked
+from mpcore.kernels.fp8_linear import check_fp8, fp8_linear
+from mpcore.kernels.master_linear import master_linear, master_linear_applies
+from mpcore.parallel.collectives import (
     copy_to_tp,
     gather_last_dim,
     reduce_from_tp,
     sp_all_gather,
     sp_reduce_scatter,
 )
-from parallel.random import init_shard_, normal_init
-from parallel.state import ProcessGroup, group_rank, group_size
+from mpcore.parallel.random import init_shard_, normal_init
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
+from torch import nn
 
 
 def divide(n: int, tp: int, what: str) -> int:
@@ -76,7 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias``: ``gemm(x, weight)`` when given (TransformerEngine's), else
     ``F.linear``, or FP8 GEMMs when ``fp8 == "tensorwise"``. Outside ``F.linear`` the bias is
     added after, in the output dtype. Under CUDA autocast an fp32 master weight goes through
-    ``kernels.master_linear`` instead of ``F.linear``: the same bf16 GEMMs, with the weight
+    ``mpcore.kernels.master_linear`` instead of ``F.linear``: the same bf16 GEMMs, with the weight
     gradient written in fp32 by the GEMM (no bf16 -> fp32 cast pass)."""
     if gemm is not None:
         y = gemm(x, weight)
@@ -120,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output to ``[T, out]`` (default: keep ``[T, out / tp]``).
         sequence_parallel: the input is ``[T / tp, in]`` and is all-gathered first.
         fp8: ``"none"`` or ``"tensorwise"`` (module docstring).
-    Attribute ``gemm``: ``None`` (ours) or the local GEMM that ``parallel.te.use_te`` sets.
+    Attribute ``gemm``: ``None`` (ours) or the local GEMM that ``mpcore.parallel.te.use_te`` sets.
     Shapes: x ``[T, in]`` (``[T / tp, in]`` under SP) -> ``[T, out / tp]`` or ``[T, out]``.
     """
 
@@ -250,7 +249,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
         if ids.numel():
             # An id outside the vocab must raise, not embed zeros. Ids that came through
-            # kernels.host_checked.to_device were measured on the host; others cost one
+            # mpcore.kernels.host_checked.to_device were measured on the host; others cost one
             # CPU-GPU sync per call here.
             lo, hi = host_checked.value_range(ids)
             if lo < 0 or hi >= self.num_embeddings:

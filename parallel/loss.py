@@ -39,9 +39,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-
-from parallel.collectives import reduce_from_tp
-from parallel.state import ProcessGroup, group_size
+from mpcore.parallel.collectives import reduce_from_tp
+from mpcore.parallel.state import ProcessGroup, group_size
 
 __all__ = ["global_mean_loss", "global_valid_count", "loss_share", "sum_over_group",
            "valid_mask"]

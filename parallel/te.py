@@ -24,7 +24,7 @@ row count is the inner dimension of the FP8 weight-gradient GEMM, whose leading 
 cuBLASLt wants in multiples of 16 bytes (TE's ``CanonicalizeGemmInput`` asserts it; 1000 rows
 failed on the H200, ``utils.assert_dim_for_fp8_exec``'s multiple of 8 is not enough there).
 
-fp32 weight gradients straight from TE's GEMM (as ``kernels.master_linear`` does for the native
+fp32 weight gradients straight from TE's GEMM (as ``mpcore.kernels.master_linear`` does for the native
 path): for an fp32 weight that needs a gradient, TE's wgrad GEMM writes fp32 into a buffer
 (TE's ``fuse_wgrad_accumulation`` with ``overwrite_main_grad``: ``main_grad`` of the tensor TE
 was given) instead of returning bf16 that autograd would cast to fp32 (one pass reading 2 and
@@ -61,10 +61,9 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from mpcore.kernels.fp8_linear import check_fp8_device
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_fp8_dims
 from torch import nn
-
-from kernels.fp8_linear import check_fp8_device
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, check_fp8_dims
 
 log = logging.getLogger(__name__)
 

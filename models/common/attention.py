@@ -18,16 +18,15 @@ receives the same update.
 from __future__ import annotations
 
 import torch
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.norm import RMSNorm
+from mpcore.models.common.rope import apply_rope
+from mpcore.parallel.attention import AttentionPlan, context_attention
+from mpcore.parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, linear
+from mpcore.parallel.random import init_shard_, normal_init
+from mpcore.parallel.state import ProcessGroup, group_size
 from torch import nn
-
-from models.common.config import ModelConfig
-from models.common.norm import RMSNorm
-from models.common.rope import apply_rope
-from parallel.attention import AttentionPlan, context_attention
-from parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, linear
-from parallel.random import init_shard_, normal_init
-from parallel.state import ProcessGroup, group_size
 
 
 def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> tuple[slice, slice]:
@@ -119,7 +118,7 @@ class QKVProjection(ColumnParallelLinear):
 class Attention(nn.Module):
     """Self-attention of one decoder layer (module docstring). ``tp_group`` shards heads; the
     cp group, mode and attention backend come with the forward's ``AttentionPlan``; ``fp8``
-    (``parallel.layers``) is the recipe of ``wqkv`` and ``wo``."""
+    (``mpcore.parallel.layers``) is the recipe of ``wqkv`` and ``wo``."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):

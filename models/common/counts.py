@@ -13,7 +13,7 @@ useful part; like nanoGPT and torchtitan we count it whole (MFU is then comparab
 
 from __future__ import annotations
 
-from models.common.config import ModelConfig
+from mpcore.models.common.config import ModelConfig
 
 
 def num_params(cfg: ModelConfig) -> dict[str, int]:

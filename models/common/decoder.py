@@ -13,14 +13,14 @@ is all-gathered back to ``[L, hidden]``, so the per-token outputs are ``[L]``, r
 As computed: each residual add runs inside the norm that follows it (``RMSNorm.add``, one fused
 kernel each way on CUDA), so a layer hands the next its output unadded, ``(h, delta)``; under
 autocast the norms write bf16, which the projections and the head would cast them to anyway.
-The values are those of the lines above to fp32 rounding (``kernels.rmsnorm``); what goes is
+The values are those of the lines above to fp32 rounding (``mpcore.kernels.rmsnorm``); what goes is
 the separate add, cast and gradient-accumulation passes over the fp32 residual stream.
 ``residual_dtype = "autocast"`` (``model.residual_dtype``) keeps that stream in the autocast
 dtype instead (cast once after the embedding; RoPE's tables stay in the embedding's dtype).
 
-Kernels: ``attention_backend`` (``parallel.attention.backends``: auto, flash, sdpa_cudnn,
+Kernels: ``attention_backend`` (``mpcore.parallel.attention.backends``: auto, flash, sdpa_cudnn,
 te_fused, reference) runs every layer's attention; ``fp8`` (``none`` or ``tensorwise``) runs the four
-projections of every decoder layer (wqkv, wo, w13, w2) with FP8 GEMMs (``kernels.fp8_linear``);
+projections of every decoder layer (wqkv, wo, w13, w2) with FP8 GEMMs (``mpcore.kernels.fp8_linear``);
 the embedding, the norms and the loss head stay in the autocast dtype.
 
 Weights: built on the meta device, materialised on ``device``, then each module's
@@ -34,28 +34,27 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from mpcore.kernels import host_checked
+from mpcore.kernels.fp8_linear import check_fp8
+from mpcore.models.common.attention import Attention
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.mlp import FeedForward
+from mpcore.models.common.norm import RMSNorm, matmul_dtype
+from mpcore.models.common.rope import RotaryEmbedding
+from mpcore.parallel.attention import AttentionPlan
+from mpcore.parallel.attention.backends import check_name
+from mpcore.parallel.collectives import copy_to_tp, sp_all_gather
+from mpcore.parallel.head import OUTPUTS, OutputWeight, head_forward
+from mpcore.parallel.labels import check_cu_seqlens
+from mpcore.parallel.layers import VocabParallelEmbedding
+from mpcore.parallel.random import param_seed
+from mpcore.parallel.state import ParallelState
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels import host_checked
-from kernels.fp8_linear import check_fp8
-from models.common.attention import Attention
-from models.common.config import ModelConfig
-from models.common.mlp import FeedForward
-from models.common.norm import RMSNorm, matmul_dtype
-from models.common.rope import RotaryEmbedding
-from parallel.attention import AttentionPlan
-from parallel.attention.backends import check_name
-from parallel.collectives import copy_to_tp, sp_all_gather
-from parallel.head import OUTPUTS, OutputWeight, head_forward
-from parallel.labels import check_cu_seqlens
-from parallel.layers import VocabParallelEmbedding
-from parallel.random import param_seed
-from parallel.state import ParallelState
-
 
 class Packing(NamedTuple):
-    """Attention metadata of the L local tokens (``parallel.context.RankLayout``)."""
+    """Attention metadata of the L local tokens (``mpcore.parallel.context.RankLayout``)."""
 
     doc_id: torch.Tensor  # (L,) int64, document of each token (padding: its own segment)
     positions_in_doc: torch.Tensor  # (L,) int64, position inside the segment (causal mask)
@@ -164,7 +163,7 @@ class Transformer(nn.Module):
                              f"tp = {self.tp}; build the ContextPlan with pad_multiple=tp")
         if num:
             # RoPE would extrapolate silently past the limit. One CPU-GPU sync per forward,
-            # unless the positions were measured on the host (kernels.host_checked).
+            # unless the positions were measured on the host (mpcore.kernels.host_checked).
             most = host_checked.value_range(position_ids)[1]
             if most >= self.cfg.max_position_embeddings:
                 raise ValueError(f"position id {most} is beyond max_position_embeddings = "
@@ -189,7 +188,7 @@ class Transformer(nn.Module):
             cu_seqlens: ``[S+1]`` int32 local segments (``RankLayout.cu_seqlens``).
             labels: int64 shifted next-token ids (``LabelShifter`` before the split) or -100.
             output: ``"loss"`` -> fp32 ``[L]`` (0 where ignored; the caller reduces it with
-                ``parallel.loss``); ``"loss_sum"`` -> fp32 scalar sum of it (the training
+                ``mpcore.parallel.loss``); ``"loss_sum"`` -> fp32 scalar sum of it (the training
                 path: the fused head's faster gradient); ``"logprobs"`` -> ``(logprobs [L], entropy [L])`` fp32;
                 ``"logits"`` -> ``[L, V_pad / tp]`` (tests).
             temperature: divides the logits.

@@ -1,6 +1,6 @@
 """The decoder's Hugging Face tensor names: which pieces of which HF tensors each tp rank holds.
 
-For every local parameter of ``models.common.decoder.Transformer`` on tp rank r, concatenated
+For every local parameter of ``mpcore.models.common.decoder.Transformer`` on tp rank r, concatenated
 along dim 0 unless noted (``prefix`` is ``model.`` for a causal LM's hub layout):
 
     tok_embeddings.weight             {prefix}embed_tokens.weight rows of vocab shard r (padded)
@@ -17,9 +17,9 @@ along dim 0 unless noted (``prefix`` is ``model.`` for a causal LM's hub layout)
 
 from __future__ import annotations
 
-from models.common.attention import qkv_rows
-from models.common.config import ModelConfig
-from models.common.hf_io import Piece, chunk, whole
+from mpcore.models.common.attention import qkv_rows
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_io import Piece, chunk, whole
 
 
 def shard_map(cfg: ModelConfig, tp: int, rank: int, prefix: str = "model."

@@ -1,7 +1,7 @@
 """What a model family declares: one ``Family`` record per folder under ``models/``.
 
 Nothing outside ``models/`` asks which family it has; it asks the family's record (found by
-``models.registry``) for what differs: how the config is read (a HF ``config.json``, a checkpoint's
+``mpcore.models.registry``) for what differs: how the config is read (a HF ``config.json``, a checkpoint's
 ``meta.json``, our YAML model section), how the model is built on meta and materialised per
 shard, loaded and exported, which HF pieces each tp rank holds, how a GLOBAL packed stream becomes
 this rank's inputs, which modules FSDP2 shards (the model's ``fsdp_units()``), its parameter and
@@ -31,7 +31,7 @@ Signatures (``cfg`` is the family's own frozen config dataclass, ``config_type``
 the build keyword arguments beyond the decoder's (``vision_cp``) that our YAML model section
 provides; ``modality`` is ``"text"`` or ``"image-text"``: which loaders feed it; ``host_inputs``
 names forward arguments that stay on the host (planning metadata such as a tower's grids);
-``section`` the family's YAML model keys, a frozen dataclass (``models.common.section``: the
+``section`` the family's YAML model keys, a frozen dataclass (``mpcore.models.common.section``: the
 shared ``DecoderSection``, or a subclass adding the family's nested sections, ``vision``,
 ``moe``; ``section_extras`` names those); a key of another family is refused, not ignored;
 mpcore adds the run-level keys beside them; ``image_processing`` (an image-text family's
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from models.common.section import DecoderSection
+from mpcore.models.common.section import DecoderSection
 
 MODALITIES = ("text", "image-text")
 
@@ -119,7 +119,7 @@ def _no_experts(cfg, ep: int) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """One model family's entry in ``models.registry`` (module docstring)."""
+    """One model family's entry in ``mpcore.models.registry`` (module docstring)."""
 
     name: str
     config_type: type

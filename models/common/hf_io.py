@@ -19,12 +19,11 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from mpcore.parallel.collectives import all_gather
+from mpcore.parallel.state import ParallelState, ProcessGroup
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-
-from parallel.collectives import all_gather
-from parallel.state import ParallelState, ProcessGroup
 
 
 def read_hf_config(source: str | Path | dict) -> dict:
@@ -46,7 +45,7 @@ def check_architecture(hf: dict, arch: str, model_type: str, name: str) -> None:
     archs = hf.get("architectures") or []
     if archs != [arch] and not (not archs and hf.get("model_type") == model_type):
         raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not {name} "
-                         f"({arch}); load it with its own family (models.registry."
+                         f"({arch}); load it with its own family (mpcore.models.registry."
                          f"family_of_hf)")
 
 

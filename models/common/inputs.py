@@ -1,7 +1,7 @@
 """This rank's inputs of a text-only packed stream: labels on the GLOBAL stream, then one split.
 
 Layout: ``input_ids [T]`` holds documents end to end (``cu_seqlens [D+1]``). Label t is
-``input_ids[t+1]`` within its document (``parallel.LabelShifter``: ignored at each document's
+``input_ids[t+1]`` within its document (``mpcore.parallel.LabelShifter``: ignored at each document's
 last token and where ``loss_mask`` is false), computed BEFORE the split; then one
 ``ContextPlan`` (zigzag per document when cp > 1, unless ``layout`` says otherwise; local length
 a multiple of tp under sequence parallelism) splits ids, labels and positions together.
@@ -10,10 +10,9 @@ a multiple of tp under sequence parallelism) splits ids, labels and positions to
 from __future__ import annotations
 
 import torch
-
-from parallel.context import ContextPlan, split_batch
-from parallel.labels import LabelShifter, position_ids
-from parallel.state import ParallelState
+from mpcore.parallel.context import ContextPlan, split_batch
+from mpcore.parallel.labels import LabelShifter, position_ids
+from mpcore.parallel.state import ParallelState
 
 
 def local_text_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,

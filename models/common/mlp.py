@@ -6,7 +6,7 @@ column-parallel ``[gate; up]`` projection (parts ``[I, I]``, so rank r holds ``[
 the partial outputs over the tp group: ``[L, hidden]`` (all-reduce) or ``[L / tp, hidden]``
 (reduce-scatter under SP).
 
-The activation is ``kernels.swiglu`` on w13's ``[L, 2 * I / tp]`` output as it stands (gate in
+The activation is ``mpcore.kernels.swiglu`` on w13's ``[L, 2 * I / tp]`` output as it stands (gate in
 the first half, up in the second, per rank): one fused pass each way on CUDA, and only that
 output is saved for backward, not ``silu(gate)`` too as eager autograd would (an ``[L, I / tp]``
 less per layer: 256 MiB at 16k tokens x 8192 in bf16). Same rounding as eager ``F.silu(gate) * up``.
@@ -15,17 +15,16 @@ less per layer: 256 MiB at 16k tokens x 8192 in bf16). Same rounding as eager ``
 from __future__ import annotations
 
 import torch
+from mpcore.kernels.swiglu import swiglu
+from mpcore.models.common.config import ModelConfig
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.state import ProcessGroup
 from torch import nn
-
-from kernels.swiglu import swiglu
-from models.common.config import ModelConfig
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.state import ProcessGroup
 
 
 class FeedForward(nn.Module):
     """``w2(silu(x @ gate.T) * (x @ up.T))`` with gate/up fused in ``w13``; group: tp;
-    ``fp8``: the recipe of ``w13`` and ``w2`` (``parallel.layers``)."""
+    ``fp8``: the recipe of ``w13`` and ``w2`` (``mpcore.parallel.layers``)."""
 
     def __init__(self, cfg: ModelConfig, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, fp8: str = "none", device=None, dtype=None):

@@ -9,17 +9,17 @@ and computes the same tokens; experts are not tp-sharded). Per token t:
           (+ sigmoid(x_t . shared_gate) * shared(x_t) with a shared expert: Qwen2/3.5-MoE)
 
 Dropless: every token reaches its k experts (no capacity, so ``dropped`` is always 0).
-Experts: the ``E`` of the layer split over the ep group (``parallel.experts``): ep rank r holds
+Experts: the ``E`` of the layer split over the ep group (``mpcore.parallel.experts``): ep rank r holds
 ``w13 [E / ep, 2 * I, hidden]`` (gate rows then up rows, transformers 5.x's ``gate_up_proj``)
 and ``w2 [E / ep, hidden, I]``. Rows are sorted by expert; the reference then runs one matmul
 pair per local expert, ``grouped`` two grouped GEMMs for all of them (``torch._grouped_mm``,
 detected at run time; ``auto`` takes it on CUDA). Host syncs: at ep = 1 the grouped path has
 none, forward or backward (the per-expert counts stay a device tensor and the GEMMs take their
 offsets from it); the loop copies the counts to the host once per layer forward; at ep > 1 the
-dispatch copies its split sizes once (``parallel.experts``) and both paths reuse them.
+dispatch copies its split sizes once (``mpcore.parallel.experts``) and both paths reuse them.
 
 Each forward leaves ``last_stats`` (``RouterStats``, over the tokens where ``token_mask`` is
-true: padding excluded) for the load-balancing loss (``models.common.moe_loss``) and the
+true: padding excluded) for the load-balancing loss (``mpcore.models.common.moe_loss``) and the
 trainer's metrics (tokens per expert, dropped tokens).
 """
 
@@ -29,11 +29,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from mpcore.parallel.experts import combine, dispatch
+from mpcore.parallel.random import init_shard_, normal_init
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 from torch import nn
-
-from parallel.experts import combine, dispatch
-from parallel.random import init_shard_, normal_init
-from parallel.state import ProcessGroup, group_rank, group_size
 
 
 class RouterStats(NamedTuple):

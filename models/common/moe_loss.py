@@ -19,7 +19,7 @@ rank and micro-batch backpropagates its share
     share = E * sum_e C_e * S_e(this micro-batch, this rank) / R^2
 
 (``aux_share``): the shares add up to aux and so do their gradients, under the project's
-convention that gradients are SUMMED over dp x cp (``parallel.loss``). For one process on the
+convention that gradients are SUMMED over dp x cp (``mpcore.parallel.loss``). For one process on the
 whole batch, C, S and R are exactly transformers' sums, so share == aux there.
 
 C and R must be the step's, not the micro-batch's: with one micro-batch per step they are
@@ -39,9 +39,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-
-from models.common.moe import RouterStats
-from parallel.state import ProcessGroup
+from mpcore.models.common.moe import RouterStats
+from mpcore.parallel.state import ProcessGroup
 
 
 def pool_layers(stats: Iterable[RouterStats]) -> RouterStats:

@@ -1,4 +1,4 @@
-"""What a model with MoE blocks (``models.common.moe``) offers beyond a dense one: the
+"""What a model with MoE blocks (``mpcore.models.common.moe``) offers beyond a dense one: the
 trainer's hooks (``mpcore.moe_step``) and the inputs' ``moe_mask``, shared by every MoE family.
 
     model.router_stats()     the MoE layers' statistics of the last forward, pooled
@@ -16,10 +16,9 @@ experts.
 from __future__ import annotations
 
 import torch
-
-from models.common.moe import MoeBlock, RouterStats
-from models.common.moe_loss import pool_layers
-from parallel.state import ParallelState
+from mpcore.models.common.moe import MoeBlock, RouterStats
+from mpcore.models.common.moe_loss import pool_layers
+from mpcore.parallel.state import ParallelState
 
 
 def check_moe_layout(text_cfg, state: ParallelState, sequence_parallel: bool) -> None:

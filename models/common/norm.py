@@ -1,5 +1,5 @@
 """RMSNorm module over the last dim, on the project's RMSNorm kernel (HF-exact numerics), and
-the LayerNorm the vision towers use (``kernels.layernorm`` on CUDA).
+the LayerNorm the vision towers use (``mpcore.kernels.layernorm`` on CUDA).
 
 Layout: ``x [..., H]``, weight ``[H]`` replicated on every tp rank. When the ranks of the tp
 group see DIFFERENT inputs through this weight (token shards under sequence parallelism, or
@@ -10,19 +10,18 @@ tp group. When every rank sees the same input the gradient is already whole on e
 ``zero_centred=True`` (Qwen3.5's norms): the scale is ``1 + weight`` and the weight starts at
 zero, so weight decay pulls the scale toward one. The kernel multiplies by ``1 + weight``; in
 fp32 that equals transformers' ``x_normed * (1 + w)``, in bf16 the normalised value is rounded
-once before the multiply (``kernels.rmsnorm``'s rule), where transformers rounds after it.
+once before the multiply (``mpcore.kernels.rmsnorm``'s rule), where transformers rounds after it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mpcore.kernels.layernorm import layer_norm
+from mpcore.kernels.rmsnorm import add_rms_norm, rms_norm
+from mpcore.parallel.collectives import copy_to_tp
+from mpcore.parallel.state import ProcessGroup
 from torch import nn
-
-from kernels.layernorm import layer_norm
-from kernels.rmsnorm import add_rms_norm, rms_norm
-from parallel.collectives import copy_to_tp
-from parallel.state import ProcessGroup
 
 
 def matmul_dtype(h: torch.Tensor) -> torch.dtype | None:
@@ -58,13 +57,13 @@ class RMSNorm(nn.Module):
         return 1.0 + w.to(torch.promote_types(w.dtype, torch.float32))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``kernels.rmsnorm``)."""
+        """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``mpcore.kernels.rmsnorm``)."""
         return rms_norm(x, self._weight(), self.eps, out_dtype)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor,
             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add before this norm and the norm, fused: ``(x + delta, norm(x +
-        delta))`` (``kernels.rmsnorm.add_rms_norm``)."""
+        delta))`` (``mpcore.kernels.rmsnorm.add_rms_norm``)."""
         return add_rms_norm(x, delta, self._weight(), self.eps, out_dtype)
 
     def extra_repr(self) -> str:
@@ -74,7 +73,7 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim (weight 1, bias 0 at init); replicated over tp. On CUDA the
-    project's kernel (``kernels.layernorm``: float32 math, as ``F.layer_norm`` under autocast),
+    project's kernel (``mpcore.kernels.layernorm``: float32 math, as ``F.layer_norm`` under autocast),
     elsewhere ``F.layer_norm`` itself."""
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None):

@@ -13,7 +13,7 @@ M-RoPE (Qwen3-VL, ``mrope_interleaved``): pair j takes row 1 when ``j % 3 == 1``
 ``j < 3 * s_h``, row 2 when ``j % 3 == 2`` and ``j < 3 * s_w``, row 0 otherwise.
 
 Numerics follow transformers: inverse frequencies and angles in fp32, cos/sin cast to the
-residual stream's dtype (fp32 under autocast); the rotation itself is ``kernels.rope.rope``.
+residual stream's dtype (fp32 under autocast); the rotation itself is ``mpcore.kernels.rope.rope``.
 
 Partial rotary (``rotary_dim`` r < head_dim, GLM-4V) rotates the first r dims of each head, with
 frequencies of a width-r head; ``apply_rope(style="gptj")`` pairs adjacent dims instead of
@@ -25,10 +25,9 @@ from __future__ import annotations
 import math
 
 import torch
+from mpcore.kernels.host_checked import copy_to
+from mpcore.kernels.rope import rope
 from torch import nn
-
-from kernels.host_checked import copy_to
-from kernels.rope import rope
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -76,7 +75,7 @@ class RotaryEmbedding(nn.Module):
 
     def _mrope_rows(self, device) -> torch.Tensor:
         """``[D/2]`` int64: the position row (0 t, 1 h, 2 w) of each frequency pair. Made on
-        the host and copied without a CPU-GPU sync (``kernels.host_checked.copy_to``)."""
+        the host and copied without a CPU-GPU sync (``mpcore.kernels.host_checked.copy_to``)."""
         _, s_h, s_w = self.mrope_section
         if self.mrope_interleaved:
             row = torch.zeros(self.head_dim // 2, dtype=torch.int64)
@@ -107,7 +106,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                out_dtype: torch.dtype | None = None, style: str = "half") -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (``kernels.rope.rope``:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim]`` (``mpcore.kernels.rope.rope``:
     one fused Triton kernel per pass on CUDA, the PyTorch reference elsewhere).
 
     The rotation runs in float32 (float64 for float64 operands) and is rounded once to

@@ -9,7 +9,7 @@ in, or its config refuses the gap when it is built). No section mirrors a config
     DecoderSection   the shared decoder's keys: ``ModelConfig``'s fields, defaulting to ``TINY``
     VLSection        DecoderSection + ``vision``, which each vision-language family types with
                      its tower's section (e.g. ``section_of(VisionConfig, ...)``)
-    a family         its record's ``section`` (``models.common.family.Family``): DecoderSection
+    a family         its record's ``section`` (``mpcore.models.common.family.Family``): DecoderSection
                      or a subclass adding nested sections (``moe``: ``Qwen3MoeConfig``'s own
                      fields), each derived the same way from the family's dataclass
 
@@ -34,7 +34,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from models.common.config import ModelConfig
+from mpcore.models.common.config import ModelConfig
 
 TINY = dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
             intermediate_size=384, rms_norm_eps=1e-5, tie_embeddings=True)
@@ -113,7 +113,7 @@ def section_of(cls: type, name: str, *, defaults: dict | None = None, skip: type
     out = dataclasses.make_dataclass(name, fields, bases=bases, frozen=True,
                                      namespace={_DERIVED: cls, "__module__": module or cls.__module__})
     out.__qualname__ = name
-    out.__doc__ = f"The YAML keys of ``{cls.__name__}`` (``models.common.section``)."
+    out.__doc__ = f"The YAML keys of ``{cls.__name__}`` (``mpcore.models.common.section``)."
     return out
 
 

@@ -3,15 +3,14 @@
 A tower takes a ``ParallelState`` (its tp group is used), a tp ``ProcessGroup`` or None (one
 process); its heads and MLP widths are sharded over that group (the family's config says which
 widths, ``check_parallel``), everything else is replicated over it. ``attention_kernel`` names
-the segment attention's CUDA kernel (``models.common.vision_attention.KERNELS``).
+the segment attention's CUDA kernel (``mpcore.models.common.vision_attention.KERNELS``).
 """
 
 from __future__ import annotations
 
+from mpcore.models.common.vision_attention import KERNELS
+from mpcore.parallel.state import ParallelState, ProcessGroup, group_rank, group_size
 from torch import nn
-
-from models.common.vision_attention import KERNELS
-from parallel.state import ParallelState, ProcessGroup, group_rank, group_size
 
 
 class TowerBase(nn.Module):

@@ -7,10 +7,10 @@ parallelism). ``wqkv`` (column-parallel, parts ``[q, k, v]``, bias) gives this r
 attends to all rows of its segment (a frame, or a Qwen2.5-VL window), and the row-parallel
 ``wo`` (bias added once, after the all-reduce over tp) gives ``[N, hidden]`` again.
 
-Kernels: CUDA fp16/bf16 with a head dim flash takes (``parallel.attention.use_flash``) runs, by
+Kernels: CUDA fp16/bf16 with a head dim flash takes (``mpcore.parallel.attention.use_flash``) runs, by
 default, dense non-causal cuDNN calls on the segments batched by length
-(``parallel.attention.sdpa_cudnn``), or one non-causal flash varlen call over all segments
-(``parallel.attention.flash``'s kernel calls); each with an autograd Function here. Everything
+(``mpcore.parallel.attention.sdpa_cudnn``), or one non-causal flash varlen call over all segments
+(``mpcore.parallel.attention.flash``'s kernel calls); each with an autograd Function here. Everything
 else runs ``F.scaled_dot_product_attention`` in the input dtype on the segments batched by
 length: one call per distinct segment length.
 """
@@ -21,13 +21,12 @@ from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+from mpcore.kernels.host_checked import copy_to
+from mpcore.kernels.rope import rope
+from mpcore.parallel.attention import flash, sdpa_cudnn, use_flash
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.state import ProcessGroup, group_size
 from torch import nn
-
-from kernels.host_checked import copy_to
-from kernels.rope import rope
-from parallel.attention import flash, sdpa_cudnn, use_flash
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.state import ProcessGroup, group_size
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float):
@@ -109,7 +108,7 @@ class _FlashSegments(torch.autograd.Function):
 
 class _CudnnSegments(torch.autograd.Function):
     """forward: the segments batched by length, one dense non-causal cuDNN call per length
-    (``parallel.attention.sdpa_cudnn``); backward: cuDNN's backward of each call, from its
+    (``mpcore.parallel.attention.sdpa_cudnn``); backward: cuDNN's backward of each call, from its
     saved output and log-sum-exp. Rows are gathered per length and put back in row order."""
 
     @staticmethod

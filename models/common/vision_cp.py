@@ -2,7 +2,7 @@
 
 Every cp rank holds the whole micro-batch's vision input (``pixel_values [N, patch_dim]`` of all
 items, ``grid_thw [I, 3]``: images then videos) and its own local ``vision_rows`` (the tower
-output row of each local placeholder, ``-1`` for text; ``models.qwen2_vl.inputs``). Two modes:
+output row of each local placeholder, ``-1`` for text; ``mpcore.models.qwen2_vl.inputs``). Two modes:
 
 ``split`` (default): items are assigned to cp ranks by patch count (largest first, to the least
     loaded rank; deterministic, the same on every rank without communication). Each rank runs the
@@ -23,11 +23,10 @@ cp all-gather, FSDP's parameter gathers) and contributes exact zero gradients.
 from __future__ import annotations
 
 import torch
+from mpcore.kernels.host_checked import copy_to
+from mpcore.parallel.collectives import copy_to_tp, sp_all_gather
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 from torch import nn
-
-from kernels.host_checked import copy_to
-from parallel.collectives import copy_to_tp, sp_all_gather
-from parallel.state import ProcessGroup, group_rank, group_size
 
 MODES = ("split", "replicate")
 

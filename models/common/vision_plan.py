@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from models.common.vl_split import check_grid
+from mpcore.models.common.vl_split import check_grid
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def _cumulative(lengths: list[int]) -> torch.Tensor:
 
 
 def plan_vision(cfg, grid_thw) -> VisionPlan:
-    """The plan of images ``grid_thw`` (``models.common.vl_split.check_grid``) for a tower of
+    """The plan of images ``grid_thw`` (``mpcore.models.common.vl_split.check_grid``) for a tower of
     ``cfg`` (a vision config: ``spatial_merge_size``, ``merge_unit``, ``arch`` and, for
     qwen2_5_vl, ``window_units``)."""
     grid = tuple(check_grid(grid_thw, "grid_thw", cfg.spatial_merge_size))

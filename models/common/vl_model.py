@@ -2,7 +2,7 @@
 
 Layout, per rank: the L local tokens of this cp rank's share of one packed stream, with the
 per-token tensors made on the GLOBAL stream by the family's inputs and split together by one
-``ContextPlan`` (``models.common.vl_split``): ``input_ids [L]``, ``position_ids [3, L]``,
+``ContextPlan`` (``mpcore.models.common.vl_split``): ``input_ids [L]``, ``position_ids [3, L]``,
 ``labels [L]``, ``vision_rows [L]`` (tower output row of each placeholder, -1 for text). The
 micro-batch's vision input is the same on every cp rank: ``pixel_values [N, patch_dim]`` and
 ``grid_thw [I, 3]`` (images then videos, the rows of ``pixel_values`` in that order).
@@ -13,7 +13,7 @@ micro-batch's vision input is the same on every cp rank: ``pixel_values [N, patc
     h[slots] = main[vision_rows[slots]]                # slots: this rank's placeholders
     out = text.decode(h, ..., after_layer)             # after layer k < K: out[slots] += deep_k
 
-The rows (and DeepStack features) travel through ``models.common.vision_cp.vision_rows_for_rank``:
+The rows (and DeepStack features) travel through ``mpcore.models.common.vision_cp.vision_rows_for_rank``:
 each cp rank gets exactly the rows of the placeholders it owns, the gradient of every row is
 summed over the cp ranks that used it and, under sequence parallelism, over the tp ranks (each
 fills the placeholders of its own token slice; the tower is replicated over tp). A rank without
@@ -24,20 +24,19 @@ gives its tower class and, where its decoder differs, its block class or its dec
 from __future__ import annotations
 
 import torch
+from mpcore.kernels import host_checked
+from mpcore.models.common.decoder import Transformer, make_packing
+from mpcore.models.common.vision_cp import MODES, vision_rows_for_rank
+from mpcore.models.common.vl_split import check_grid
+from mpcore.parallel.state import ParallelState
 from torch import nn
-
-from kernels import host_checked
-from models.common.decoder import Transformer, make_packing
-from models.common.vision_cp import MODES, vision_rows_for_rank
-from models.common.vl_split import check_grid
-from parallel.state import ParallelState
 
 
 class VisionLanguageModel(nn.Module):
     """The model (module docstring); a family subclasses it naming ``tower_cls`` (and
     ``decoder_layer``). ``vision_cp``: split (default) or replicate the tower's work over cp;
     ``vision_attention``: the tower's attention kernel on CUDA
-    (``models.common.vision_attention``); ``decoder_options``: further ``Transformer``
+    (``mpcore.models.common.vision_attention``); ``decoder_options``: further ``Transformer``
     keyword arguments (kernel choices)."""
 
     tower_cls: type[nn.Module]
@@ -88,7 +87,7 @@ class VisionLanguageModel(nn.Module):
         the vision input.
 
         The token checks read the host copies that ``mpcore.batches.to_device`` keeps of
-        ``input_ids`` and ``vision_rows`` (``kernels.host_checked``): no CPU-GPU sync, so the
+        ``input_ids`` and ``vision_rows`` (``mpcore.kernels.host_checked``): no CPU-GPU sync, so the
         host can queue this step while the device still runs the previous one. Tensors made
         on the device are checked there, with one sync."""
         num = input_ids.shape[0]

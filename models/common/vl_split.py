@@ -15,9 +15,8 @@ from __future__ import annotations
 import operator
 
 import torch
-
-from parallel.context import ContextPlan, split_batch
-from parallel.state import ParallelState
+from mpcore.parallel.context import ContextPlan, split_batch
+from mpcore.parallel.state import ParallelState
 
 
 def split_vl_stream(state: ParallelState, batch: dict[str, torch.Tensor], cu_seqlens, *,

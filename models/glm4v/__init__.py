@@ -1,6 +1,6 @@
 """GLM-4V / GLM-4.1V: config, vision tower, inputs, HF format, the model."""
 
-from models.glm4v.config import (
+from mpcore.models.glm4v.config import (
     Glm4vConfig,
     Glm4vVisionConfig,
     config_from_dict,
@@ -9,12 +9,17 @@ from models.glm4v.config import (
     text_config,
     vision_from_hf,
 )
-from models.glm4v.family import FAMILY
-from models.glm4v.hf import export_hf, load_hf_weights, shard_map, vision_shard_map
-from models.glm4v.inputs import glm4v_inputs, local_glm4v_inputs, mm_token_types, position_ids
-from models.glm4v.model import Glm4vDecoderLayer, Glm4vModel, build_model, load_hf_model
-from models.glm4v.processor import resize_size
-from models.glm4v.tower import Glm4vVisionTower, build_vision_tower
+from mpcore.models.glm4v.family import FAMILY
+from mpcore.models.glm4v.hf import export_hf, load_hf_weights, shard_map, vision_shard_map
+from mpcore.models.glm4v.inputs import (
+    glm4v_inputs,
+    local_glm4v_inputs,
+    mm_token_types,
+    position_ids,
+)
+from mpcore.models.glm4v.model import Glm4vDecoderLayer, Glm4vModel, build_model, load_hf_model
+from mpcore.models.glm4v.processor import resize_size
+from mpcore.models.glm4v.tower import Glm4vVisionTower, build_vision_tower
 
 __all__ = [
     "FAMILY",

@@ -2,7 +2,7 @@
 
 A ``Glm4vConfig`` is a text decoder (``ModelConfig``: qkv biases, GQA, partial rotary over the
 first half of each head, contiguous M-RoPE sections, GPT-J adjacent-pair rotation; the four
-sandwich norms per layer are the family's block, ``models.glm4v.model``), a vision tower
+sandwich norms per layer are the family's block, ``mpcore.models.glm4v.model``), a vision tower
 (``Glm4vVisionConfig``) and the token ids between them. Images and videos share ONE placeholder
 id (``image_token_id``): a placeholder inside a ``video_start ... video_end`` span is a video
 frame, any other an image (the rule of transformers' processor, ``mm_token_type_ids``).
@@ -22,10 +22,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.config import ModelConfig
-from models.common.hf_io import check_architecture, read_hf_config
-from models.common.section import VLSection, section_of
-from models.common.vision_geometry import VisionGeometry, check_tp_widths
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_io import check_architecture, read_hf_config
+from mpcore.models.common.section import VLSection, section_of
+from mpcore.models.common.vision_geometry import VisionGeometry, check_tp_widths
 
 ARCH = "Glm4vForConditionalGeneration"
 MODEL_TYPE = "glm4v"
@@ -152,7 +152,7 @@ class Glm4vConfig:
         if t.mrope_section is None or t.rope_style != "gptj" or not t.qkv_bias or t.qk_norm:
             raise ValueError("a GLM-4V decoder has mrope_section set, rope_style='gptj', "
                              "qkv_bias=True and qk_norm=False; build it with "
-                             "models.glm4v.text_config (or from config.json)")
+                             "mpcore.models.glm4v.text_config (or from config.json)")
         if t.head_dim * t.num_heads != t.hidden_size:
             raise ValueError(f"GLM-4V sizes heads as hidden_size / num_heads = "
                              f"{t.hidden_size} / {t.num_heads}; head_dim {t.head_dim} differs")

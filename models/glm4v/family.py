@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-
-from models.common import counts
-from models.common.family import Family, ImageProcessing, VideoProcessing
-from models.common.section import given
-from models.glm4v.config import (
+from mpcore.models.common import counts
+from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
+from mpcore.models.common.section import given
+from mpcore.models.glm4v.config import (
     ARCH,
     MODEL_TYPE,
     Glm4vConfig,
@@ -18,11 +17,12 @@ from models.glm4v.config import (
     hf_config_dict,
     text_config,
 )
-from models.glm4v.hf import export_hf, shard_map
-from models.glm4v.inputs import local_glm4v_inputs
-from models.glm4v.model import build_model, load_hf_model
-from models.glm4v.processor import MAX_PIXELS, MIN_PIXELS, resize_size
-from models.glm4v.tower import Glm4vVisionTower
+from mpcore.models.glm4v.hf import export_hf, shard_map
+from mpcore.models.glm4v.inputs import local_glm4v_inputs
+from mpcore.models.glm4v.model import build_model, load_hf_model
+from mpcore.models.glm4v.processor import MAX_PIXELS, MIN_PIXELS, resize_size
+from mpcore.models.glm4v.tower import Glm4vVisionTower
+
 from mpcore.data.images import CLIP_MEAN, CLIP_STD
 from mpcore.data.videos import smart_resize_video
 
@@ -80,7 +80,7 @@ def config_from_section(section, token_ids: dict | None) -> Glm4vConfig:
     try:
         vision_cfg = Glm4vVisionConfig(**vision)
     except TypeError as e:
-        raise ValueError(f"model.vision: {e}; its keys are models.glm4v.Glm4vVisionConfig's "
+        raise ValueError(f"model.vision: {e}; its keys are mpcore.models.glm4v.Glm4vVisionConfig's "
                          f"fields") from None
     fields = {k: v for k, v in section.shape_fields().items()
               if k not in ("qkv_bias", "rope_style")}  # GLM's own: always on, always gptj

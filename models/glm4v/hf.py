@@ -5,7 +5,7 @@ Names are transformers' module layout, which the released GLM-4.1V checkpoints u
 ``model.language_model.*`` (the decoder), ``model.visual.*`` (the tower), ``lm_head.weight``.
 Checkpoints with the older hub prefixes ``model.*`` / ``visual.*`` are read too.
 
-Decoder (``models.common.decoder_hf.shard_map`` under ``text.``, with GLM's differences):
+Decoder (``mpcore.models.common.decoder_hf.shard_map`` under ``text.``, with GLM's differences):
 
     layers.i.attention_norm / attention_out_norm      input_layernorm / post_self_attn_layernorm
     layers.i.ffn_norm / ffn_out_norm                  post_attention_layernorm / post_mlp_layernorm
@@ -24,11 +24,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.common.decoder_hf import shard_map as decoder_shard_map
-from models.common.hf_io import Checkpoint, Piece, chunk, fill_from_table, whole, write_hf
-from models.glm4v.config import Glm4vConfig, Glm4vVisionConfig, hf_config_dict
-from parallel.state import ParallelState
+from mpcore.models.common.decoder_hf import shard_map as decoder_shard_map
+from mpcore.models.common.hf_io import Checkpoint, Piece, chunk, fill_from_table, whole, write_hf
+from mpcore.models.glm4v.config import Glm4vConfig, Glm4vVisionConfig, hf_config_dict
+from mpcore.parallel.state import ParallelState
 
 TEXT, VISUAL = "model.language_model.", "model.visual."
 ALIASES = ((TEXT, "model."), (VISUAL, "visual."))  # module layout name -> older hub name

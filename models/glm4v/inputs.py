@@ -25,12 +25,11 @@ with no token between) are refused, as transformers cannot place them either.
 from __future__ import annotations
 
 import torch
-
-from models.common.vl_split import check_grid, split_vl_stream
-from models.glm4v.config import Glm4vConfig
-from parallel.context import ContextPlan
-from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
-from parallel.state import ParallelState
+from mpcore.models.common.vl_split import check_grid, split_vl_stream
+from mpcore.models.glm4v.config import Glm4vConfig
+from mpcore.parallel.context import ContextPlan
+from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
+from mpcore.parallel.state import ParallelState
 
 __all__ = ["glm4v_inputs", "local_glm4v_inputs", "mm_token_types", "position_ids"]
 
@@ -139,7 +138,7 @@ def local_glm4v_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens
     (all but ``output``): the per-token tensors made on the GLOBAL stream, then split together
     by one ``ContextPlan`` (zigzag when cp > 1 unless ``layout`` says otherwise; a multiple of tp
     under SP); the vision input (images, then videos) passed whole to every rank
-    (``models.common.vl_split``)."""
+    (``mpcore.models.common.vl_split``)."""
     batch = glm4v_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                          video_grid_thw=video_grid_thw, loss_mask=loss_mask)
     return split_vl_stream(state, batch, cu_seqlens, pixels=[pixel_values, pixel_values_videos],

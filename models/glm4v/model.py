@@ -1,9 +1,9 @@
 """The GLM-4V model: its vision tower feeding the shared decoder with GLM's sandwich-norm block.
 
-Layout and forward are those of ``models.common.vl_model.VisionLanguageModel`` (the per-token
-inputs from ``models.glm4v.inputs``, split by one ``ContextPlan``; the tower's rows scattered into this
-rank's placeholders, the tower's work spread over cp by ``models.common.vision_cp``); what
-differs is the tower (``models.glm4v.tower``) and the decoder block, four RMSNorms per layer:
+Layout and forward are those of ``mpcore.models.common.vl_model.VisionLanguageModel`` (the per-token
+inputs from ``mpcore.models.glm4v.inputs``, split by one ``ContextPlan``; the tower's rows scattered into this
+rank's placeholders, the tower's work spread over cp by ``mpcore.models.common.vision_cp``); what
+differs is the tower (``mpcore.models.glm4v.tower``) and the decoder block, four RMSNorms per layer:
 
     h = h + attention_out_norm(attention(attention_norm(h)))
     h = h + ffn_out_norm(feed_forward(ffn_norm(h)))
@@ -18,17 +18,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from mpcore.models.common.attention import Attention
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.mlp import FeedForward
+from mpcore.models.common.norm import RMSNorm, matmul_dtype
+from mpcore.models.common.vl_model import VisionLanguageModel
+from mpcore.models.glm4v.config import Glm4vConfig, config_from_hf
+from mpcore.models.glm4v.hf import load_hf_weights
+from mpcore.models.glm4v.tower import Glm4vVisionTower
+from mpcore.parallel.state import ParallelState
 from torch import nn
-
-from models.common.attention import Attention
-from models.common.decoder import init_weights
-from models.common.mlp import FeedForward
-from models.common.norm import RMSNorm, matmul_dtype
-from models.common.vl_model import VisionLanguageModel
-from models.glm4v.config import Glm4vConfig, config_from_hf
-from models.glm4v.hf import load_hf_weights
-from models.glm4v.tower import Glm4vVisionTower
-from parallel.state import ParallelState
 
 
 class Glm4vDecoderLayer(nn.Module):

@@ -26,20 +26,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mpcore.kernels.host_checked import copy_to
+from mpcore.kernels.swiglu import swiglu
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.norm import LayerNorm, RMSNorm
+from mpcore.models.common.tower import TowerBase
+from mpcore.models.common.vision_attention import Segments, VisionAttention, rotary_tables
+from mpcore.models.common.vl_split import check_grid
+from mpcore.models.glm4v.config import Glm4vVisionConfig
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.random import init_shard_, normal_init
+from mpcore.parallel.state import ParallelState, ProcessGroup
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from kernels.host_checked import copy_to
-from kernels.swiglu import swiglu
-from models.common.decoder import init_weights
-from models.common.norm import LayerNorm, RMSNorm
-from models.common.tower import TowerBase
-from models.common.vision_attention import Segments, VisionAttention, rotary_tables
-from models.common.vl_split import check_grid
-from models.glm4v.config import Glm4vVisionConfig
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.random import init_shard_, normal_init
-from parallel.state import ParallelState, ProcessGroup
 
 
 class Replicated(nn.Module):

@@ -1,8 +1,8 @@
 """Llama 3 / Qwen2 / Qwen3 causal LMs: Hugging Face checkpoint folders <-> the decoder's shards.
 
-The decoder is ``models.common.decoder.Transformer``; its tensor names are the hub layout of
-``models.common.decoder_hf.shard_map`` (``model.*``, ``lm_head``), its ``config.json`` is read and
-written by ``models.llama.hf_config``. Each rank reads only its slices; export gathers over the
+The decoder is ``mpcore.models.common.decoder.Transformer``; its tensor names are the hub layout of
+``mpcore.models.common.decoder_hf.shard_map`` (``model.*``, ``lm_head``), its ``config.json`` is read and
+written by ``mpcore.models.llama.hf_config``. Each rank reads only its slices; export gathers over the
 tp group of global rank 0, which writes ``config.json`` + ``model.safetensors``.
 """
 
@@ -12,14 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from kernels.fp8_linear import check_fp8
-from models.common.config import ModelConfig
-from models.common.decoder import Transformer
-from models.common.decoder_hf import shard_map
-from models.common.hf_io import Checkpoint, fill_from_table, write_hf
-from models.llama.hf_config import config_from_hf, hf_config_dict
-from parallel.state import ParallelState
+from mpcore.kernels.fp8_linear import check_fp8
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.decoder import Transformer
+from mpcore.models.common.decoder_hf import shard_map
+from mpcore.models.common.hf_io import Checkpoint, fill_from_table, write_hf
+from mpcore.models.llama.hf_config import config_from_hf, hf_config_dict
+from mpcore.parallel.state import ParallelState
 
 
 @torch.no_grad()

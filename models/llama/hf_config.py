@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.common.config import ROPE_SCALING_KEYS, ModelConfig
-from models.common.hf_io import read_hf_config
+from mpcore.models.common.config import ROPE_SCALING_KEYS, ModelConfig
+from mpcore.models.common.hf_io import read_hf_config
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3"}
@@ -53,7 +53,7 @@ def config_from_hf(source: str | Path | dict) -> ModelConfig:
     if arch not in SUPPORTED:
         if arch in VL_ARCHITECTURES:
             raise ValueError(f"{arch} is a vision-language checkpoint; load it with "
-                             f"models.load_hf_vl_model (this loader builds decoders only)")
+                             f"mpcore.models.load_hf_vl_model (this loader builds decoders only)")
         raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
                          f"supported: {sorted(SUPPORTED)}")
     family = SUPPORTED[arch]

@@ -1,7 +1,7 @@
 """Vision-language model configuration (Qwen2-VL / Qwen2.5-VL), and its Hugging Face config.json.
 
 A ``VLConfig`` is a text decoder (``ModelConfig`` with ``mrope_section``: Qwen2 with QKV biases),
-a vision tower (``models.qwen2_vl.VisionConfig``) and the special token ids that tie them: the
+a vision tower (``mpcore.models.qwen2_vl.VisionConfig``) and the special token ids that tie them: the
 image and video placeholders (one per merged patch, replaced by the tower's output rows; never
 targets) and the vision start/end tokens (ordinary text tokens around each placeholder run).
 
@@ -16,11 +16,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
-from models.common.section import VLSection
-from models.llama.hf_config import config_from_hf, hf_config_dict
-from models.qwen2_vl.vision_config import (
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_io import read_hf_config
+from mpcore.models.common.section import VLSection
+from mpcore.models.llama.hf_config import config_from_hf, hf_config_dict
+from mpcore.models.qwen2_vl.vision_config import (
     VisionConfig,
     VisionSection,
     hf_vision_config_dict,
@@ -138,7 +138,7 @@ def vl_config_from_hf(source: str | Path | dict) -> VLConfig:
     """``VLConfig`` of a Qwen2-VL / Qwen2.5-VL checkpoint's config.json (folder, file or dict).
 
     Raises ``ValueError`` for another architecture (say which are supported, and that decoder
-    checkpoints load with ``models.load_hf_model``) or a feature outside this model.
+    checkpoints load with ``mpcore.models.load_hf_model``) or a feature outside this model.
     """
     hf = read_hf_config(source)
     arch = _arch(hf)
@@ -146,7 +146,7 @@ def vl_config_from_hf(source: str | Path | dict) -> VLConfig:
         archs = hf.get("architectures") or []
         raise ValueError(f"architecture {archs or hf.get('model_type')!r} is not a "
                          f"vision-language model; supported: {sorted(VL_ARCHS)} (decoder-only "
-                         f"checkpoints load with models.load_hf_model)")
+                         f"checkpoints load with mpcore.models.load_hf_model)")
     text_dict, section = _text_dict(hf)
     text = dataclasses.replace(config_from_hf(text_dict), mrope_section=tuple(section))
     vision = vision_config_from_hf(hf.get("vision_config") or {}, arch)

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import torch
-
-from models.common import counts
-from models.common.config import ModelConfig
-from models.common.family import Family, ImageProcessing, VideoProcessing
-from models.common.section import given
-from models.qwen2_vl.config import (
+from mpcore.models.common import counts
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
+from mpcore.models.common.section import given
+from mpcore.models.qwen2_vl.config import (
     VL_ARCHS,
     Qwen2VLSection,
     VLConfig,
     hf_vl_config_dict,
     vl_config_from_dict,
 )
-from models.qwen2_vl.config import vl_config_from_hf as _from_hf
-from models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
-from models.qwen2_vl.inputs import local_vl_inputs
-from models.qwen2_vl.model import build_vl_model
-from models.qwen2_vl.tower import VisionTower
-from models.qwen2_vl.vision_config import VisionConfig
+from mpcore.models.qwen2_vl.config import vl_config_from_hf as _from_hf
+from mpcore.models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
+from mpcore.models.qwen2_vl.inputs import local_vl_inputs
+from mpcore.models.qwen2_vl.model import build_vl_model
+from mpcore.models.qwen2_vl.tower import VisionTower
+from mpcore.models.qwen2_vl.vision_config import VisionConfig
+
 from mpcore.data.images import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 
 
@@ -58,7 +58,7 @@ def config_from_section(section, token_ids: dict | None) -> VLConfig:
     try:
         vision_cfg = VisionConfig(**vision)
     except TypeError as e:
-        raise ValueError(f"model.vision: {e}; its keys are models.qwen2_vl.VisionConfig's "
+        raise ValueError(f"model.vision: {e}; its keys are mpcore.models.qwen2_vl.VisionConfig's "
                          f"fields") from None
     return VLConfig(text=ModelConfig(**section.shape_fields()), vision=vision_cfg, **token_ids)
 

@@ -1,7 +1,7 @@
 """Hugging Face Qwen2-VL / Qwen2.5-VL checkpoints <-> tensor-parallel shards of ``VLModel``.
 
-The table of ``models.common.decoder_hf.shard_map`` (the decoder, under ``text.``) and of
-``models.qwen2_vl.vision_hf.vision_shard_map`` (the tower, under ``visual.``) says which slices of which
+The table of ``mpcore.models.common.decoder_hf.shard_map`` (the decoder, under ``text.``) and of
+``mpcore.models.qwen2_vl.vision_hf.vision_shard_map`` (the tower, under ``visual.``) says which slices of which
 HF tensors each tp rank holds. HF names are those of the hub layout that ``save_pretrained``
 writes: ``model.embed_tokens``, ``model.layers.*``, ``model.norm``, ``lm_head``, ``visual.*``.
 Checkpoints saved in transformers' module layout (``model.language_model.*``,
@@ -14,14 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.decoder_hf import shard_map
-from models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
-from models.qwen2_vl.config import VLConfig, hf_vl_config_dict, vl_config_from_hf
-from models.qwen2_vl.model import VLModel
-from models.qwen2_vl.vision_hf import vision_shard_map
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.decoder_hf import shard_map
+from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
+from mpcore.models.qwen2_vl.config import VLConfig, hf_vl_config_dict, vl_config_from_hf
+from mpcore.models.qwen2_vl.model import VLModel
+from mpcore.models.qwen2_vl.vision_hf import vision_shard_map
+from mpcore.parallel.state import ParallelState
 
 # Hub name prefix -> the same tensor's name in transformers' module layout.
 ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))
@@ -68,7 +67,7 @@ def load_hf_vl_model(folder: str | Path, state: ParallelState, *,
     """Build the ``VLModel`` of a Qwen2-VL / Qwen2.5-VL checkpoint folder for ``state`` and
     load its shards (``decoder_options``: further ``Transformer`` keyword arguments). Returns
     ``(model, cfg)``; a decoder-only checkpoint raises ``ValueError``
-    saying to use ``models.load_hf_model``."""
+    saying to use ``mpcore.models.load_hf_model``."""
     cfg = vl_config_from_hf(folder)
     with torch.device("meta"):
         model = VLModel(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,

@@ -5,7 +5,7 @@ appears as one run of ``t * h * w / merge^2`` placeholder ids (``image_token_id`
 ``video_token_id``), usually between vision start/end tokens. ``image_grid_thw [I, 3]`` and
 ``video_grid_thw [V, 3]`` give each item's patch grid ``(t, h, w)``, images (videos) in the order
 their runs appear in the stream. Everything here runs BEFORE any split; the results are per-token
-tensors that ``parallel.ContextPlan`` then splits together with the ids:
+tensors that ``mpcore.parallel.ContextPlan`` then splits together with the ids:
 
     position_ids [3, T]  M-RoPE rows (temporal, height, width), restarting in every document
     vision_rows  [T]     row of the vision tower's output for a placeholder, -1 for text
@@ -28,12 +28,11 @@ max(h', w')``; for images (t' = 1) the two rules agree.
 from __future__ import annotations
 
 import torch
-
-from models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
-from models.qwen2_vl.config import VLConfig
-from parallel.context import ContextPlan
-from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
-from parallel.state import ParallelState
+from mpcore.models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
+from mpcore.models.qwen2_vl.config import VLConfig
+from mpcore.parallel.context import ContextPlan
+from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
+from mpcore.parallel.state import ParallelState
 
 __all__ = ["local_vl_inputs", "vl_inputs", "vl_position_ids"]
 

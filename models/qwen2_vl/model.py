@@ -1,16 +1,15 @@
-"""Qwen2-VL / Qwen2.5-VL: the shared vision-language model (``models.common.vl_model``) over
-this family's tower (``models.qwen2_vl.tower``) and the plain decoder block; the per-token
-inputs come from ``models.qwen2_vl.inputs.vl_inputs``."""
+"""Qwen2-VL / Qwen2.5-VL: the shared vision-language model (``mpcore.models.common.vl_model``) over
+this family's tower (``mpcore.models.qwen2_vl.tower``) and the plain decoder block; the per-token
+inputs come from ``mpcore.models.qwen2_vl.inputs.vl_inputs``."""
 
 from __future__ import annotations
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.vl_model import VisionLanguageModel
-from models.qwen2_vl.config import VLConfig
-from models.qwen2_vl.tower import VisionTower
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.vl_model import VisionLanguageModel
+from mpcore.models.qwen2_vl.config import VLConfig
+from mpcore.models.qwen2_vl.tower import VisionTower
+from mpcore.parallel.state import ParallelState
 
 
 class VLModel(VisionLanguageModel):

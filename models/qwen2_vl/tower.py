@@ -10,7 +10,7 @@ Layout, per tp rank (everything replicated over the tp group; no sequence parall
     out = out[unit_inverse]            Qwen2.5-VL: back to the input's unit order
 
 Blocks (``cfg.arch``): qwen2_vl = LayerNorm, attention over each frame, LayerNorm, fc1 ->
-quick_gelu (``kernels.quick_gelu``) -> fc2; qwen2_5_vl = RMSNorm, attention over each window
+quick_gelu (``mpcore.kernels.quick_gelu``) -> fc2; qwen2_5_vl = RMSNorm, attention over each window
 (each frame in the ``fullatt_block_indexes`` blocks), RMSNorm, gated SiLU MLP with biases.
 Column-parallel layers (wqkv, w1 / w13, merger.w1) shard the output over tp, row-parallel ones
 (wo, w2, merger.w2) all-reduce; norms and the patch embedding are replicated and see
@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mpcore.kernels.host_checked import copy_to
+from mpcore.kernels.quick_gelu import quick_gelu
+from mpcore.kernels.swiglu import swiglu
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.norm import LayerNorm, RMSNorm, matmul_dtype
+from mpcore.models.common.tower import TowerBase
+from mpcore.models.common.vision_attention import Segments, VisionAttention, rotary_tables
+from mpcore.models.common.vision_plan import VisionPlan, plan_vision
+from mpcore.models.qwen2_vl.vision_config import VisionConfig
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.random import init_shard_, normal_init
+from mpcore.parallel.state import ParallelState, ProcessGroup
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from kernels.host_checked import copy_to
-from kernels.quick_gelu import quick_gelu
-from kernels.swiglu import swiglu
-from models.common.decoder import init_weights
-from models.common.norm import LayerNorm, RMSNorm, matmul_dtype
-from models.common.tower import TowerBase
-from models.common.vision_attention import Segments, VisionAttention, rotary_tables
-from models.common.vision_plan import VisionPlan, plan_vision
-from models.qwen2_vl.vision_config import VisionConfig
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.random import init_shard_, normal_init
-from parallel.state import ParallelState, ProcessGroup
 
 
 class PatchEmbed(nn.Module):
@@ -136,7 +135,7 @@ class PatchMerger(nn.Module):
 class VisionTower(TowerBase):
     """The vision tower (module docstring). ``state_or_tp_group``: a ``ParallelState`` (its tp
     group is used), a tp ``ProcessGroup``, or None (one process). Build it with
-    :func:`build_vision_tower` or load it with ``models.qwen2_vl.vision_hf``."""
+    :func:`build_vision_tower` or load it with ``mpcore.models.qwen2_vl.vision_hf``."""
 
     def __init__(self, cfg: VisionConfig,
                  state_or_tp_group: ParallelState | ProcessGroup | None = None, *,
@@ -152,7 +151,7 @@ class VisionTower(TowerBase):
             layer.attention.kernel = attention_kernel
 
     def plan(self, grid_thw) -> VisionPlan:
-        """Host-side plan of ``grid_thw`` (checks it; ``models.common.vision_plan``)."""
+        """Host-side plan of ``grid_thw`` (checks it; ``mpcore.models.common.vision_plan``)."""
         return plan_vision(self.cfg, grid_thw)
 
     def _check_pixels(self, pixel_values: torch.Tensor, plan: VisionPlan) -> None:

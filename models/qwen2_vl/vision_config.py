@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.section import section_of
-from models.common.vision_geometry import VisionGeometry, check_tp_widths
+from mpcore.models.common.section import section_of
+from mpcore.models.common.vision_geometry import VisionGeometry, check_tp_widths
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}

@@ -2,7 +2,7 @@
 
 One table, :func:`vision_shard_map`, says for every local parameter of tp rank r which pieces
 of which HF tensors (hub layout, as ``save_pretrained`` writes it, under ``prefix``) it holds,
-concatenated along the pieces' dim (``models.common.hf_io.Piece``):
+concatenated along the pieces' dim (``mpcore.models.common.hf_io.Piece``):
 
     patch_embed.weight                  patch_embed.proj.weight  (whole, Conv3d layout)
     layers.i.attention_norm.*           blocks.i.norm1.{weight,bias}  (bias: qwen2_vl only)
@@ -16,7 +16,7 @@ concatenated along the pieces' dim (``models.common.hf_io.Piece``):
     merger.w1.{weight,bias}             merger.mlp.0 rows r
     merger.w2.weight                    merger.mlp.2.weight columns r; .bias whole
 
-Loading reads only this rank's slices (``models.common.hf_io.Checkpoint``). Export runs the table
+Loading reads only this rank's slices (``mpcore.models.common.hf_io.Checkpoint``). Export runs the table
 backwards: the tp group all-gathers each sharded tensor and every rank of it gets the full HF
 tensors (the VL export merges them with the language model's).
 """
@@ -26,8 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.common.hf_io import (
+from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,
     column_linear,
@@ -37,9 +36,9 @@ from models.common.hf_io import (
     row_linear,
     whole,
 )
-from models.qwen2_vl.tower import VisionTower
-from models.qwen2_vl.vision_config import VisionConfig
-from parallel.state import ParallelState, ProcessGroup, group_size
+from mpcore.models.qwen2_vl.tower import VisionTower
+from mpcore.models.qwen2_vl.vision_config import VisionConfig
+from mpcore.parallel.state import ParallelState, ProcessGroup, group_size
 
 
 def _norm(out: dict, cfg: VisionConfig, ours: str, hf: str) -> None:
@@ -98,7 +97,7 @@ def load_vision_weights(tower: VisionTower, source: str | Path | Checkpoint,
     """Fill every parameter of ``tower`` with this tp rank's shard of the checkpoint's tensors.
 
     ``source``: a checkpoint folder (``model.safetensors`` or a sharded index) or an open
-    ``models.common.hf_io.Checkpoint`` shared with the language model's loader. The tp group and rank
+    ``mpcore.models.common.hf_io.Checkpoint`` shared with the language model's loader. The tp group and rank
     are the tower's own; ``state``, when given, must agree with them. Reads only this rank's
     slices. Raises ``ValueError`` naming a missing tensor or a tensor whose shape disagrees with
     the config, before copying it.

@@ -5,7 +5,7 @@ attention); ``layer_types`` lists them, or, when None, every ``full_attention_in
 layer is full attention (transformers' rule: layer i is full iff ``(i + 1) % interval == 0``).
 Full attention: ``num_heads`` query heads (each with an output gate), ``num_kv_heads``, QK-norm,
 RoPE on the first ``partial_rotary_factor * head_dim`` dims: plain 1-D RoPE on text, or (the
-vision-language model, ``models.qwen3_5_vl``) interleaved M-RoPE over those dims, with
+vision-language model, ``mpcore.models.qwen3_5_vl``) interleaved M-RoPE over those dims, with
 ``mrope_section`` summing to ``rotary_dim / 2`` and ``mrope_interleaved`` true. DeltaNet:
 ``linear_num_key_heads`` query/key heads of ``linear_key_head_dim``,
 ``linear_num_value_heads`` value heads of ``linear_value_head_dim`` (a multiple of the key
@@ -14,14 +14,14 @@ heads: value head h reads key head ``h // (Hv / Hk)``), a depthwise causal conv 
 
 Parallel layout (``check_parallel``): DeltaNet key and value heads split over tp (each rank a
 contiguous run of key heads and the value heads grouped on them), then again over cp (the
-DeltaNet all-to-all, ``models.qwen3_5.cp``): both counts must divide by tp * cp.
+DeltaNet all-to-all, ``mpcore.models.qwen3_5.cp``): both counts must divide by tp * cp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.config import ModelConfig
+from mpcore.models.common.config import ModelConfig
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 

@@ -7,7 +7,7 @@ _z, _b, _a), the conv ``(2 Kd + Vd) * K``, ``A_log`` and ``dt_bias`` (``2 Hv``),
 Then the embedding ``V h``, the final norm ``h`` and, untied, the head ``V h``.
 
 Training FLOPs per token: ``6 N`` for the dense matmuls (the embedding counts only when tied,
-as the head), plus per full-attention layer ``12 q seq_len`` (as ``models.common.counts``) and
+as the head), plus per full-attention layer ``12 q seq_len`` (as ``mpcore.models.common.counts``) and
 per DeltaNet layer the chunked rule, estimated with chunks of C = 64 tokens per value head as
 ``3 * (4 Dk Dv + 2 C (Dk + Dv))`` (state read and write, intra-chunk scores and mixing; forward
 and twice that backward).
@@ -15,7 +15,7 @@ and twice that backward).
 
 from __future__ import annotations
 
-from models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.config import Qwen35Config
 
 CHUNK = 64
 

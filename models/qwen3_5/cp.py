@@ -1,9 +1,9 @@
 """Gated DeltaNet under context parallelism: an all-to-all from "tokens split" to "heads split".
 
-Layout in: each cp rank holds its L local tokens (``parallel.context``: zigzag per document, or
+Layout in: each cp rank holds its L local tokens (``mpcore.parallel.context``: zigzag per document, or
 contiguous) for ALL of this tp rank's DeltaNet heads: the conv input ``[L, C]`` (channels
 ``[q | k | v]``, heads in order) and the gates ``g, beta [L, Hv]``. One all-to-all over the cp
-group (``parallel.collectives.all_to_all_tokens_to_heads``) turns that into every token of the
+group (``mpcore.parallel.collectives.all_to_all_tokens_to_heads``) turns that into every token of the
 group, rank-major (``[cp * L, ...]``), for 1/cp of the heads: cp rank j takes key heads
 ``[j Hk/cp, (j+1) Hk/cp)`` of q and k and the value heads grouped on them. The tokens are then
 put in stream order, documents whole (sorted by ``(doc_id, position)`` from the gathered
@@ -27,11 +27,10 @@ import weakref
 from typing import NamedTuple
 
 import torch
-
-from parallel.attention import AttentionPlan
-from parallel.attention.comm import gather_metadata
-from parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
-from parallel.state import group_rank, group_size
+from mpcore.parallel.attention import AttentionPlan
+from mpcore.parallel.attention.comm import gather_metadata
+from mpcore.parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
+from mpcore.parallel.state import group_rank, group_size
 
 
 class Sequence(NamedTuple):

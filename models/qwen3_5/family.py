@@ -1,19 +1,19 @@
-"""The Qwen3.5 text family: hybrid Gated DeltaNet / gated attention decoder (``models.qwen3_5``).
+"""The Qwen3.5 text family: hybrid Gated DeltaNet / gated attention decoder (``mpcore.models.qwen3_5``).
 
 It owns ``Qwen3_5ForCausalLM``; the released ``Qwen3_5ForConditionalGeneration`` checkpoints
-belong to the vision-language family (``models.qwen3_5_vl``), whose decoder is this one."""
+belong to the vision-language family (``mpcore.models.qwen3_5_vl``), whose decoder is this one."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from models.common.config import ModelConfig
-from models.common.family import Family
-from models.common.inputs import local_text_inputs
-from models.common.section import DecoderSection, section_of
-from models.qwen3_5 import counts
-from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.hf import (
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.family import Family
+from mpcore.models.common.inputs import local_text_inputs
+from mpcore.models.common.section import DecoderSection, section_of
+from mpcore.models.qwen3_5 import counts
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.hf import (
     ARCHITECTURES,
     config_from_hf,
     export_hf,
@@ -21,7 +21,7 @@ from models.qwen3_5.hf import (
     load_hf,
     shard_map,
 )
-from models.qwen3_5.model import build
+from mpcore.models.qwen3_5.model import build
 
 TEXT_ARCH = "Qwen3_5ForCausalLM"
 

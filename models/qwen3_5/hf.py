@@ -3,7 +3,7 @@
 Reads ``Qwen3_5ForCausalLM`` (keys ``model.layers.*``), the text family's architecture, and,
 as a library call, the text decoder of a released ``Qwen3_5ForConditionalGeneration`` (its
 ``text_config``; keys ``model.language_model.*``; the vision tower's ``model.visual.*`` is not
-read; the registry gives that architecture to ``models.qwen3_5_vl``, which reads it whole); v5
+read; the registry gives that architecture to ``mpcore.models.qwen3_5_vl``, which reads it whole); v5
 (``rope_parameters``) and v4 (top-level ``rope_theta`` / ``partial_rotary_factor``) configs. The
 M-RoPE section of a released config is accepted and not used here: on text every position row
 is equal, so interleaved M-RoPE is plain RoPE. Tensors the model has no use for (multi-token
@@ -21,7 +21,7 @@ Shard map, our parameter -> HF pieces of tp rank r (dim 0 unless noted; ``P`` th
     layers.i.linear_attention.{A_log,dt_bias}  linear_attn.{A_log,dt_bias} rows r
     layers.i.linear_attention.norm.norm.weight  linear_attn.norm.weight
     layers.i.linear_attention.out_proj.weight   linear_attn.out_proj columns r (dim 1)
-and the embedding, norms, MLP and head as ``models.common.decoder_hf``.
+and the embedding, norms, MLP and head as ``mpcore.models.common.decoder_hf``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-
-from models.common.attention import qkv_rows
-from models.common.hf_io import (
+from mpcore.models.common.attention import qkv_rows
+from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,
     chunk,
@@ -42,9 +41,9 @@ from models.common.hf_io import (
     whole,
     write_hf,
 )
-from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.model import Qwen35Transformer, make_model, materialise
-from parallel.state import ParallelState
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.model import Qwen35Transformer, make_model, materialise
+from mpcore.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 ARCHITECTURES = {"Qwen3_5ForCausalLM": "qwen3_5_text",
@@ -62,7 +61,7 @@ def _architecture(hf: dict) -> str:
                 else "Qwen3_5ForConditionalGeneration")
     raise ValueError(f"{archs or hf.get('model_type')!r} is not a Qwen3.5 checkpoint (the "
                      f"qwen3_5 families read {sorted(ARCHITECTURES)}); load it with its own "
-                     f"family (models.registry.family_of_hf)")
+                     f"family (mpcore.models.registry.family_of_hf)")
 
 
 def text_fields(hf: dict) -> dict:
@@ -237,7 +236,7 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
 def export_hf(model: Qwen35Transformer, state: ParallelState, out_dir: str | Path,
               progress=None) -> None:
     """``config.json`` + ``model.safetensors`` (``Qwen3_5ForCausalLM``) of ``model`` in
-    ``out_dir``; collective over the world (``models.common.hf_io.write_hf``)."""
+    ``out_dir``; collective over the world (``mpcore.models.common.hf_io.write_hf``)."""
     cfg = model.cfg
     write_hf(model, state, out_dir, hf_config_dict(cfg),
              [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)

@@ -2,20 +2,20 @@
 
 Layout (one tp rank, one cp rank): ``x [L, hidden]`` (``[L / tp, hidden]`` under sequence
 parallelism), L = this cp rank's local tokens; every projection is column- or row-parallel as
-in ``models.common`` (the column-parallel ones all-gather SP tokens, the row-parallel ones sum
+in ``mpcore.models.common`` (the column-parallel ones all-gather SP tokens, the row-parallel ones sum
 or reduce-scatter over tp).
 
 Gated attention (``GatedAttention``, transformers' ``Qwen3_5Attention``): ``wqkv`` gives per
 query head ``[query (D) | gate (D)]`` (the layout of the checkpoints' ``q_proj`` rows), then k
 and v; zero-centred QK-norm, RoPE on the first ``rotary_dim`` dims of each head, attention
-through ``parallel.attention`` (ring / Ulysses under cp), ``wo(attn * sigmoid(gate))``.
+through ``mpcore.parallel.attention`` (ring / Ulysses under cp), ``wo(attn * sigmoid(gate))``.
 
 Gated DeltaNet (``GatedDeltaNet``, transformers' ``Qwen3_5GatedDeltaNet``): ``w_in`` fuses
 ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (parts ``[q, k, v, z, b, a]``, each
 split over tp: rank r holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads grouped on
 them); ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32 (``A_log``
 and ``dt_bias`` sliced with the value heads); the short conv + SiLU over ``[q | k | v]`` and the
-delta rule per document (``models.qwen3_5.cp``: run order and, under cp, the head all-to-all);
+delta rule per document (``mpcore.models.qwen3_5.cp``: run order and, under cp, the head all-to-all);
 an RMSNorm per value head times ``silu(z)`` (fp32), ``out_proj``.
 """
 
@@ -25,19 +25,18 @@ import math
 
 import torch
 import torch.nn.functional as F
+from mpcore.models.common.attention import QKVProjection
+from mpcore.models.common.mlp import FeedForward
+from mpcore.models.common.norm import RMSNorm, matmul_dtype
+from mpcore.models.common.rope import apply_rope
+from mpcore.models.qwen3_5 import cp as deltanet_cp
+from mpcore.models.qwen3_5 import kernels
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.parallel.attention import AttentionPlan, context_attention
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.random import init_shard_
+from mpcore.parallel.state import ParallelState, ProcessGroup, group_rank, group_size
 from torch import nn
-
-from models.common.attention import QKVProjection
-from models.common.mlp import FeedForward
-from models.common.norm import RMSNorm, matmul_dtype
-from models.common.rope import apply_rope
-from models.qwen3_5 import cp as deltanet_cp
-from models.qwen3_5 import kernels
-from models.qwen3_5.config import Qwen35Config
-from parallel.attention import AttentionPlan, context_attention
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.random import init_shard_
-from parallel.state import ParallelState, ProcessGroup, group_rank, group_size
 
 
 class GatedAttention(nn.Module):
@@ -88,13 +87,13 @@ class GatedRMSNorm(nn.Module):
                             dtype=dtype)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x)  # weight * normalised x (rounded to x's dtype first), kernels.rmsnorm
+        y = self.norm(x)  # weight * normalised x (rounded to x's dtype first), mpcore.kernels.rmsnorm
         return (y.float() * F.silu(z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
     """The linear-attention mixer (module docstring); group: tp; ``gdn_kernel``:
-    ``models.qwen3_5.kernels``."""
+    ``mpcore.models.qwen3_5.kernels``."""
 
     def __init__(self, cfg: Qwen35Config, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, fp8: str = "none", dtype=None,
@@ -185,7 +184,7 @@ class Qwen35Block(nn.Module):
         self.feed_forward = FeedForward(cfg, **mixer)
 
     def forward(self, h, delta, cos, sin, plan: AttentionPlan):
-        """``(h, delta) -> (h', delta')`` as ``models.common.decoder.DecoderLayer``."""
+        """``(h, delta) -> (h', delta')`` as ``mpcore.models.common.decoder.DecoderLayer``."""
         dtype = matmul_dtype(h)
         if delta is None:
             x = self.attention_norm(h, dtype)

@@ -1,10 +1,10 @@
 """The Qwen3.5 text decoder: the shared ``Transformer`` with Qwen3.5's blocks and norms.
 
-What differs from ``models.common.decoder.Transformer`` (whose forward, packing, head and
+What differs from ``mpcore.models.common.decoder.Transformer`` (whose forward, packing, head and
 layout rules it keeps): each layer is a ``Qwen35Block`` (gated attention or Gated DeltaNet by
 ``cfg.layer_types``) and the final norm is zero-centred. The shared RoPE tables cover only the
 ``rotary_dim`` rotated dims of each head (partial rotary), by M-RoPE rows when the config has
-``mrope_section`` (the vision-language model, ``models.qwen3_5_vl``). Built on the meta device and
+``mrope_section`` (the vision-language model, ``mpcore.models.qwen3_5_vl``). Built on the meta device and
 initialised per shard like ``build_model``: the same function at any tp degree.
 """
 
@@ -13,18 +13,17 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from kernels.fp8_linear import check_fp8
-from models.common.decoder import Transformer, init_weights
-from models.common.norm import RMSNorm
-from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.kernels import check_available, check_kernel
-from models.qwen3_5.layers import Qwen35Block
-from parallel.state import ParallelState
+from mpcore.kernels.fp8_linear import check_fp8
+from mpcore.models.common.decoder import Transformer, init_weights
+from mpcore.models.common.norm import RMSNorm
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.kernels import check_available, check_kernel
+from mpcore.models.qwen3_5.layers import Qwen35Block
+from mpcore.parallel.state import ParallelState
 
 
 class Qwen35Transformer(Transformer):
-    """The decoder (module docstring); ``gdn_kernel``: ``models.qwen3_5.kernels``."""
+    """The decoder (module docstring); ``gdn_kernel``: ``mpcore.models.qwen3_5.kernels``."""
 
     def __init__(self, cfg: Qwen35Config, state: ParallelState, *, gdn_kernel: str = "auto",
                  **kwargs):

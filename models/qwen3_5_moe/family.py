@@ -1,6 +1,6 @@
 """The Qwen3.5-MoE text family: Qwen3.5's hybrid decoder with Qwen3-MoE's MoE plumbing.
 
-Counts (logical, tp = ep = 1): Qwen3.5's (``models.qwen3_5.counts``, whose SwiGLU of
+Counts (logical, tp = ep = 1): Qwen3.5's (``mpcore.models.qwen3_5.counts``, whose SwiGLU of
 ``intermediate_size`` is here the shared expert) plus per layer the router ``E h``, the
 experts ``E * 3 h I`` and the shared expert's gate ``h``; ``active`` keeps k of the E experts.
 FLOPs per token: Qwen3.5's plus ``6 x`` (router, k experts, shared gate) per layer.
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.family import Family
-from models.common.moe_model import idle_expert_params
-from models.common.section import given, section_of
-from models.qwen3_5 import counts
-from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.family import Qwen35Section
-from models.qwen3_5.family import config_from_section as dense_config_from_section
-from models.qwen3_5_moe.config import Qwen35MoeConfig
-from models.qwen3_5_moe.hf import (
+from mpcore.models.common.family import Family
+from mpcore.models.common.moe_model import idle_expert_params
+from mpcore.models.common.section import given, section_of
+from mpcore.models.qwen3_5 import counts
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.family import Qwen35Section
+from mpcore.models.qwen3_5.family import config_from_section as dense_config_from_section
+from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
+from mpcore.models.qwen3_5_moe.hf import (
     ARCHITECTURES,
     TEXT_ARCH,
     config_from_hf,
@@ -27,8 +27,8 @@ from models.qwen3_5_moe.hf import (
     load_hf,
     shard_map,
 )
-from models.qwen3_5_moe.model import build
-from models.qwen3_moe.family import check_experts, local_inputs
+from mpcore.models.qwen3_5_moe.model import build
+from mpcore.models.qwen3_moe.family import check_experts, local_inputs
 
 Qwen35MoeExpertsSection = section_of(Qwen35MoeConfig, "Qwen35MoeExpertsSection",
                                      skip=Qwen35Config)
@@ -60,7 +60,7 @@ def with_experts(dense: Qwen35Config, moe: dict) -> Qwen35MoeConfig:
     try:
         return Qwen35MoeConfig(**{**fields, **moe})
     except TypeError as e:
-        raise ValueError(f"model section: {e}; the MoE keys are models.qwen3_5_moe.config."
+        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.qwen3_5_moe.config."
                          f"Qwen35MoeConfig's fields") from None
 
 

@@ -5,12 +5,12 @@ Reads ``Qwen3_5MoeForCausalLM`` (keys ``model.layers.*``) and, as a library call
 decoder of a released ``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A3B: nested
 ``text_config``, keys ``model.language_model.*``; the tower ``model.visual.*`` and the
 multi-token-prediction ``mtp.*`` tensors are skipped with one log line; the registry gives that
-architecture to ``models.qwen3_5_vl_moe``, which reads it whole). The text fields are read as Qwen3.5's
-(``models.qwen3_5.hf.config_from_hf``: the same keys, both transformers forms), the shared
+architecture to ``mpcore.models.qwen3_5_vl_moe``, which reads it whole). The text fields are read as Qwen3.5's
+(``mpcore.models.qwen3_5.hf.config_from_hf``: the same keys, both transformers forms), the shared
 expert's width standing in for the dense MLP's; the MoE keys are transformers'
 ``Qwen3_5MoeTextConfig``'s (its defaults where absent).
 
-Shard map: Qwen3.5's (``models.qwen3_5.hf.shard_map``) with each layer's MLP replaced by
+Shard map: Qwen3.5's (``mpcore.models.qwen3_5.hf.shard_map``) with each layer's MLP replaced by
 (``M`` = ``{prefix}layers.i.mlp.``; every tensor whole on each tp rank):
 
     feed_forward.gate.weight                [E, hidden]       M gate.weight (the router)
@@ -26,8 +26,8 @@ Shard map: Qwen3.5's (``models.qwen3_5.hf.shard_map``) with each layer's MLP rep
 Released Qwen3.5-MoE checkpoints store one tensor per expert (transformers 5.x fuses them on
 load and splits them again on save: its conversion mapping for ``qwen3_5_moe_text``); both
 layouts load, found per layer by name, each ep rank reading only its experts' slices
-(``models.qwen3_moe.hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
-released per-expert layout (``models.qwen3_moe.hf.export_moe``).
+(``mpcore.models.qwen3_moe.hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
+released per-expert layout (``mpcore.models.qwen3_moe.hf.export_moe``).
 """
 
 from __future__ import annotations
@@ -37,18 +37,17 @@ import re
 from pathlib import Path
 
 import torch
-
-from models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
-from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.hf import config_from_hf as dense_config_from_hf
-from models.qwen3_5.hf import hf_config_dict as dense_hf_config_dict
-from models.qwen3_5.hf import log_unused, text_fields
-from models.qwen3_5.hf import shard_map as dense_shard_map
-from models.qwen3_5.model import materialise
-from models.qwen3_5_moe.config import Qwen35MoeConfig
-from models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
-from models.qwen3_moe import hf as moe_hf
-from parallel.state import ParallelState
+from mpcore.models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf
+from mpcore.models.qwen3_5.hf import hf_config_dict as dense_hf_config_dict
+from mpcore.models.qwen3_5.hf import log_unused, text_fields
+from mpcore.models.qwen3_5.hf import shard_map as dense_shard_map
+from mpcore.models.qwen3_5.model import materialise
+from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
+from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
+from mpcore.models.qwen3_moe import hf as moe_hf
+from mpcore.parallel.state import ParallelState
 
 TEXT_ARCH = "Qwen3_5MoeForCausalLM"  # the family's; the registry gives the VL one to qwen3_5_vl_moe
 ARCHITECTURES = {"Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
@@ -69,7 +68,7 @@ def _architecture(hf: dict) -> str:
             str(a).startswith("Qwen3_5For") for a in archs) else ""
         raise ValueError(f"{archs or hf.get('model_type')!r} is not a Qwen3.5-MoE checkpoint "
                          f"(the qwen3_5_moe family reads {sorted(ARCHITECTURES)}){dense}; load "
-                         f"it with its own family (models.registry.family_of_hf)")
+                         f"it with its own family (mpcore.models.registry.family_of_hf)")
     return arch
 
 

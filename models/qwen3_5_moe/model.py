@@ -1,23 +1,22 @@
 """The Qwen3.5-MoE text decoder: ``Qwen35Transformer`` whose feed-forwards are MoE blocks.
 
 Each layer is a ``Qwen35Block`` (gated attention or Gated DeltaNet, on tp / cp as for the
-dense model) whose feed-forward is a ``models.common.moe.MoeBlock``: top-k renormalised, the
+dense model) whose feed-forward is a ``mpcore.models.common.moe.MoeBlock``: top-k renormalised, the
 experts split over ``state.ep_group``, a shared expert of ``cfg.intermediate_size`` gated by
 ``sigmoid(shared_expert_gate)`` (replicated, like the router: the block runs on every tp rank's
-full tokens). ``models.common.moe_model`` adds ``moe_mask``, ``router_stats()`` and the layout
+full tokens). ``mpcore.models.common.moe_model`` adds ``moe_mask``, ``router_stats()`` and the layout
 checks. Built on the meta device and initialised per shard: the same function at any tp and ep.
 """
 
 from __future__ import annotations
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.moe import MoeBlock
-from models.common.moe_model import MoeRouting, check_moe_layout
-from models.qwen3_5.model import Qwen35Transformer, materialise
-from models.qwen3_5_moe.config import Qwen35MoeConfig
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.moe import MoeBlock
+from mpcore.models.common.moe_model import MoeRouting, check_moe_layout
+from mpcore.models.qwen3_5.model import Qwen35Transformer, materialise
+from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
+from mpcore.parallel.state import ParallelState
 
 
 class Qwen35MoeTransformer(MoeRouting, Qwen35Transformer):
@@ -57,7 +56,7 @@ def build(cfg: Qwen35MoeConfig, state: ParallelState, *, seed: int = 0,
           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
           fp8: str = "none", **options) -> Qwen35MoeTransformer:
     """Create on meta, materialise this rank's shards (tp, and ep for the experts) on
-    ``device``, initialise from ``seed`` (``models.qwen3_5.model.build``'s arguments)."""
+    ``device``, initialise from ``seed`` (``mpcore.models.qwen3_5.model.build``'s arguments)."""
     model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     init_weights(model, seed)
     return model

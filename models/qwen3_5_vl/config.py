@@ -2,14 +2,14 @@
 ``Qwen3_5ForConditionalGeneration``).
 
 The model is Qwen3-VL's with two pieces swapped: the decoder is Qwen3.5's hybrid one
-(``models.qwen3_5.Qwen35Config``: Gated DeltaNet beside gated full attention, partial rotary)
+(``mpcore.models.qwen3_5.Qwen35Config``: Gated DeltaNet beside gated full attention, partial rotary)
 with interleaved M-RoPE over the ROTATED dims (``mrope_section`` sums to ``rotary_dim / 2``;
 transformers' default ``[11, 11, 10]`` for the released ``head_dim`` 256 at a quarter rotated),
-and the tower is Qwen3-VL's without DeepStack (``models.qwen3_vl.Qwen3VisionConfig`` with
+and the tower is Qwen3-VL's without DeepStack (``mpcore.models.qwen3_vl.Qwen3VisionConfig`` with
 ``deepstack_visual_indexes = ()``; transformers deletes the DeepStack mergers and the key).
 
 ``config.json``: ``text_config`` is read by the text family's reader
-(``models.qwen3_5.hf.config_from_hf``), its ``rope_parameters`` (or v4 ``rope_scaling``) giving
+(``mpcore.models.qwen3_5.hf.config_from_hf``), its ``rope_parameters`` (or v4 ``rope_scaling``) giving
 the M-RoPE section; ``vision_config`` by Qwen3-VL's; 5.x is written. Every check raises
 ``ValueError`` naming the field, before any compute.
 """
@@ -20,13 +20,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.hf_io import check_architecture, read_hf_config
-from models.qwen3_5.config import Qwen35Config
-from models.qwen3_5.family import config_from_dict as text_config_from_dict
-from models.qwen3_5.hf import config_from_hf as text_config_from_hf
-from models.qwen3_5.hf import hf_config_dict as text_hf_config_dict
-from models.qwen3_5.hf import text_fields
-from models.qwen3_vl.config import (
+from mpcore.models.common.hf_io import check_architecture, read_hf_config
+from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.qwen3_5.family import config_from_dict as text_config_from_dict
+from mpcore.models.qwen3_5.hf import config_from_hf as text_config_from_hf
+from mpcore.models.qwen3_5.hf import hf_config_dict as text_hf_config_dict
+from mpcore.models.qwen3_5.hf import text_fields
+from mpcore.models.qwen3_vl.config import (
     TOKEN_KEYS,
     Qwen3VLConfig,
     interleaved_mrope,

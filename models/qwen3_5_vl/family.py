@@ -1,17 +1,16 @@
 """The Qwen3.5 vision-language family: Qwen3-VL's tower without DeepStack, the Qwen3.5 hybrid
-decoder with interleaved M-RoPE, Qwen3-VL's position rule (``models.qwen3_vl.inputs``)."""
+decoder with interleaved M-RoPE, Qwen3-VL's position rule (``mpcore.models.qwen3_vl.inputs``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-from models.common.family import Family
-from models.common.section import VLSection, given
-from models.qwen3_5 import counts as text_counts
-from models.qwen3_5.family import decoder_from_fields
-from models.qwen3_5_vl.config import (
+from mpcore.models.common.family import Family
+from mpcore.models.common.section import VLSection, given
+from mpcore.models.qwen3_5 import counts as text_counts
+from mpcore.models.qwen3_5.family import decoder_from_fields
+from mpcore.models.qwen3_5_vl.config import (
     ARCH,
     MODEL_TYPE,
     Qwen35VLConfig,
@@ -19,13 +18,13 @@ from models.qwen3_5_vl.config import (
     config_from_hf,
     hf_config_dict,
 )
-from models.qwen3_5_vl.hf import export_hf, load_hf_model, shard_map
-from models.qwen3_5_vl.model import build_model
-from models.qwen3_vl.config import Qwen3VisionSection
-from models.qwen3_vl.family import IMAGE_PROCESSING
-from models.qwen3_vl.inputs import local_inputs
-from models.qwen3_vl.presets import vision_from_section
-from models.qwen3_vl.vision import Qwen3VisionTower
+from mpcore.models.qwen3_5_vl.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.qwen3_5_vl.model import build_model
+from mpcore.models.qwen3_vl.config import Qwen3VisionSection
+from mpcore.models.qwen3_vl.family import IMAGE_PROCESSING
+from mpcore.models.qwen3_vl.inputs import local_inputs
+from mpcore.models.qwen3_vl.presets import vision_from_section
+from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 
 NAME = "qwen3_5_vl"
 
@@ -44,7 +43,7 @@ class Qwen35VLSection(VLSection):
 
 def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of our YAML model section: the decoder as the qwen3_5 family
-    derives it from the shape fields (``models.qwen3_5.family.config_from_section``) with the
+    derives it from the shape fields (``mpcore.models.qwen3_5.family.config_from_section``) with the
     section's ``mrope_section`` (interleaved, summing to ``rotary_dim / 2``: a quarter of each
     head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no
     DeepStack), and the data tokenizer's four special ids; ``name``: the family the errors
@@ -70,7 +69,7 @@ def tower_params(cfg: Qwen35VLConfig) -> int:
 
 
 def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
-    """Logical parameter counts: the decoder's (``models.qwen3_5.counts``) plus ``vision``
+    """Logical parameter counts: the decoder's (``mpcore.models.qwen3_5.counts``) plus ``vision``
     (the tower with its merger), included in ``total``."""
     vision = tower_params(cfg)
     text = text_counts.num_params(cfg.text)
@@ -78,7 +77,7 @@ def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
 
 
 def flops_per_token(cfg: Qwen35VLConfig, seq_len: int) -> float:
-    """The decoder's training FLOPs per token (``models.qwen3_5.counts``); the tower's work
+    """The decoder's training FLOPs per token (``mpcore.models.qwen3_5.counts``); the tower's work
     depends on each batch's share of visual tokens and is left out (TFLOP/s and MFU are lower
     bounds, as for the other VL families)."""
     return text_counts.flops_per_token(cfg.text, seq_len)

@@ -1,12 +1,12 @@
 """Hugging Face ``Qwen3_5ForConditionalGeneration`` checkpoints <-> shards of ``Qwen35VLModel``.
 
 Key layout (the released checkpoints' and transformers' ``save_pretrained``):
-``model.language_model.*`` (the Qwen3.5 decoder, ``models.qwen3_5.hf.shard_map`` under that
+``model.language_model.*`` (the Qwen3.5 decoder, ``mpcore.models.qwen3_5.hf.shard_map`` under that
 prefix: ``linear_attn.*``, ``self_attn.q_proj`` with query and gate rows per head),
 ``lm_head.weight`` (untied only) and ``model.visual.*`` (Qwen3-VL's tower keys,
-``models.qwen3_vl.hf.vision_shard_map``, without ``deepstack_merger_list``). Tensors the model
+``mpcore.models.qwen3_vl.hf.vision_shard_map``, without ``deepstack_merger_list``). Tensors the model
 does not use (multi-token prediction ``mtp.*`` of the released checkpoints) are skipped with one
-log line. Each rank reads only its slices (``models.common.hf_io.Checkpoint``); export gathers
+log line. Each rank reads only its slices (``mpcore.models.common.hf_io.Checkpoint``); export gathers
 every parameter over the tp group of global rank 0, which writes ``config.json`` (5.x form) and
 ``model.safetensors``.
 """
@@ -16,15 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
-from models.qwen3_5.hf import log_unused
-from models.qwen3_5.hf import shard_map as text_shard_map
-from models.qwen3_5_vl.config import Qwen35VLConfig, config_from_hf, hf_config_dict
-from models.qwen3_5_vl.model import Qwen35VLModel, make_model
-from models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
+from mpcore.models.qwen3_5.hf import log_unused
+from mpcore.models.qwen3_5.hf import shard_map as text_shard_map
+from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig, config_from_hf, hf_config_dict
+from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, make_model
+from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
+from mpcore.parallel.state import ParallelState
 
 
 def shard_map(cfg: Qwen35VLConfig, tp: int, rank: int, text_map=text_shard_map

@@ -1,7 +1,7 @@
 """The Qwen3.5-MoE vision-language family: the Qwen3.5 VL model (tower without DeepStack,
 Qwen3-VL's position rule) over the Qwen3.5-MoE decoder.
 
-Counts: the Qwen3.5-MoE decoder's (``models.qwen3_5_moe.family.num_params``) plus the tower
+Counts: the Qwen3.5-MoE decoder's (``mpcore.models.qwen3_5_moe.family.num_params``) plus the tower
 (``vision``, in ``total`` and ``active``). FLOPs per token: the decoder's over its active
 weights; the tower's work depends on each batch's visual share and is left out, as for the
 other VL families.
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.family import Family
-from models.common.section import given
-from models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
-from models.qwen3_5_moe.family import Qwen35MoeExpertsSection, with_experts
-from models.qwen3_5_vl.family import FAMILY as QWEN3_5_VL
-from models.qwen3_5_vl.family import Qwen35VLSection, tower_params
-from models.qwen3_5_vl.family import config_from_section as dense_config_from_section
-from models.qwen3_5_vl_moe.config import (
+from mpcore.models.common.family import Family
+from mpcore.models.common.section import given
+from mpcore.models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
+from mpcore.models.qwen3_5_moe.family import Qwen35MoeExpertsSection, with_experts
+from mpcore.models.qwen3_5_vl.family import FAMILY as QWEN3_5_VL
+from mpcore.models.qwen3_5_vl.family import Qwen35VLSection, tower_params
+from mpcore.models.qwen3_5_vl.family import config_from_section as dense_config_from_section
+from mpcore.models.qwen3_5_vl_moe.config import (
     ARCH,
     MODEL_TYPE,
     Qwen35VLMoeConfig,
@@ -26,10 +26,10 @@ from models.qwen3_5_vl_moe.config import (
     config_from_hf,
     hf_config_dict,
 )
-from models.qwen3_5_vl_moe.hf import export_hf, load_hf_model, shard_map
-from models.qwen3_5_vl_moe.model import build_model
-from models.qwen3_vl.config import TOKEN_KEYS
-from models.qwen3_vl_moe.family import check_experts, local_inputs
+from mpcore.models.qwen3_5_vl_moe.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.qwen3_5_vl_moe.model import build_model
+from mpcore.models.qwen3_vl.config import TOKEN_KEYS
+from mpcore.models.qwen3_vl_moe.family import check_experts, local_inputs
 
 NAME = "qwen3_5_vl_moe"
 

@@ -1,31 +1,31 @@
 """Hugging Face ``Qwen3_5MoeForConditionalGeneration`` checkpoints <-> shards of
 ``Qwen35VLMoeModel``.
 
-Keys: Qwen3.5 VL's (``models.qwen3_5_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
+Keys: Qwen3.5 VL's (``mpcore.models.qwen3_5_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
 ``lm_head.weight`` when untied) with each layer's MLP the Qwen3.5-MoE one
-(``models.qwen3_5_moe.hf.shard_map`` under ``model.language_model.``: router, shared expert and
+(``mpcore.models.qwen3_5_moe.hf.shard_map`` under ``model.language_model.``: router, shared expert and
 its gate, the experts). The released checkpoints (Qwen/Qwen3.5-35B-A3B) and transformers 5.x's
 ``save_pretrained`` store one tensor per expert; the fused ``experts.gate_up_proj`` /
 ``down_proj`` load too, found per layer by name, each ep rank reading only its experts
-(``models.qwen3_moe.hf.load_moe_weights``). Tensors the model does not use (multi-token
+(``mpcore.models.qwen3_moe.hf.load_moe_weights``). Tensors the model does not use (multi-token
 prediction ``mtp.*``) are skipped with one log line. Export writes the released per-expert
-layout (``models.qwen3_moe.hf.export_moe``), ``config.json`` in the 5.x form.
+layout (``mpcore.models.qwen3_moe.hf.export_moe``), ``config.json`` in the 5.x form.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from models.common.decoder import init_weights
-from models.common.hf_io import Piece
-from models.qwen3_5_moe.hf import log_skipped
-from models.qwen3_5_moe.hf import shard_map as text_shard_map
-from models.qwen3_5_vl import hf as dense_hf
-from models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig, config_from_hf, hf_config_dict
-from models.qwen3_5_vl_moe.model import Qwen35VLMoeModel, make_moe_model
-from models.qwen3_moe import hf as moe_hf
-from models.qwen3_vl.hf import TEXT_PREFIX
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hf_io import Piece
+from mpcore.models.qwen3_5_moe.hf import log_skipped
+from mpcore.models.qwen3_5_moe.hf import shard_map as text_shard_map
+from mpcore.models.qwen3_5_vl import hf as dense_hf
+from mpcore.models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig, config_from_hf, hf_config_dict
+from mpcore.models.qwen3_5_vl_moe.model import Qwen35VLMoeModel, make_moe_model
+from mpcore.models.qwen3_moe import hf as moe_hf
+from mpcore.models.qwen3_vl.hf import TEXT_PREFIX
+from mpcore.parallel.state import ParallelState
 
 
 def shard_map(cfg: Qwen35VLMoeConfig, tp: int, rank: int) -> dict[str, list[Piece]]:

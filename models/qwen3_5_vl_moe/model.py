@@ -1,24 +1,23 @@
-"""The Qwen3.5-MoE vision-language model: ``models.qwen3_5_vl``'s model (Qwen3-VL's tower
-without DeepStack, interleaved M-RoPE) whose decoder is ``models.qwen3_5_moe``'s
-``Qwen35MoeTransformer`` (a ``models.common.moe.MoeBlock`` with a shared expert in every layer,
+"""The Qwen3.5-MoE vision-language model: ``mpcore.models.qwen3_5_vl``'s model (Qwen3-VL's tower
+without DeepStack, interleaved M-RoPE) whose decoder is ``mpcore.models.qwen3_5_moe``'s
+``Qwen35MoeTransformer`` (a ``mpcore.models.common.moe.MoeBlock`` with a shared expert in every layer,
 experts split over ``state.ep_group``; sequence parallelism and an ep that does not divide the
 experts refused when it is built).
 
-Layout as ``models.qwen3_5_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
-padding; ``models.common.moe_model``), so the routing statistics count real tokens only;
+Layout as ``mpcore.models.qwen3_5_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
+padding; ``mpcore.models.common.moe_model``), so the routing statistics count real tokens only;
 ``router_stats()`` pools them for the load-balancing loss of the step (``mpcore.moe_step``).
 """
 
 from __future__ import annotations
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.moe_model import DecoderMoeRouting
-from models.qwen3_5_moe.model import Qwen35MoeTransformer
-from models.qwen3_5_vl.model import Qwen35VLModel, make_model
-from models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.moe_model import DecoderMoeRouting
+from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer
+from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, make_model
+from mpcore.models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig
+from mpcore.parallel.state import ParallelState
 
 
 class Qwen35VLMoeModel(DecoderMoeRouting, Qwen35VLModel):
@@ -28,7 +27,7 @@ class Qwen35VLMoeModel(DecoderMoeRouting, Qwen35VLModel):
 
 
 def make_moe_model(cfg: Qwen35VLMoeConfig, state: ParallelState, **options) -> Qwen35VLMoeModel:
-    """The model on the meta device (``models.qwen3_5_vl.model.make_model``'s arguments)."""
+    """The model on the meta device (``mpcore.models.qwen3_5_vl.model.make_model``'s arguments)."""
     return make_model(cfg, state, model_cls=Qwen35VLMoeModel, **options)
 
 

@@ -13,9 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.common.config import ModelConfig
-from models.common.hf_io import read_hf_config
-from models.common.section import DecoderSection, section_of
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_io import read_hf_config
+from mpcore.models.common.section import DecoderSection, section_of
 
 ARCH, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
 
@@ -114,7 +114,7 @@ def config_from_hf(source: str | Path | dict) -> Qwen3MoeConfig:
     archs = hf.get("architectures") or [hf.get("model_type")]
     if archs not in ([ARCH], [MODEL_TYPE]):
         raise ValueError(f"{archs} is not a Qwen3-MoE checkpoint ({ARCH}); load it with its "
-                         f"own family (models.registry.family_of_hf)")
+                         f"own family (mpcore.models.registry.family_of_hf)")
     for key, allowed, what in (("hidden_act", "silu", "an activation other than silu"),
                                ("use_sliding_window", False, "sliding-window attention"),
                                ("attention_bias", False, "attention biases")):

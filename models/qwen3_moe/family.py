@@ -1,14 +1,13 @@
-"""The Qwen3-MoE family: the shared decoder with MoE blocks (``models.common.moe``)."""
+"""The Qwen3-MoE family: the shared decoder with MoE blocks (``mpcore.models.common.moe``)."""
 
 from __future__ import annotations
 
 import torch
-
-from models.common.family import Family
-from models.common.inputs import local_text_inputs
-from models.common.moe_model import idle_expert_params, moe_mask
-from models.common.section import given
-from models.qwen3_moe.config import (
+from mpcore.models.common.family import Family
+from mpcore.models.common.inputs import local_text_inputs
+from mpcore.models.common.moe_model import idle_expert_params, moe_mask
+from mpcore.models.common.section import given
+from mpcore.models.qwen3_moe.config import (
     ARCH,
     MODEL_TYPE,
     Qwen3MoeConfig,
@@ -17,9 +16,9 @@ from models.qwen3_moe.config import (
     config_from_hf,
     hf_config_dict,
 )
-from models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
-from models.qwen3_moe.model import Qwen3MoeTransformer, build_model
-from parallel.state import ParallelState
+from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer, build_model
+from mpcore.parallel.state import ParallelState
 
 
 def config_from_section(section, token_ids: dict | None) -> Qwen3MoeConfig:
@@ -31,7 +30,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3MoeConfig:
     try:
         return Qwen3MoeConfig(**fields)
     except TypeError as e:
-        raise ValueError(f"model section: {e}; the MoE keys are models.qwen3_moe.config."
+        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.qwen3_moe.config."
                          f"Qwen3MoeConfig's fields") from None
 
 
@@ -56,7 +55,7 @@ def num_params(cfg: Qwen3MoeConfig) -> dict[str, int]:
 
 def flops_per_token(cfg: Qwen3MoeConfig, seq_len: int) -> float:
     """``6 x`` the active matmul parameters (the embedding only when it is also the head) plus
-    attention's ``12 * layers * q_size * seq_len`` (``models.common.counts``)."""
+    attention's ``12 * layers * q_size * seq_len`` (``mpcore.models.common.counts``)."""
     counts = num_params(cfg)
     dense = counts["active"] - (0 if cfg.tie_embeddings else counts["embedding"])
     return 6.0 * dense + 12.0 * cfg.num_layers * cfg.q_size * seq_len

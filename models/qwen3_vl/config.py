@@ -1,7 +1,7 @@
 """Qwen3-VL configuration (text decoder, vision tower, token ids) and its HF ``config.json``.
 
 The decoder is Qwen3 (q/k RMSNorm before RoPE, no qkv bias, explicit ``head_dim``) with
-interleaved M-RoPE (``mrope_section`` + ``mrope_interleaved``, ``models.common.rope``). The tower
+interleaved M-RoPE (``mrope_section`` + ``mrope_interleaved``, ``mpcore.models.common.rope``). The tower
 (``Qwen3VisionConfig``) has LayerNorm blocks with a GELU-tanh MLP, a learned square grid of
 position embeddings (``num_position_embeddings`` = side^2) resampled to each image, and
 DeepStack mergers for the blocks of ``deepstack_visual_indexes``: the merged features of block
@@ -20,12 +20,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.config import ModelConfig
-from models.common.hf_io import check_architecture, read_hf_config
-from models.common.section import VLSection, section_of
-from models.common.vision_geometry import VisionGeometry, check_tp_widths
-from models.llama.hf_config import config_from_hf as text_config_from_hf
-from models.llama.hf_config import hf_config_dict as text_hf_config_dict
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_io import check_architecture, read_hf_config
+from mpcore.models.common.section import VLSection, section_of
+from mpcore.models.common.vision_geometry import VisionGeometry, check_tp_widths
+from mpcore.models.llama.hf_config import config_from_hf as text_config_from_hf
+from mpcore.models.llama.hf_config import hf_config_dict as text_hf_config_dict
 
 ARCH = "Qwen3VLForConditionalGeneration"
 MODEL_TYPE = "qwen3_vl"
@@ -108,7 +108,7 @@ class Qwen3VisionConfig(VisionGeometry):
             raise ValueError(f"vision rope_theta and norm_eps must be > 0, got "
                              f"{self.rope_theta!r}, {self.norm_eps!r}")
 
-    arch = "qwen3_vl"  # for models.common.vision_plan.plan_vision: per-frame attention, no windows
+    arch = "qwen3_vl"  # for mpcore.models.common.vision_plan.plan_vision: per-frame attention, no windows
 
     @property
     def grid_side(self) -> int:

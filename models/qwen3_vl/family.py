@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from models.common.family import Family, ImageProcessing, VideoProcessing
-from models.common.section import given
-from models.qwen3_vl.config import (
+from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
+from mpcore.models.common.section import given
+from mpcore.models.qwen3_vl.config import (
     ARCH,
     MODEL_TYPE,
     Qwen3VLConfig,
@@ -13,10 +13,11 @@ from models.qwen3_vl.config import (
     config_from_hf,
     hf_config_dict,
 )
-from models.qwen3_vl.hf import export_hf, load_hf_model, shard_map
-from models.qwen3_vl.inputs import local_inputs
-from models.qwen3_vl.model import build_model, flops_per_token, num_params
-from models.qwen3_vl.presets import config_from_section as _from_fields
+from mpcore.models.qwen3_vl.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.qwen3_vl.inputs import local_inputs
+from mpcore.models.qwen3_vl.model import build_model, flops_per_token, num_params
+from mpcore.models.qwen3_vl.presets import config_from_section as _from_fields
+
 from mpcore.data.videos import smart_resize_video
 
 

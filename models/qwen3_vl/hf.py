@@ -1,7 +1,7 @@
 """Hugging Face Qwen3-VL checkpoints <-> tensor-parallel shards of ``Qwen3VLModel``.
 
 Key layout (what transformers' ``save_pretrained`` writes and the hub holds):
-``model.language_model.*`` (the decoder's keys of ``models.common.decoder_hf.shard_map`` under
+``model.language_model.*`` (the decoder's keys of ``mpcore.models.common.decoder_hf.shard_map`` under
 that prefix), ``lm_head.weight`` (untied only), and ``model.visual.*``:
 
     patch_embed.{weight,bias}          patch_embed.proj.{weight,bias}  (Conv3d layout)
@@ -13,7 +13,7 @@ that prefix), ``lm_head.weight`` (untied only), and ``model.visual.*``:
     merger.norm, .w1, .w2              merger.norm, .linear_fc1, .linear_fc2
     deepstack_mergers.k.*              deepstack_merger_list.k.*
 
-Each rank reads only its slices (``models.common.hf_io.Checkpoint``); export gathers every
+Each rank reads only its slices (``mpcore.models.common.hf_io.Checkpoint``); export gathers every
 parameter over the tp group of global rank 0, which writes ``config.json`` (5.x form) and
 ``model.safetensors``.
 """
@@ -23,10 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.decoder_hf import shard_map as text_shard_map
-from models.common.hf_io import (
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.decoder_hf import shard_map as text_shard_map
+from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,
     column_linear,
@@ -36,9 +35,14 @@ from models.common.hf_io import (
     whole,
     write_hf,
 )
-from models.qwen3_vl.config import Qwen3VisionConfig, Qwen3VLConfig, config_from_hf, hf_config_dict
-from models.qwen3_vl.model import Qwen3VLModel
-from parallel.state import ParallelState
+from mpcore.models.qwen3_vl.config import (
+    Qwen3VisionConfig,
+    Qwen3VLConfig,
+    config_from_hf,
+    hf_config_dict,
+)
+from mpcore.models.qwen3_vl.model import Qwen3VLModel
+from mpcore.parallel.state import ParallelState
 
 TEXT_PREFIX, VISION_PREFIX = "model.language_model.", "model.visual."
 

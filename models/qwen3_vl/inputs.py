@@ -25,12 +25,11 @@ by one ``ContextPlan``.
 from __future__ import annotations
 
 import torch
-
-from models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
-from models.qwen3_vl.config import Qwen3VLConfig
-from parallel.context import ContextPlan
-from parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
-from parallel.state import ParallelState
+from mpcore.models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
+from mpcore.models.qwen3_vl.config import Qwen3VLConfig
+from mpcore.parallel.context import ContextPlan
+from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
+from mpcore.parallel.state import ParallelState
 
 NAMES = {1: "image", 2: "video"}
 
@@ -135,8 +134,8 @@ def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, cfg:
     """The cp plan of one packed stream and this rank's ``Qwen3VLModel.forward`` keyword
     arguments (all but ``output``): the per-token tensors of the GLOBAL stream split together
     by one ``ContextPlan`` (zigzag when cp > 1; a multiple of tp under SP), the vision input
-    (images then videos) whole on every rank (``models.common.vl_split``). Signature of
-    ``models.qwen2_vl.inputs.local_vl_inputs`` (plus ``mm_token_type_ids``)."""
+    (images then videos) whole on every rank (``mpcore.models.common.vl_split``). Signature of
+    ``mpcore.models.qwen2_vl.inputs.local_vl_inputs`` (plus ``mm_token_type_ids``)."""
     batch = global_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                           video_grid_thw=video_grid_thw, loss_mask=loss_mask,
                           mm_token_type_ids=mm_token_type_ids)

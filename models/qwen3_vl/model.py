@@ -1,7 +1,7 @@
 """Qwen3-VL: a vision tower feeding an interleaved M-RoPE Qwen3 decoder, with DeepStack.
 
 Layout, per rank: the L local tokens of this cp rank's share of one packed stream, the per-token
-tensors made on the GLOBAL stream by ``models.qwen3_vl.inputs`` and split together by one
+tensors made on the GLOBAL stream by ``mpcore.models.qwen3_vl.inputs`` and split together by one
 ``ContextPlan``: ``input_ids [L]``, ``position_ids [3, L]``, ``labels [L]``, ``vision_rows
 [L]`` (tower row of each placeholder, -1 for text). The vision input is the whole micro-batch's
 on every cp rank: ``pixel_values [N, patch_dim]``, ``grid_thw [I, 3]`` (images, then videos).
@@ -13,7 +13,7 @@ on every cp rank: ``pixel_values [N, patch_dim]``, ``grid_thw [I, 3]`` (images, 
     out = text.decode(h, ..., after_layer)             # after layer k < K: out[slots] += deep_k
 
 The merged rows and the DeepStack features travel as one tensor through
-``models.common.vision_cp.vision_rows_for_rank``, so they share its guarantees: each cp rank gets
+``mpcore.models.common.vision_cp.vision_rows_for_rank``, so they share its guarantees: each cp rank gets
 exactly the rows of the placeholders it owns, the gradient of every row is summed over the cp
 ranks that used it (the all-gather's backward) and, under sequence parallelism, over the tp
 ranks (each adds the rows of its own token slice at ``slots``; the tower is replicated over tp,
@@ -24,12 +24,11 @@ on a dummy window times zero, adds nothing, and joins every collective.
 from __future__ import annotations
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.vl_model import VisionLanguageModel
-from models.qwen3_vl.config import Qwen3VLConfig
-from models.qwen3_vl.vision import Qwen3VisionTower
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.vl_model import VisionLanguageModel
+from mpcore.models.qwen3_vl.config import Qwen3VLConfig
+from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
+from mpcore.parallel.state import ParallelState
 
 
 class Qwen3VLModel(VisionLanguageModel):

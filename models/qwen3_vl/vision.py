@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mpcore.kernels.host_checked import copy_to
+from mpcore.models.common.norm import LayerNorm, matmul_dtype
+from mpcore.models.common.tower import TowerBase
+from mpcore.models.common.vision_attention import Segments, VisionAttention, rotary_tables
+from mpcore.models.common.vision_plan import VisionPlan, plan_vision
+from mpcore.models.qwen3_vl.config import Qwen3VisionConfig
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.random import init_shard_, normal_init
+from mpcore.parallel.state import ParallelState, ProcessGroup
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from kernels.host_checked import copy_to
-from models.common.norm import LayerNorm, matmul_dtype
-from models.common.tower import TowerBase
-from models.common.vision_attention import Segments, VisionAttention, rotary_tables
-from models.common.vision_plan import VisionPlan, plan_vision
-from models.qwen3_vl.config import Qwen3VisionConfig
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.random import init_shard_, normal_init
-from parallel.state import ParallelState, ProcessGroup
 
 
 class PatchEmbed(nn.Module):
@@ -219,6 +218,6 @@ class Qwen3VisionTower(TowerBase):
 
     def rows(self, pixel_values: torch.Tensor, grid_thw) -> torch.Tensor:
         """``[N / m^2, (1 + K) * out_hidden]``: the merged rows and the K DeepStack features
-        side by side, so one row exchange (``models.common.vision_cp``) moves them all."""
+        side by side, so one row exchange (``mpcore.models.common.vision_cp``) moves them all."""
         merged, features = self(pixel_values, grid_thw)
         return torch.cat([merged, *features], dim=1)

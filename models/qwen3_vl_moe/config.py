@@ -1,7 +1,7 @@
 """Qwen3-VL-MoE configuration (transformers ``models/qwen3_vl_moe``) and its ``config.json``.
 
-The Qwen3-VL model (``models.qwen3_vl``: tower, interleaved M-RoPE, DeepStack) whose decoder
-is Qwen3-MoE's (``models.qwen3_moe``): ``Qwen3VLMoeConfig`` is ``Qwen3VLConfig`` with ``text`` a
+The Qwen3-VL model (``mpcore.models.qwen3_vl``: tower, interleaved M-RoPE, DeepStack) whose decoder
+is Qwen3-MoE's (``mpcore.models.qwen3_moe``): ``Qwen3VLMoeConfig`` is ``Qwen3VLConfig`` with ``text`` a
 ``Qwen3MoeConfig``. Its router always renormalises the top-k weights (transformers'
 ``Qwen3VLMoeTextTopKRouter``; the config has no ``norm_topk_prob``), so ``norm_topk_prob`` is
 true. ``config.json`` nests the MoE keys in ``text_config``; read in both forms of Qwen3-VL's,
@@ -14,14 +14,14 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.common.config import ModelConfig
-from models.common.hf_io import check_architecture, read_hf_config
-from models.qwen3_moe.config import Qwen3MoeConfig
-from models.qwen3_moe.config import config_from_dict as text_config_from_dict
-from models.qwen3_vl.config import ARCH as DENSE_ARCH
-from models.qwen3_vl.config import TOKEN_KEYS, Qwen3VLConfig, vision_and_tokens_from_dict
-from models.qwen3_vl.config import config_from_hf as dense_config_from_hf
-from models.qwen3_vl.config import hf_config_dict as dense_hf_config_dict
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_io import check_architecture, read_hf_config
+from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
+from mpcore.models.qwen3_moe.config import config_from_dict as text_config_from_dict
+from mpcore.models.qwen3_vl.config import ARCH as DENSE_ARCH
+from mpcore.models.qwen3_vl.config import TOKEN_KEYS, Qwen3VLConfig, vision_and_tokens_from_dict
+from mpcore.models.qwen3_vl.config import config_from_hf as dense_config_from_hf
+from mpcore.models.qwen3_vl.config import hf_config_dict as dense_hf_config_dict
 
 ARCH, MODEL_TYPE = "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.config import ModelConfig
-from models.common.family import Family
-from models.common.moe_model import moe_mask
-from models.common.section import given, section_of
-from models.qwen3_moe.config import Qwen3MoeConfig
-from models.qwen3_vl.config import Qwen3VLSection
-from models.qwen3_vl.family import FAMILY as QWEN3_VL
-from models.qwen3_vl.inputs import local_inputs as dense_local_inputs
-from models.qwen3_vl_moe.config import (
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.family import Family
+from mpcore.models.common.moe_model import moe_mask
+from mpcore.models.common.section import given, section_of
+from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
+from mpcore.models.qwen3_vl.config import Qwen3VLSection
+from mpcore.models.qwen3_vl.family import FAMILY as QWEN3_VL
+from mpcore.models.qwen3_vl.inputs import local_inputs as dense_local_inputs
+from mpcore.models.qwen3_vl_moe.config import (
     ARCH,
     MODEL_TYPE,
     Qwen3VLMoeConfig,
@@ -21,8 +21,8 @@ from models.qwen3_vl_moe.config import (
     hf_config_dict,
     with_experts,
 )
-from models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
-from models.qwen3_vl_moe.model import build_model, flops_per_token, num_params
+from mpcore.models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.qwen3_vl_moe.model import build_model, flops_per_token, num_params
 
 Qwen3VLMoeExpertsSection = section_of(Qwen3MoeConfig, "Qwen3VLMoeExpertsSection",
                                       skip=ModelConfig, defaults={"norm_topk_prob": True},
@@ -49,7 +49,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3VLMoeConfig:
 
 
 def local_inputs(state, input_ids, cu_seqlens, cfg, **kwargs):
-    """``models.qwen3_vl.inputs.local_inputs`` plus ``moe_mask [L]`` (real tokens)."""
+    """``mpcore.models.qwen3_vl.inputs.local_inputs`` plus ``moe_mask [L]`` (real tokens)."""
     plan, inputs = dense_local_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
     inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
     return plan, inputs

@@ -1,6 +1,6 @@
 """Hugging Face Qwen3-VL-MoE checkpoints <-> the shards of ``Qwen3VLMoeModel``.
 
-Keys: Qwen3-VL's (``models.qwen3_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
+Keys: Qwen3-VL's (``mpcore.models.qwen3_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
 ``lm_head.weight``) with, in each sparse layer (``mlp`` = ``model.language_model.layers.i.mlp.``):
 
     text.layers.i.feed_forward.gate.weight   [E, hidden]        {mlp}gate.weight (the router)
@@ -11,7 +11,7 @@ Released checkpoints store the fused experts as ``gate_up_proj [E, hidden, 2I]``
 ``down_proj [E, I, hidden]``; transformers transposes them on load (its ``conversion_mapping``
 for ``qwen3_vl_moe``) to the ``[E, 2I, H]`` / ``[E, H, I]`` it computes with, and its
 ``save_pretrained`` (5.24) writes the latter. Loading takes both (the stored shapes say which,
-``models.qwen3_moe.hf``), each ep rank reading only its experts ``[r E / ep, (r + 1) E / ep)``;
+``mpcore.models.qwen3_moe.hf``), each ep rank reading only its experts ``[r E / ep, (r + 1) E / ep)``;
 export writes what ``save_pretrained`` writes.
 """
 
@@ -20,15 +20,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from models.common.decoder import init_weights
-from models.common.hf_io import Piece
-from models.qwen3_moe.hf import export_moe, load_moe_weights
-from models.qwen3_moe.hf import shard_map as text_shard_map
-from models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
-from models.qwen3_vl_moe.config import Qwen3VLMoeConfig, config_from_hf, hf_config_dict
-from models.qwen3_vl_moe.model import Qwen3VLMoeModel
-from parallel.state import ParallelState
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hf_io import Piece
+from mpcore.models.qwen3_moe.hf import export_moe, load_moe_weights
+from mpcore.models.qwen3_moe.hf import shard_map as text_shard_map
+from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
+from mpcore.models.qwen3_vl_moe.config import Qwen3VLMoeConfig, config_from_hf, hf_config_dict
+from mpcore.models.qwen3_vl_moe.model import Qwen3VLMoeModel
+from mpcore.parallel.state import ParallelState
 
 
 def shard_map(cfg: Qwen3VLMoeConfig, tp: int, rank: int) -> dict[str, list[Piece]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.resources
 import json
 import logging
 import time
@@ -34,7 +35,10 @@ from mpcore.data.indexed import IndexedWriter
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
 from mpcore.progress import ProgressBar
 
-DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "launch" / "data" / "default_corpus.jsonl"
+# The shipped data is package data of mpcore.launch (launch/data): found by where that package
+# lies, in a checkout and in an installed wheel alike; no code of the launch layer is imported.
+SHIPPED_DATA = Path(str(importlib.resources.files("mpcore.launch"))) / "data"
+DEFAULT_CORPUS = SHIPPED_DATA / "default_corpus.jsonl"
 TOKENIZER_SEED = 1234
 _ENCODE_BATCH = 256
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ A micro-batch is ONE packed stream of B = micro_batch samples of S = seq_len tok
     input_ids     int64 [B * S]
     cu_seqlens    int32 [segments + 1]   every sample's boundaries, offset by b * S
     position_ids  int64 [B * S]          restart at 0 at every segment
-Labels are not made here (``parallel.LabelShifter(input_ids, cu_seqlens)`` in the training
+Labels are not made here (``mpcore.parallel.LabelShifter(input_ids, cu_seqlens)`` in the training
 loop).
 
 Position: ``state_dict()`` holds the epoch and the number of global samples consumed in it;

@@ -11,7 +11,7 @@ The documents, in stored order, each followed by one EOS, form a virtual stream 
 A segment is the part of one document (with its EOS) that lies in the sample; a document cut
 at a sample boundary continues as a new segment (positions from 0) in the next sample, so
 attention never crosses documents. There are no labels here: the training loop derives them
-from ``input_ids`` and ``cu_seqlens`` with ``parallel.LabelShifter``, which ignores the last
+from ``input_ids`` and ``cu_seqlens`` with ``mpcore.parallel.LabelShifter``, which ignores the last
 token of each segment (an EOS, or the cut point of a document).
 
 Nothing is precomputed but the int64 [num_docs] cumulative stream ends, so a sample costs one

@@ -91,7 +91,7 @@ class VideoSettings:
         ``ValueError`` for a family whose prepared data takes no videos."""
         proc = family.image_processing.video if family.image_processing else None
         if proc is None:
-            from models.registry import FAMILIES
+            from mpcore.models.registry import FAMILIES
 
             takes = sorted(f.name for f in FAMILIES.values()
                            if f.image_processing is not None and f.image_processing.video)

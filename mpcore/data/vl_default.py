@@ -31,19 +31,17 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mpcore.data.corpus import prepare_default
+from mpcore.data.corpus import SHIPPED_DATA, prepare_default
 from mpcore.data.vl_dataset import VLDataset, dataset_fingerprint, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
 
-DEFAULT_MANIFEST = (
-    Path(__file__).resolve().parents[2] / "launch" / "data" / "images" / "captions.jsonl"
-)
+DEFAULT_MANIFEST = SHIPPED_DATA / "images" / "captions.jsonl"
 DEFAULT_SETTINGS = ImageSettings(min_pixels=4 * 28 * 28, max_pixels=32 * 28 * 28)
 """Qwen2-VL's :func:`default_settings`."""
 
 
 def default_settings(family=None) -> ImageSettings:
-    """The shipped set's image settings for ``family`` (an image-text ``models.Family``; None:
+    """The shipped set's image settings for ``family`` (an image-text ``mpcore.models.Family``; None:
     Qwen2-VL's, :data:`DEFAULT_SETTINGS`): its processor with the small bounds of the module
     docstring."""
     if family is None:

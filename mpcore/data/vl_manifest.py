@@ -29,7 +29,7 @@ the family's processor writes it (``VideoProcessing.layout``: Qwen2-VL ``<vs> <v
     interleaved  its items in order, then EOS
     text only    text EOS
 
-Targets (``loss_mask[t]`` true = token t is a target, ``parallel.LabelShifter``'s meaning): every
+Targets (``loss_mask[t]`` true = token t is a target, ``mpcore.parallel.LabelShifter``'s meaning): every
 text token whose item is a target (a caption, any text without ``"target": false``) and the EOS;
 never an image's ``<vs> <pad>* <ve>`` nor any token of a video. A sample needs at least one
 target text.
@@ -95,7 +95,7 @@ class ImageSettings:
     """Storage of the pixel rows: float32 (exact) or float16 (half the disk; abs error <= 1e-3
     on CLIP-normalised values, see tests/unit/test_vl_data.py)."""
     family: str = "qwen2_vl"
-    """The model family whose image processor these settings follow (``models.registry``); a
+    """The model family whose image processor these settings follow (``mpcore.models.registry``); a
     run of another family refuses the data (``mpcore.vl_data``)."""
     mean: tuple[float, ...] = CLIP_MEAN
     """Per-channel mean subtracted after the 1/255 rescale."""
@@ -108,7 +108,7 @@ class ImageSettings:
 
     @classmethod
     def for_family(cls, family, **overrides) -> ImageSettings:
-        """The settings of ``family``'s image processor (a ``models.Family`` of an image-text
+        """The settings of ``family``'s image processor (a ``mpcore.models.Family`` of an image-text
         family: its ``image_processing`` defaults and resize rule), with ``overrides`` (fields
         given as None keep the family's value)."""
         proc = family.image_processing

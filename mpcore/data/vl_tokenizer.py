@@ -22,7 +22,7 @@ so the folder is self-contained), which training and export read::
      "image_token_id": V, "video_token_id": V + 1, "vision_start_token_id": V + 2,
      "vision_end_token_id": V + 3}
 
-The four ``*_token_id`` keys are ``models.qwen2_vl.config.VLConfig``'s field names.
+The four ``*_token_id`` keys are ``mpcore.models.qwen2_vl.config.VLConfig``'s field names.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ kernel plan. ``ring_attention`` and ``ulysses_attention`` are the two cp modes,
 elsewhere). Layout and masking rules are in ``api.py``'s docstring.
 """
 
-from parallel.attention.api import MODES, AttentionPlan, context_attention
-from parallel.attention.primitive import attention_with_lse, use_flash
-from parallel.attention.ring import ring_attention
-from parallel.attention.ulysses import ulysses_attention
+from mpcore.parallel.attention.api import MODES, AttentionPlan, context_attention
+from mpcore.parallel.attention.primitive import attention_with_lse, use_flash
+from mpcore.parallel.attention.ring import ring_attention
+from mpcore.parallel.attention.ulysses import ulysses_attention
 
 __all__ = [
     "MODES",

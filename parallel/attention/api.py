@@ -19,13 +19,12 @@ Kernels: ``backend`` (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``te
 from __future__ import annotations
 
 import torch
-
-from parallel.attention import backends
-from parallel.attention.primitive import Block, attend_block, plan_block, use_flash
-from parallel.attention.ring import plan_ring, ring_attend
-from parallel.attention.ulysses import check_ulysses_heads, plan_ulysses, ulysses_attend
-from parallel.labels import check_cu_seqlens
-from parallel.state import ProcessGroup, group_size
+from mpcore.parallel.attention import backends
+from mpcore.parallel.attention.primitive import Block, attend_block, plan_block, use_flash
+from mpcore.parallel.attention.ring import plan_ring, ring_attend
+from mpcore.parallel.attention.ulysses import check_ulysses_heads, plan_ulysses, ulysses_attend
+from mpcore.parallel.labels import check_cu_seqlens
+from mpcore.parallel.state import ProcessGroup, group_size
 
 MODES = ("none", "ring", "ulysses")
 
@@ -135,7 +134,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     ``group``: the cp group (None: a world of one). ``cu_seqlens [S + 1]`` (optional): local
     segments such that causal attention over this rank's tokens in their order, cut at
-    ``cu_seqlens``, is the mask restricted to the local tokens (``parallel.context``'s
+    ``cu_seqlens``, is the mask restricted to the local tokens (``mpcore.parallel.context``'s
     ``RankLayout.cu_seqlens`` is such: a zigzag document's two chunks form one segment). On
     CUDA it lets the local path, and the ring's own-block step, run one flash call without the
     host-side plan; the CPU path and ulysses do not use it. ``softmax_scale`` defaults to

@@ -16,7 +16,7 @@ Names (``model.attention_backend``; ``AttentionPlan(backend=...)``):
                 128, compute capability >= 8.0.
     te_fused    TransformerEngine's fused attention (``te_fused.py``): cuDNN on the packed THD
                 stream, segments of any lengths (causal bottom-right, as flash), GQA in the
-                kernel, the lse the ring needs. Needs TransformerEngine (``parallel.te``),
+                kernel, the lse the ring needs. Needs TransformerEngine (``mpcore.parallel.te``),
                 CUDA, fp16/bf16, head dim a multiple of 8 up to 128, compute capability >= 9.0
                 and cuDNN >= 9.6 (what TE's THD path takes). ``auto`` picks it for calls of
                 different segment lengths where it measured faster (``AUTO_TE_RAGGED_*``).
@@ -32,9 +32,8 @@ import logging
 from dataclasses import replace
 
 import torch
-
-from parallel.attention import te_fused
-from parallel.attention.flash import FLASH_DTYPES, FlashCall
+from mpcore.parallel.attention import te_fused
+from mpcore.parallel.attention.flash import FLASH_DTYPES, FlashCall
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,9 @@ def kernel_refusal(backend: str, q: torch.Tensor) -> str | None:
     """Why ``backend``'s kernels cannot take ``q [T, H, D]`` (installed packages, device,
     dtype, head dim, GPU), or None when they can."""
     if backend == "te_fused":
-        from parallel import te  # here: parallel.te imports the TP layers, attention need not
+        from mpcore.parallel import (
+            te,  # here: mpcore.parallel.te imports the TP layers, attention need not
+        )
 
         if not te.te_available():
             return (f"it needs TransformerEngine and transformer_engine.pytorch cannot be "

@@ -2,16 +2,15 @@
 
 Group: the cp group (every rank of it calls each function, in the same order). Tokens per rank
 must be equal (the context split pads to make them so). No autograd here: the ring's custom
-backward and the Ulysses all-to-alls (``parallel.collectives``) own the gradients.
+backward and the Ulysses all-to-alls (``mpcore.parallel.collectives``) own the gradients.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from parallel.collectives import all_gather
-from parallel.state import ProcessGroup, group_rank, group_size
+from mpcore.parallel.collectives import all_gather
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 
 
 def gather_metadata(doc_id: torch.Tensor, pos: torch.Tensor, group: ProcessGroup | None,
@@ -25,7 +24,7 @@ def gather_metadata(doc_id: torch.Tensor, pos: torch.Tensor, group: ProcessGroup
     sizes = all_gather(torch.tensor([meta.shape[1]], device=device), 0, group).tolist()
     if len(set(sizes)) != 1:
         raise ValueError(f"context-parallel ranks hold different token counts {sizes}; split "
-                         "the stream with parallel.context so every cp rank has the same "
+                         "the stream with mpcore.parallel.context so every cp rank has the same "
                          "number of (padded) tokens")
     gathered = all_gather(meta, 1, group).cpu()  # (2, cp * T_local), rank-major
     return gathered[0].view(cp, -1), gathered[1].view(cp, -1)

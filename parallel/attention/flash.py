@@ -23,7 +23,7 @@ turned into at most two kernel calls by ``plan_flash``:
 What this gives per ring step (zigzag: rank r holds chunks r and 2cp-1-r of every document):
 the diagonal step (own K/V) is one causal call (each chunk vs itself) plus one full call (high
 chunk vs low chunk; rank cp-1, whose two chunks are adjacent, needs only the causal call; with
-local ``cu_seqlens`` from ``parallel.context`` it is one causal call without a plan); a
+local ``cu_seqlens`` from ``mpcore.parallel.context`` it is one causal call without a plan); a
 remote block from rank r' < r is one full call (its low chunk, seen by both local chunks); from
 r' > r one full call (both remote chunks, seen by the local high chunk). No off-diagonal block
 has a causal piece, and every rank does the same work per step. A block with no visible pair
@@ -45,11 +45,10 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-
-from kernels import host_checked
-from parallel.attention.reference import compute_dtype, merge_partials
-from parallel.attention.sdpa_cudnn import sdpa_cudnn_backward, sdpa_cudnn_forward
-from parallel.attention.te_fused import te_fused_backward, te_fused_forward
+from mpcore.kernels import host_checked
+from mpcore.parallel.attention.reference import compute_dtype, merge_partials
+from mpcore.parallel.attention.sdpa_cudnn import sdpa_cudnn_backward, sdpa_cudnn_forward
+from mpcore.parallel.attention.te_fused import te_fused_backward, te_fused_forward
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -148,7 +147,7 @@ def plan_flash(doc_q, pos_q, doc_k, pos_k, device) -> list[FlashCall]:
 def plan_cu_seqlens(cu_seqlens: torch.Tensor, device) -> list[FlashCall]:
     """One causal call for tokens in order, documents cut by ``cu_seqlens [docs+1]``."""
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    # CPU-GPU sync point when cu_seqlens is on the GPU without a host copy (kernels.host_checked).
+    # CPU-GPU sync point when cu_seqlens is on the GPU without a host copy (mpcore.kernels.host_checked).
     lengths = host_checked.host_values(cu_seqlens).diff()
     min_len, max_len = (int(n) for n in torch.aminmax(lengths))
     return [FlashCall(True, None, None, cu, cu, max_len, max_len, min_len == max_len)]

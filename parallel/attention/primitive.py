@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from parallel.attention import backends, flash
-from parallel.attention.reference import any_visible, reference_backward, reference_forward
+from mpcore.parallel.attention import backends, flash
+from mpcore.parallel.attention.reference import any_visible, reference_backward, reference_forward
 
 
 def use_flash(q: torch.Tensor, backend: str = "auto") -> bool:
@@ -114,7 +113,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Causal attention within documents, with autograd. Returns ``(out [T, H, D], lse [H, T])``.
 
     ``doc_k``/``pos_k`` default to the query metadata (self-attention, ``S == T``). Shapes are
-    the caller's to check (``parallel.attention.context_attention`` validates them).
+    the caller's to check (``mpcore.parallel.attention.context_attention`` validates them).
     ``backend``: see ``backends.py``.
     """
     if doc_k is None or pos_k is None:

@@ -25,11 +25,10 @@ streams, padding and both layouts need nothing else.
 from __future__ import annotations
 
 import torch
-
-from parallel.attention.comm import gather_metadata, ring_shift, wait
-from parallel.attention.primitive import Block, block_backward, block_forward, plan_block
-from parallel.attention.reference import compute_dtype, merge_partials
-from parallel.state import ProcessGroup, group_rank, group_size
+from mpcore.parallel.attention.comm import gather_metadata, ring_shift, wait
+from mpcore.parallel.attention.primitive import Block, block_backward, block_forward, plan_block
+from mpcore.parallel.attention.reference import compute_dtype, merge_partials
+from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 
 
 class _RingAttention(torch.autograd.Function):

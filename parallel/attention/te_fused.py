@@ -37,7 +37,7 @@ offset from the generator it is given (``init_philox_state``); a private generat
 leaves the default CUDA generator where the other backends leave it. The backward gets a zero
 ``[2]`` int64 state (the forward's own dtype and shape).
 
-TE is imported on the first call, never at import: CI has no TE (``parallel.te`` detects it).
+TE is imported on the first call, never at import: CI has no TE (``mpcore.parallel.te`` detects it).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class _TE(NamedTuple):
 
 @lru_cache(maxsize=1)
 def _te() -> _TE:
-    from parallel.te import TE_INSTALL, transformer_engine
+    from mpcore.parallel.te import TE_INSTALL, transformer_engine
 
     if transformer_engine() is None:
         raise RuntimeError(f"te_fused needs TransformerEngine, and transformer_engine.pytorch "
@@ -73,7 +73,7 @@ def _te() -> _TE:
 
 def runtime_refusal(device: torch.device) -> str | None:
     """Why TE's THD fused attention cannot run on ``device`` (compute capability, cuDNN), or
-    None when it can. TE must be importable (``parallel.te.te_available``)."""
+    None when it can. TE must be importable (``mpcore.parallel.te.te_available``)."""
     capability = torch.cuda.get_device_capability(device)
     if capability < (9, 0):
         # nvte_get_fused_attn_backend: the THD layouts need sm >= 90

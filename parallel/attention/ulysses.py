@@ -22,11 +22,10 @@ from __future__ import annotations
 import math
 
 import torch
-
-from parallel.attention.comm import gather_metadata
-from parallel.attention.primitive import Block, attend_block, plan_block
-from parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
-from parallel.state import ProcessGroup, group_size
+from mpcore.parallel.attention.comm import gather_metadata
+from mpcore.parallel.attention.primitive import Block, attend_block, plan_block
+from mpcore.parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
+from mpcore.parallel.state import ProcessGroup, group_size
 
 
 def check_ulysses_heads(num_heads: int, cp: int) -> None:

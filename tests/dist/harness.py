@@ -27,8 +27,8 @@ import time
 import traceback
 
 # Imported once by the fork server; every rank starts with them loaded.
-PRELOAD = ["torch", "torch.distributed", "transformers", "parallel", "models", "mpcore.train",
-           "launch.score"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "mpcore.parallel", "mpcore.models", "mpcore.train",
+           "mpcore.launch.score"]
 
 
 def _worker(fn, rank, world_size, store_path, results, payload):

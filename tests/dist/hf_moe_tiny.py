@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.common.moe_loss import aux_share, global_counts
+from mpcore.models.common.moe_loss import aux_share, global_counts
 
 VOCAB = 97
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,

@@ -3,7 +3,7 @@
 import torch
 from harness import run_distributed
 
-import parallel.collectives as C
+import mpcore.parallel.collectives as C
 
 
 def _same(seed, *shape):

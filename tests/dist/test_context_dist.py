@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from parallel import ContextPlan, LabelShifter, global_mean_loss, global_valid_count, loss_share
-from parallel.loss import sum_over_group
-from parallel.state import ParallelState, group_size
+from mpcore.parallel import ContextPlan, LabelShifter, global_mean_loss, global_valid_count, loss_share
+from mpcore.parallel.loss import sum_over_group
+from mpcore.parallel.state import ParallelState, group_size
 
 IGNORE = -100
 CASES = [  # (document lengths, layout, pad_multiple)

@@ -2,7 +2,7 @@
 
 The reference is F.scaled_dot_product_attention per document (causal) in float64 on the unsplit
 stream, and its autograd for dq/dk/dv. The CP runs are fp32 on each rank's split of the same
-tensors; the split is built here (not with parallel.context) so this test depends only on the
+tensors; the split is built here (not with mpcore.parallel.context) so this test depends only on the
 attention contract: per-token doc_id and pos. One spawn per cp size loops over every case.
 """
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from harness import run_distributed
 
-from parallel.attention import AttentionPlan, context_attention
-from parallel.state import ParallelState
+from mpcore.parallel.attention import AttentionPlan, context_attention
+from mpcore.parallel.state import ParallelState
 
 LENGTHS = [7, 1, 13, 4, 10]  # odd lengths and a length-1 document
 HEADS = [(4, 2), (4, 1), (6, 3)]  # (H, H_kv): GQA, H_kv < cp, H_kv not dividing cp
@@ -121,7 +121,7 @@ def _all_cases(rank, world):
 def _plan_reuse(rank, world, group):
     """One AttentionPlan serving three "layers": the metadata is gathered once per mode, and
     every layer's output and gradients equal those of a call planned on its own."""
-    from parallel.attention import ring, ulysses
+    from mpcore.parallel.attention import ring, ulysses
 
     index, doc_id, pos = _split(LENGTHS, world, "zigzag")[rank]
     gathers = []

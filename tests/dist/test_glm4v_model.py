@@ -25,8 +25,8 @@ from hf_glm4v_tiny import (
     stream,
 )
 
-from models import family_of, family_of_hf
-from models.glm4v import (
+from mpcore.models import family_of, family_of_hf
+from mpcore.models.glm4v import (
     config_from_dict,
     config_from_hf,
     export_hf,
@@ -36,7 +36,7 @@ from models.glm4v import (
     mm_token_types,
     position_ids,
 )
-from parallel.state import ParallelState
+from mpcore.parallel.state import ParallelState
 
 
 def _logprobs(model, cfg, state, s):
@@ -89,8 +89,8 @@ def test_matches_transformers(tie, tmp_path):
 
 def test_loss_and_gradients_match_transformers(tmp_path):
     """The mean loss and every parameter's gradient (tower included) within 1e-4 rel."""
-    from models.common.hf_io import gather_full
-    from models.glm4v import shard_map
+    from mpcore.models.common.hf_io import gather_full
+    from mpcore.models.glm4v import shard_map
 
     save_hf_model(seed=9, folder=tmp_path)
     hf = transformers.Glm4vForConditionalGeneration.from_pretrained(tmp_path).eval()
@@ -187,7 +187,7 @@ def test_shipped_shape_matches_glm41v_9b():
     (its config's defaults are that checkpoint's shape), both built on meta."""
     from pathlib import Path
 
-    from models.glm4v import FAMILY, Glm4vModel
+    from mpcore.models.glm4v import FAMILY, Glm4vModel
     from mpcore.config import load_config
 
     root = Path(__file__).resolve().parents[2]

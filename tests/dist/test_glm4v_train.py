@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from vl_launch_checks import TinyRun, export_matches_transformers, layouts_agree
 
-from models.glm4v import FAMILY
+from mpcore.models.glm4v import FAMILY
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "glm4v_tiny.yaml"
 TINY = TinyRun(str(CONFIG), (

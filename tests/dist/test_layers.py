@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from harness import run_distributed
 from torch import nn
 
-from parallel.cross_entropy import vocab_parallel_cross_entropy
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from parallel.state import ParallelState
+from mpcore.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from mpcore.parallel.state import ParallelState
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

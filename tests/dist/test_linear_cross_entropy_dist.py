@@ -33,7 +33,7 @@ def _rel(actual, expected):
 
 
 def _check_case(group, v_local, vocab, temperature, counter):
-    from kernels import linear_cross_entropy, linear_logprobs
+    from mpcore.kernels import linear_cross_entropy, linear_logprobs
 
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator().manual_seed(1000 * tp + vocab)
@@ -81,7 +81,7 @@ def _check_case(group, v_local, vocab, temperature, counter):
 
 
 def _run(rank, world_size):
-    from kernels import _lce_chunks
+    from mpcore.kernels import _lce_chunks
 
     _lce_chunks.CHUNK_BYTES = 8 * 16 * 4  # 8 rows of fp32 logits at v_local=16: 5 chunks
     counter = _CountAllReduce(dist.all_reduce)

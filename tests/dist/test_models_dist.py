@@ -35,13 +35,13 @@ from hf_tiny import (
     save_hf_model,
 )
 
-from launch.score import gather_in_order, score_sequences, score_stream
-from models import local_text_inputs
-from models.common.decoder import build_model
-from models.common.decoder_hf import shard_map
-from models.llama.hf import config_from_hf, export_hf, load_hf_model
-from parallel.collectives import gather_last_dim
-from parallel.state import ParallelState
+from mpcore.launch.score import gather_in_order, score_sequences, score_stream
+from mpcore.models import local_text_inputs
+from mpcore.models.common.decoder import build_model
+from mpcore.models.common.decoder_hf import shard_map
+from mpcore.models.llama.hf import config_from_hf, export_hf, load_hf_model
+from mpcore.parallel.collectives import gather_last_dim
+from mpcore.parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTHS = [7, 13, 1, 10, 5]

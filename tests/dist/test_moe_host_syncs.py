@@ -1,4 +1,4 @@
-"""Host syncs of the MoE block (``models.common.moe``) in a forward and backward, on the CPU.
+"""Host syncs of the MoE block (``mpcore.models.common.moe``) in a forward and backward, on the CPU.
 
 On CUDA a host sync is the host waiting for the device: a tensor turned into Python values
 (``tolist``, ``item``, ``int()``/``float()``/``bool()`` of a tensor, ``cpu``, ``numpy``) or an
@@ -27,8 +27,8 @@ import torch
 from harness import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.common.moe import MoeBlock
-from parallel.state import ParallelState
+from mpcore.models.common.moe import MoeBlock
+from mpcore.parallel.state import ParallelState
 
 GROUPED = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                              reason="this torch has no _grouped_mm")

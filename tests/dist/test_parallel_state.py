@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from parallel.random import model_parallel_seed
-from parallel.state import ParallelState, group_size
+from mpcore.parallel.random import model_parallel_seed
+from mpcore.parallel.state import ParallelState, group_size
 
 
 def _members(group):

@@ -25,7 +25,7 @@ from hf_qwen35_vl_tiny import TEXT, save_hf_model
 from safetensors.torch import load_file, save_file
 from test_qwen3_vl_model import export_matches_transformers, matches_transformers, vision_kwargs
 
-from models.qwen3_5_vl import (
+from mpcore.models.qwen3_5_vl import (
     FAMILY,
     build_model,
     config_from_dict,
@@ -34,8 +34,8 @@ from models.qwen3_5_vl import (
     load_hf_model,
     num_params,
 )
-from models.registry import family_named, family_of, family_of_hf
-from parallel.state import ParallelState
+from mpcore.models.registry import family_named, family_of, family_of_hf
+from mpcore.parallel.state import ParallelState
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_mtp_tensors_skipped_with_one_log_line(checkpoint, tmp_path, caplog):
     save_file({**original, "mtp.fc.weight": torch.zeros(4, 4),
                "mtp.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
               tmp_path / "model.safetensors")
-    with caplog.at_level(logging.INFO, logger="models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
         model, _ = load_hf_model(tmp_path, ParallelState())
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "2 tensors" in lines[0] and "mtp.*: 2" in lines[0], lines

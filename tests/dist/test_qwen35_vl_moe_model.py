@@ -26,13 +26,13 @@ from safetensors.torch import load_file, save_file
 from test_qwen3_vl_model import hf_named, rel
 from test_qwen3_vl_moe_model import ep2_and_tp2, logprobs_at
 
-from models.common.moe_loss import aux_share, global_counts
-from models.qwen3_5_vl_moe import FAMILY, Qwen35VLMoeConfig
-from models.qwen3_5_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
-from models.qwen3_5_vl_moe.hf import export_hf, load_hf_model
-from models.qwen3_5_vl_moe.model import make_moe_model
-from models.registry import family_named, family_of, family_of_hf
-from parallel.state import ParallelState
+from mpcore.models.common.moe_loss import aux_share, global_counts
+from mpcore.models.qwen3_5_vl_moe import FAMILY, Qwen35VLMoeConfig
+from mpcore.models.qwen3_5_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
+from mpcore.models.qwen3_5_vl_moe.hf import export_hf, load_hf_model
+from mpcore.models.qwen3_5_vl_moe.model import make_moe_model
+from mpcore.models.registry import family_named, family_of, family_of_hf
+from mpcore.parallel.state import ParallelState
 
 ARCH = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}
 
@@ -83,7 +83,7 @@ def test_fused_experts_load_and_mtp_is_skipped_with_one_log_line(checkpoint, tmp
                   "mtp.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(2, 2)})
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     save_file(fused, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with caplog.at_level(logging.INFO, logger="models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
         model, _ = load_hf_model(tmp_path, ParallelState())
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "2 tensors" in lines[0] and "mtp.*: 2" in lines[0], lines

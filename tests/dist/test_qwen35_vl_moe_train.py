@@ -4,7 +4,7 @@ loss, with the step's global load-balancing loss, falls; every logged row carrie
 statistics), cp = 2 (ring) with the experts split over ep = 2 (the two cp ranks) equals that
 one-process run step for step, stopped halfway at that layout and resumed it continues the
 uninterrupted cp = 2 x ep = 2 run bit for bit, and its ep = 2 checkpoint exports
-(``launch.export_hf``) to a folder transformers loads as ``Qwen3_5MoeForConditionalGeneration``
+(``mpcore.launch.export_hf``) to a folder transformers loads as ``Qwen3_5MoeForConditionalGeneration``
 with our outputs on an image. (The one-process resume: tests/unit/test_qwen35_vl_moe_train.py.)
 """
 
@@ -21,7 +21,7 @@ import torch
 from harness import run_distributed
 from vl_launch_checks import export_matches_transformers
 
-from models.qwen3_5_vl_moe.family import FAMILY
+from mpcore.models.qwen3_5_vl_moe.family import FAMILY
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
 from mpcore.train import train

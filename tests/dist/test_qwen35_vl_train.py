@@ -18,7 +18,7 @@ from vl_launch_checks import (
     score_matches_transformers,
 )
 
-from models.qwen3_5_vl import FAMILY
+from mpcore.models.qwen3_5_vl import FAMILY
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen35_vl_tiny.yaml"
 TINY = TinyRun(str(CONFIG), (

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from harness import run_distributed
 from hf_moe_tiny import packed_docs, reference, save_hf_model
 
-from models.common.moe_loss import aux_share, global_counts, load_balancing_loss
-from models.qwen3_moe.family import local_inputs
-from models.qwen3_moe.hf import load_hf_model, shard_map
-from models.qwen3_moe.model import is_expert_param
-from parallel.state import ParallelState
+from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss
+from mpcore.models.qwen3_moe.family import local_inputs
+from mpcore.models.qwen3_moe.hf import load_hf_model, shard_map
+from mpcore.models.qwen3_moe.model import is_expert_param
+from mpcore.parallel.state import ParallelState
 
 STREAMS = [[7, 3], [13, 1], [10, 5], [4, 9]]  # document lengths of the four streams
 LAYOUTS = [(1, 1, "none", 1), (1, 1, "none", 2), (1, 1, "none", 4), (2, 1, "none", 2),
@@ -115,7 +115,7 @@ def _my_streams(state, streams):
 def _case(folder, layout, streams, ref, base):
     tp, cp, mode, ep = layout
     state = ParallelState.build(tp=tp, cp=cp, ep=ep)
-    from launch.score import score_stream
+    from mpcore.launch.score import score_stream
 
     model, cfg = load_hf_model(folder, state, cp_mode=mode)
     logprobs = torch.cat([score_stream(model, state, ids, cu)[0] for ids, cu in streams])
@@ -238,7 +238,7 @@ def test_ep4_with_an_expert_and_a_rank_that_get_no_token(tmp_path):
 def _export_worker(rank, world, folder, out):
     state = ParallelState.build(tp=2, ep=2)  # dp = 2: each ep rank reads half the experts
     model, _ = load_hf_model(folder, state)
-    from models.qwen3_moe.hf import export_hf
+    from mpcore.models.qwen3_moe.hf import export_hf
 
     export_hf(model, state, out)
     return state.ep_rank

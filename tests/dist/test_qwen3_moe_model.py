@@ -28,12 +28,12 @@ from hf_moe_tiny import (
 )
 from safetensors.torch import save_file
 
-from models.llama.hf_config import config_from_hf as dense_config_from_hf
-from models.qwen3_moe.config import Qwen3MoeConfig, config_from_dict, config_from_hf
-from models.qwen3_moe.family import FAMILY, local_inputs
-from models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
-from models.registry import family_of_hf
-from parallel.state import ParallelState
+from mpcore.models.llama.hf_config import config_from_hf as dense_config_from_hf
+from mpcore.models.qwen3_moe.config import Qwen3MoeConfig, config_from_dict, config_from_hf
+from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
+from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.registry import family_of_hf
+from mpcore.parallel.state import ParallelState
 
 LENGTHS = [7, 13, 1, 10, 5]
 
@@ -147,14 +147,14 @@ def test_bad_inputs_raise_before_compute(tmp_path):
     with pytest.raises(ValueError, match="is not a Qwen3-MoE checkpoint"):
         config_from_hf({**moe, "architectures": ["Qwen3ForCausalLM"]})  # and the reverse
     with pytest.raises(ValueError, match="sequence parallelism is not supported"):
-        from models.qwen3_moe.model import Qwen3MoeTransformer
+        from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer
 
         Qwen3MoeTransformer(Qwen3MoeConfig(**base), ParallelState(tp=2),
                             sequence_parallel=True)
     # launch/score.py --ep: checked on config.json alone, before the weights load
     from hf_tiny import save_hf_model as save_dense_model
 
-    from launch.score import checkpoint_spec
+    from mpcore.launch.score import checkpoint_spec
 
     save_dense_model("qwen3", 0, tmp_path / "dense")
     with pytest.raises(ValueError, match="--ep 2 does not fit .*ep=2 but this model has no "

@@ -21,10 +21,10 @@ from hf_qwen3_vl_tiny import IMAGE, VIDEO, reference_loss_grads, reference_score
 from hf_qwen3_vl_tiny import stream as make_stream
 from test_qwen3_vl_model import rel, score_and_grads
 
-from models.common.hf_io import gather_full
-from models.qwen3_vl import config_from_hf, local_inputs
-from models.registry import family_of, family_of_hf
-from parallel.state import ParallelState
+from mpcore.models.common.hf_io import gather_full
+from mpcore.models.qwen3_vl import config_from_hf, local_inputs
+from mpcore.models.registry import family_of, family_of_hf
+from mpcore.parallel.state import ParallelState
 
 # (tp, cp, cp_mode, sequence_parallel, activation_checkpointing, vision_cp)
 BASE = (1, 1, "none", False, False, "split")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hf_qwen3_vl_tiny import END, IMAGE, START, VIDEO, doc_inputs, make_hf_model, stream
 
-from models.qwen3_vl import config_from_hf, global_inputs, local_inputs, position_ids
-from parallel.state import ParallelState
+from mpcore.models.qwen3_vl import config_from_hf, global_inputs, local_inputs, position_ids
+from mpcore.parallel.state import ParallelState
 
 
 @pytest.fixture(scope="module")

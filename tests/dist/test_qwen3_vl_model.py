@@ -25,16 +25,16 @@ from hf_qwen3_vl_tiny import (
     stream,
 )
 
-from models.common.hf_io import _scatter_back
-from models.qwen3_vl import (
+from mpcore.models.common.hf_io import _scatter_back
+from mpcore.models.qwen3_vl import (
     config_from_hf,
     flops_per_token,
     load_hf_model,
     local_inputs,
     num_params,
 )
-from models.registry import family_of
-from parallel.state import ParallelState
+from mpcore.models.registry import family_of
+from mpcore.parallel.state import ParallelState
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,12 +19,12 @@ from harness import run_distributed
 from hf_qwen3_vl_moe_tiny import EAGER, MOE, make_hf_model, save_hf_model
 from hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
 
-from models.common.hf_io import _scatter_back
-from models.qwen3_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
-from models.qwen3_vl_moe.family import FAMILY
-from models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
-from models.registry import family_of, family_of_hf
-from parallel.state import ParallelState
+from mpcore.models.common.hf_io import _scatter_back
+from mpcore.models.qwen3_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
+from mpcore.models.qwen3_vl_moe.family import FAMILY
+from mpcore.models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.registry import family_of, family_of_hf
+from mpcore.parallel.state import ParallelState
 
 
 def _rel(a, b) -> float:
@@ -146,7 +146,7 @@ def test_bad_inputs_raise_before_compute(tmp_path):
     with pytest.raises(ValueError, match="num_experts_per_tok 5 is above num_experts 4"):
         config_from_hf({**hf, "text_config": text})
     with pytest.raises(ValueError, match="sequence parallelism is not supported"):
-        from models.qwen3_vl_moe.model import Qwen3VLMoeModel
+        from mpcore.models.qwen3_vl_moe.model import Qwen3VLMoeModel
 
         with torch.device("meta"):
             Qwen3VLMoeModel(cfg, ParallelState(tp=2), sequence_parallel=True)

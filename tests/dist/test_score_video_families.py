@@ -17,10 +17,10 @@ import hf_qwen3_vl_tiny as qwen3
 import pytest
 import torch
 
-from launch.score import checkpoint_spec, score_items
-from launch.score_io import read_input
-from models import family_of_hf
-from parallel.state import ParallelState
+from mpcore.launch.score import checkpoint_spec, score_items
+from mpcore.launch.score_io import read_input
+from mpcore.models import family_of_hf
+from mpcore.parallel.state import ParallelState
 
 
 def _rows(pixels, grid, which: list[int]):

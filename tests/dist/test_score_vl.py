@@ -168,10 +168,10 @@ def _score_args(folder: Path, tp: str, cp: str, mode: str, out: Path) -> list[st
 
 
 def _main_per_layout(rank, world, folder, out_dir):
-    """``launch.score.main`` at each layout of IN_PROCESS; rank 0's stdout per layout. main
+    """``mpcore.launch.score.main`` at each layout of IN_PROCESS; rank 0's stdout per layout. main
     destroys the process group when it ends (as under torchrun), so each later layout joins
     a fresh one."""
-    from launch.score import main
+    from mpcore.launch.score import main
 
     printed = []
     for i, layout in enumerate(IN_PROCESS):
@@ -219,7 +219,7 @@ def test_score_vl_main_at_other_layouts(case, tmp_path):
 
 
 def test_images_on_a_text_only_checkpoint_fail_before_loading(tmp_path, capsys):
-    from launch.score import main
+    from mpcore.launch.score import main
 
     save_hf_model("qwen3", 0, tmp_path / "q3")
     (tmp_path / "in.jsonl").write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps(
@@ -236,9 +236,9 @@ def test_images_on_a_text_only_checkpoint_fail_before_loading(tmp_path, capsys):
 
 
 def test_the_wrong_loader_says_which_to_use(case):
-    from models.llama.hf import load_hf_model
-    from models.qwen2_vl.hf import load_hf_vl_model
-    from parallel.state import ParallelState
+    from mpcore.models.llama.hf import load_hf_model
+    from mpcore.models.qwen2_vl.hf import load_hf_vl_model
+    from mpcore.parallel.state import ParallelState
 
     folder = case[0]
     state = ParallelState.build(1, 1)
@@ -246,5 +246,5 @@ def test_the_wrong_loader_says_which_to_use(case):
         load_hf_model(folder / "vl", state)
     save_hf_model("qwen2", 0, folder / "q2")
     with pytest.raises(ValueError, match="decoder-only checkpoints load with "
-                                         "models.load_hf_model"):
+                                         "mpcore.models.load_hf_model"):
         load_hf_vl_model(folder / "q2", state)

@@ -21,14 +21,14 @@ import torch
 from harness import run_distributed
 from safetensors.torch import load_file
 
-from models.qwen2_vl import (
+from mpcore.models.qwen2_vl import (
     build_vision_tower,
     export_vision_weights,
     load_vision_tower,
     vision_config_from_hf,
     vision_hf_tensors,
 )
-from parallel.state import ParallelState
+from mpcore.parallel.state import ParallelState
 
 pytestmark = pytest.mark.slow  # the vision tower at every tp
 

@@ -18,9 +18,9 @@ from harness import run_distributed
 from hf_vl_tiny import reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 from test_vl_model import rel, score_and_grads
 
-from models.common.hf_io import gather_full
-from models.qwen2_vl.hf import load_hf_vl_model, vl_shard_map
-from parallel.state import ParallelState
+from mpcore.models.common.hf_io import gather_full
+from mpcore.models.qwen2_vl.hf import load_hf_vl_model, vl_shard_map
+from mpcore.parallel.state import ParallelState
 
 pytestmark = pytest.mark.slow  # every VL layout against transformers
 

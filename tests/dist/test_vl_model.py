@@ -12,10 +12,10 @@ import pytest
 import torch
 from hf_vl_tiny import IMAGE, reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 
-from models.common.hf_io import _scatter_back
-from models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
-from models.qwen2_vl.inputs import local_vl_inputs
-from parallel.state import ParallelState
+from mpcore.models.common.hf_io import _scatter_back
+from mpcore.models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
+from mpcore.models.qwen2_vl.inputs import local_vl_inputs
+from mpcore.parallel.state import ParallelState
 
 CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False)]
 
@@ -120,8 +120,8 @@ def test_placed_inputs_are_checked_on_the_host(tmp_path):
     (no device sync on CUDA; ``tests/gpu/test_vl_gpu.py`` checks that), with the same outputs
     and the same errors as the device path. A row changed in place after placing is no longer
     the host copy's: it is checked on the device, and still caught."""
-    from kernels import host_checked
-    from models.registry import family_of
+    from mpcore.kernels import host_checked
+    from mpcore.models.registry import family_of
     from mpcore.batches import place
 
     save_hf_vl_model("qwen2_vl", seed=0, folder=tmp_path)
@@ -165,9 +165,9 @@ def test_placed_inputs_are_checked_on_the_host(tmp_path):
 
 
 def test_vl_checkpoint_passed_to_the_decoder_loader_raises(tmp_path):
-    from models import load_hf_model
+    from mpcore.models import load_hf_model
 
     save_hf_vl_model("qwen2_vl", seed=0, folder=tmp_path)
     with pytest.raises(ValueError, match="vision-language checkpoint; load it with "
-                                         "models.load_hf_vl_model"):
+                                         "mpcore.models.load_hf_vl_model"):
         load_hf_model(tmp_path, ParallelState.build())

@@ -153,7 +153,7 @@ def test_export_loads_in_transformers(runs):
     from hf_vl_tiny import _doc_logits
 
     out = tmp / "hf"
-    proc = subprocess.run([sys.executable, "-m", "launch.export_hf", "--checkpoint",
+    proc = subprocess.run([sys.executable, "-m", "mpcore.launch.export_hf", "--checkpoint",
                            str(tmp / "ref" / "checkpoints"), "--output", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -161,9 +161,9 @@ def test_export_loads_in_transformers(runs):
         p.name for p in out.iterdir()}
     import transformers
 
-    from models import load_hf_vl_model
+    from mpcore.models import load_hf_vl_model
     from mpcore.data.vl_tokenizer import VLTokenizer
-    from parallel.state import ParallelState
+    from mpcore.parallel.state import ParallelState
 
     ours_tok = VLTokenizer(out / "tokenizer.model")
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -196,7 +196,7 @@ def test_export_loads_in_transformers(runs):
                         cfg.vision_end_token_id, 9, 11])
     pixels = torch.randn(16, cfg.vision.patch_dim, generator=torch.Generator().manual_seed(0))
     grid = torch.tensor([[1, 4, 4]])
-    from models.qwen2_vl.inputs import local_vl_inputs
+    from mpcore.models.qwen2_vl.inputs import local_vl_inputs
 
     _, inputs = local_vl_inputs(ParallelState.build(), ids, torch.tensor([0, ids.numel()]), cfg,
                                 pixel_values=pixels, image_grid_thw=grid)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from models import family_named
+from mpcore.models import family_named
 from mpcore.build import build, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default, prepare_vl_dataset

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from harness import run_distributed
 
-from launch.export_hf import main as export_main
+from mpcore.launch.export_hf import main as export_main
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
 from mpcore.train import train
@@ -75,7 +75,7 @@ def export_matches_transformers(tmp: Path, checkpoints: Path, family, hf_class: 
     ``tail`` after it."""
     import transformers
 
-    from parallel.state import ParallelState
+    from mpcore.parallel.state import ParallelState
 
     out = tmp / "hf"
     # The command's main in this process (test_vl_train runs it as a command): a subprocess

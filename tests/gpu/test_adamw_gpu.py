@@ -1,12 +1,12 @@
-"""TritonAdamW (``kernels.adamw``) on CUDA against PyTorch's fused AdamW and float64 math:
+"""TritonAdamW (``mpcore.kernels.adamw``) on CUDA against PyTorch's fused AdamW and float64 math:
 several steps with weight decay, a changing learning rate, a clip divisor and a skipped step,
 the gradient left as it was; a fused AdamW's state dict (as a checkpoint holds it) resumed;
 the kernel against its PyTorch reference with fp32 and bf16 gradients."""
 
 import pytest
 import torch
+from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 
-from kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.optim import TritonAdamW
 
 pytestmark = pytest.mark.gpu

@@ -13,16 +13,19 @@ absolute <= 2e-2 (fp32 lse from bf16 scores of magnitude ~10).
 
 import pytest
 import torch
-
-from parallel.attention import context_attention, flash
-from parallel.attention.primitive import (
+from mpcore.parallel.attention import context_attention, flash
+from mpcore.parallel.attention.primitive import (
     attention_with_lse,
     block_backward,
     block_forward,
     plan_block,
 )
-from parallel.attention.reference import merge_partials, reference_backward, reference_forward
-from parallel.te import te_available
+from mpcore.parallel.attention.reference import (
+    merge_partials,
+    reference_backward,
+    reference_forward,
+)
+from mpcore.parallel.te import te_available
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

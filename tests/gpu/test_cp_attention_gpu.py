@@ -5,7 +5,7 @@ collects ``test_cp2_flash_matches_cp1`` (marked gpu), which launches that comman
 with a reason when fewer than two GPUs are visible.
 
 Per case (mode x layout x GQA; "ring+cu" also passes the local ``cu_seqlens`` that
-``parallel.context`` gives, so the ring's own-block step is one flash call): the same bf16 q/k/v and output gradient on every rank; cp=1 is
+``mpcore.parallel.context`` gives, so the ring's own-block step is one flash call): the same bf16 q/k/v and output gradient on every rank; cp=1 is
 ``context_attention`` on the whole stream on one GPU (flash, plus its ``cu_seqlens`` fast path);
 cp=2 is each rank's split (built here: zigzag or contiguous). Checked: max abs diff of the
 output and dq/dk/dv of real tokens <= 2e-2 (cp=2 vs cp=1, and cp=1 with vs without
@@ -59,7 +59,7 @@ def _split(lengths, cp, layout):
 
 
 def _run(q, k, v, dout, doc_id, pos, **kwargs):
-    from parallel.attention import context_attention
+    from mpcore.parallel.attention import context_attention
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = context_attention(*leaves, doc_id=doc_id, pos=pos, **kwargs)
@@ -68,7 +68,7 @@ def _run(q, k, v, dout, doc_id, pos, **kwargs):
 
 
 def _case(rank, cp, group, mode, layout, heads, kv_heads, seed):
-    from parallel.attention import use_flash
+    from mpcore.parallel.attention import use_flash
 
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator().manual_seed(seed)
@@ -96,7 +96,7 @@ def _case(rank, cp, group, mode, layout, heads, kv_heads, seed):
         local.append(x)
     local[3][~real.to(dev)] = 0  # padding outputs carry no loss
     kwargs = {"mode": mode.removesuffix("+cu"), "group": group}
-    if mode.endswith("+cu"):  # local segments: maximal runs of one doc_id (as parallel.context)
+    if mode.endswith("+cu"):  # local segments: maximal runs of one doc_id (as mpcore.parallel.context)
         starts = torch.ones_like(doc_id, dtype=torch.bool)
         starts[1:] = doc_id[1:] != doc_id[:-1]
         kwargs["cu_seqlens"] = torch.cat([starts.nonzero().flatten(),
@@ -120,7 +120,7 @@ def main() -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
-    from parallel.state import ParallelState
+    from mpcore.parallel.state import ParallelState
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)

@@ -10,10 +10,9 @@ accumulation order and the bf16 output rounding (2^-9) differ: 1e-2.
 
 import pytest
 import torch
-
-from kernels.fp8_linear import GRAD_DTYPE, fp8_linear, fp8_linear_reference, quantize
-from models import ModelConfig, build_model
-from parallel.state import ParallelState
+from mpcore.kernels.fp8_linear import GRAD_DTYPE, fp8_linear, fp8_linear_reference, quantize
+from mpcore.models import ModelConfig, build_model
+from mpcore.parallel.state import ParallelState
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

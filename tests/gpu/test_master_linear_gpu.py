@@ -1,6 +1,6 @@
 """fp32 master weights under CUDA autocast: the weight gradients written in fp32 by the GEMMs
-(``kernels.master_linear`` in our linear layers, the fused CE head's ``dw``), and the host-side
-id and label ranges (``kernels.host_checked``) that spare the embedding and the head their
+(``mpcore.kernels.master_linear`` in our linear layers, the fused CE head's ``dw``), and the host-side
+id and label ranges (``mpcore.kernels.host_checked``) that spare the embedding and the head their
 device sync.
 
 References: the autocast graph that ran before (``F.linear`` on the cast operands, the head on
@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import host_checked, linear_cross_entropy
-from kernels.linear_cross_entropy import _check_label_range
-from kernels.master_linear import master_linear_applies, mm_has_out_dtype
-from parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from mpcore.kernels import host_checked, linear_cross_entropy
+from mpcore.kernels.linear_cross_entropy import _check_label_range
+from mpcore.kernels.master_linear import master_linear_applies, mm_has_out_dtype
+from mpcore.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-from launch.score import score_stream
-from models import local_text_inputs
-from models.llama.hf import load_hf_model
-from parallel.state import ParallelState
+from mpcore.launch.score import score_stream
+from mpcore.models import local_text_inputs
+from mpcore.models.llama.hf import load_hf_model
+from mpcore.parallel.state import ParallelState
 
 pytestmark = pytest.mark.gpu
 

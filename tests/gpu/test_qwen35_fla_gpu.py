@@ -7,11 +7,10 @@ same bf16 inputs); the whole tiny decoder under bf16 autocast: loss 1e-2, gradie
 import pytest
 import torch
 import torch.nn.functional as F
-
-from models.common.inputs import local_text_inputs
-from models.qwen3_5 import Qwen35Config, deltanet, kernels
-from models.qwen3_5.model import build
-from parallel.state import ParallelState
+from mpcore.models.common.inputs import local_text_inputs
+from mpcore.models.qwen3_5 import Qwen35Config, deltanet, kernels
+from mpcore.models.qwen3_5.model import build
+from mpcore.parallel.state import ParallelState
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(kernels.fla_ops() is None,

@@ -24,12 +24,11 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
     save_hf_model,
     stream,
 )
-
-from models.common.decoder import init_weights  # noqa: E402
-from models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
-from models.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402
-from models.qwen3_vl.vision import Qwen3VisionTower  # noqa: E402
-from parallel.state import ParallelState  # noqa: E402
+from mpcore.models.common.decoder import init_weights  # noqa: E402
+from mpcore.models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
+from mpcore.models.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402
+from mpcore.models.qwen3_vl.vision import Qwen3VisionTower  # noqa: E402
+from mpcore.parallel.state import ParallelState  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 VISION = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -77,7 +76,7 @@ def test_qwen3_vl_on_cuda(tmp_path):
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_tower_forward_never_waits_for_the_gpu(kernel):
     """The tower's host-built tables (position taps, rotary positions, attention segments)
-    reach the GPU through pinned asynchronous copies (kernels.host_checked.copy_to): its
+    reach the GPU through pinned asynchronous copies (mpcore.kernels.host_checked.copy_to): its
     forward and backward make no host sync, so the host can run ahead of the device. The
     checked run equals the first one, made outside the check."""
     cfg = Qwen3VisionConfig(depth=2, hidden_size=128, num_heads=2, intermediate_size=256,

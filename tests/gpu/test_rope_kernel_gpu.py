@@ -6,9 +6,8 @@ float32 -> bfloat16 casts (tests/unit/test_rope_kernel.py)."""
 
 import pytest
 import torch
-
-from kernels.rope import rope, rope_reference
-from models.common.rope import RotaryEmbedding
+from mpcore.kernels.rope import rope, rope_reference
+from mpcore.models.common.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 

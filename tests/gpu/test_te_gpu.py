@@ -1,4 +1,4 @@
-"""TransformerEngine as the GEMM of our TP layers (``parallel.te``) on CUDA: bf16 against the
+"""TransformerEngine as the GEMM of our TP layers (``mpcore.parallel.te``) on CUDA: bf16 against the
 native layers, TE's FP8 recipes against bf16, and a decoder that trains with them.
 
 Bounds. bf16 (same weights, both cuBLAS bf16 GEMMs with fp32 accumulation): only summation
@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import copy
 
+import mpcore.parallel.te
 import pytest
 import torch
 import torch.nn.functional as F
+from mpcore.models import ModelConfig, build_model
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.state import ParallelState
+from mpcore.parallel.te import TEGemm, forward_region, use_te
 
-import parallel.te
-from models import ModelConfig, build_model
 from mpcore.build import build, setup
 from mpcore.config import load_config
 from mpcore.train import Trainer
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.state import ParallelState
-from parallel.te import TEGemm, forward_region, use_te
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="TransformerEngine needs CUDA")]
@@ -100,7 +100,7 @@ def test_te_fp32_weight_gradient_through_main_grad(recipe):
     float64 as TE's bf16 gradient cast by autograd (bf16), and within FP8 noise of it."""
     if recipe != "none" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability >= 8.9")
-    assert parallel.te._overwrites_main_grad(parallel.te.transformer_engine())
+    assert mpcore.parallel.te._overwrites_main_grad(mpcore.parallel.te.transformer_engine())
     g = torch.Generator(device="cuda").manual_seed(5)
     xs = [torch.randn(1000, 1024, device="cuda", generator=g).bfloat16() for _ in range(2)]
     dys = [torch.randn(1000, 768, device="cuda", generator=g).bfloat16() for _ in range(2)]
@@ -161,8 +161,8 @@ def test_forward_region_opens_one_te_autocast(monkeypatch, recipe):
     use_te(row, recipe)
     y_call, dx_call, grads_call = _run(col, row, x, dy, calls=3)
     opened = []
-    real = parallel.te._autocast
-    monkeypatch.setattr(parallel.te, "_autocast",
+    real = mpcore.parallel.te._autocast
+    monkeypatch.setattr(mpcore.parallel.te, "_autocast",
                         lambda te, r: opened.append(r) or real(te, r))
     region = forward_region(torch.nn.Sequential(col, row))
     for _ in range(3):

@@ -17,11 +17,15 @@ import json
 
 import pytest
 import torch
-
-from models.common.vision_attention import Segments, attention_reference, segment_attention
-from models.qwen2_vl import load_vision_tower, plan_vision, vision_config_from_hf, vision_shard_map
-from models.qwen2_vl.vision_hf import shard_from_full
-from parallel.attention import flash
+from mpcore.models.common.vision_attention import Segments, attention_reference, segment_attention
+from mpcore.models.qwen2_vl import (
+    load_vision_tower,
+    plan_vision,
+    vision_config_from_hf,
+    vision_shard_map,
+)
+from mpcore.models.qwen2_vl.vision_hf import shard_from_full
+from mpcore.parallel.attention import flash
 
 pytestmark = pytest.mark.gpu
 

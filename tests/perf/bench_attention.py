@@ -36,8 +36,8 @@ from triton.testing import do_bench
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from parallel.attention import AttentionPlan, context_attention, flash  # noqa: E402
-from parallel.te import te_available  # noqa: E402
+from mpcore.parallel.attention import AttentionPlan, context_attention, flash  # noqa: E402
+from mpcore.parallel.te import te_available  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "attention_h200.json"
 TOKENS, HEADS, KV_HEADS, DIM = 16384, 32, 8, 64

@@ -15,7 +15,7 @@ Writes JSON (default tests/perf/results/loss_h200.json, or loss_h200_tp2.json) a
 table. Peers that are not importable are recorded as "not installed"; an OOM as "OOM".
 
 The RL heads (per-token log-prob + entropy, both with a per-token upstream gradient: the
-objective ``sum(lp / N - 0.01 * entropy / N)``): ours (``kernels.linear_logprobs``) beside
+objective ``sum(lp / N - 0.01 * entropy / N)``): ours (``mpcore.kernels.linear_logprobs``) beside
 verl 0.9.1's fused Triton head (``verl.utils.kernel.linear_cross_entropy``, reduction "none",
 temperature 1), on the same inputs. verl has no ignore index (a row whose label is outside
 the vocabulary gets an unset log-prob), so its rows are given label 0 where ours ignore one
@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from kernels import _lce_chunks, linear_cross_entropy, linear_logprobs  # noqa: E402
+from mpcore.kernels import _lce_chunks, linear_cross_entropy, linear_logprobs  # noqa: E402
 
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936), (32768, 4096, 128256)]
 ERROR_SHAPE = (4096, 2048, 32000)

@@ -7,7 +7,7 @@ Usage (one GPU; fla-core installed so both sides take its kernels):
 ``--config``: a Qwen3.5 ``config.json`` (default: the Qwen3.5-0.8B shape,
 tests/dist/qwen35_0p8b_config.json; its text decoder is what runs). Both sides: fp32 parameters,
 bf16 autocast on CUDA (fp32 on CPU), one document of ``--seq`` random tokens per step, AdamW
-(fused on CUDA) with lr 1e-4, gradient clipping at 1.0. mpcore: ``models.qwen3_5.model.build``
+(fused on CUDA) with lr 1e-4, gradient clipping at 1.0. mpcore: ``mpcore.models.qwen3_5.model.build``
 (``gdn_kernel=auto``: fla when installed), the training head's ``loss_sum`` output over the
 valid tokens. transformers: ``Qwen3_5ForCausalLM`` of the same config (SDPA attention; its own
 fla path when fla is installed), ``labels`` loss.
@@ -32,16 +32,15 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpcore.models.common.decoder import init_weights  # noqa: E402
+from mpcore.models.common.inputs import local_text_inputs  # noqa: E402
+from mpcore.models.qwen3_5 import kernels  # noqa: E402
+from mpcore.models.qwen3_5.hf import config_from_hf, text_fields  # noqa: E402
+from mpcore.models.qwen3_5.layers import GatedDeltaNet  # noqa: E402
+from mpcore.models.qwen3_5.model import build  # noqa: E402
+from mpcore.parallel.attention import AttentionPlan  # noqa: E402
+from mpcore.parallel.state import ParallelState  # noqa: E402
 from step_timing import adamw, autocast, timed  # noqa: E402
-
-from models.common.decoder import init_weights  # noqa: E402
-from models.common.inputs import local_text_inputs  # noqa: E402
-from models.qwen3_5 import kernels  # noqa: E402
-from models.qwen3_5.hf import config_from_hf, text_fields  # noqa: E402
-from models.qwen3_5.layers import GatedDeltaNet  # noqa: E402
-from models.qwen3_5.model import build  # noqa: E402
-from parallel.attention import AttentionPlan  # noqa: E402
-from parallel.state import ParallelState  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "qwen35_h200.json"
 DEFAULT_CONFIG = REPO / "tests" / "dist" / "qwen35_0p8b_config.json"

@@ -25,7 +25,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 # Runnable from a plain checkout, without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.rmsnorm import rms_norm_reference, rms_norm_triton  # noqa: E402
+from mpcore.kernels.rmsnorm import rms_norm_reference, rms_norm_triton  # noqa: E402
 
 SHAPES = [(4 * 4096, 2048), (8192, 4096)]
 EPS = 1e-6

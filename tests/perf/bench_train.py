@@ -15,7 +15,7 @@ label shift, CP split, loss over the global valid-token count, true global grad 
 fused AdamW, fp32 master weights + bf16 autocast) on ``--config`` (default
 launch/configs/llama3_1b.yaml), with random token data instead of the corpus (one document per
 sample, ``micro_batch`` samples of ``seq`` tokens per step on each dp rank). The baselines:
-``LlamaForCausalLM`` of the same shape (``models.hf_config_dict`` of the config: tied, rope
+``LlamaForCausalLM`` of the same shape (``mpcore.models.hf_config_dict`` of the config: tied, rope
 theta 500000 with llama3 scaling for the default), fp32 parameters, bf16 autocast, SDPA
 attention, fused AdamW with the same hyper-parameters and the same lr schedule (``lr_at``, 10
 warmup steps), gradient clipping at 1.0, the same token batches ``[micro_batch, seq]``; then again with liger-kernel's Llama patches (fused linear cross
@@ -42,7 +42,7 @@ the same process, beside one run of each baseline: the first fills the top-level
 third field ``bf16_wgrad`` (``te:te_delayed:bf16_wgrad``) has TE return its weight gradients
 in bf16 for autograd to cast (``TEGemm.fp32_wgrad = False``), for an A/B of the fp32 ones;
 ``lceMIB`` instead (``native:none:lce1024``) sets the loss head's logits chunk budget
-(``kernels._lce_chunks.CHUNK_BYTES``, default 512 MiB) for that variant, and ``bf16_residual``
+(``mpcore.kernels._lce_chunks.CHUNK_BYTES``, default 512 MiB) for that variant, and ``bf16_residual``
 (``te:te_delayed:bf16_residual``) runs it with ``model.residual_dtype=autocast`` (the residual
 stream in bf16, as Megatron-core and torchtitan keep it; default float32, as transformers).
 Options combine with ``+`` (``te:te_delayed:bf16_residual+adamw_triton``); ``adamw_triton`` /
@@ -68,15 +68,16 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from kernels import _lce_chunks  # noqa: E402
-from launch.pretrain import init_distributed  # noqa: E402
-from models import hf_config_dict  # noqa: E402
+from mpcore.kernels import _lce_chunks  # noqa: E402
+from mpcore.launch.pretrain import init_distributed  # noqa: E402
+from mpcore.models import hf_config_dict  # noqa: E402
+from mpcore.parallel.te import TEGemm  # noqa: E402
+
 from mpcore.backends import resolve_linear_backend  # noqa: E402
 from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
 from mpcore.optim import lr_at, set_lr  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
-from parallel.te import TEGemm  # noqa: E402
 
 
 class Variant(NamedTuple):

@@ -5,7 +5,7 @@ tests/perf/results/vision_attention_h200.json).
 
 16 heads of dim 80, bf16, non-causal, five images' frames of 1764 .. 5476 patches (16.6k
 rows, about what bench_vl.py's five images give). Rows: flash varlen (one call), and the dense
-cuDNN calls per segment length (``models.common.vision_attention._CudnnSegments``, the default), at
+cuDNN calls per segment length (``mpcore.models.common.vision_attention._CudnnSegments``, the default), at
 head dim 80 and with q, k, v zero-padded to 96, 112 and 128 (the pads and the slices are in
 the timing; q.k and the softmax are unchanged by zero columns). Median of
 ``triton.testing.do_bench``; TFLOP/s counts the unpadded math (4 * sum(L^2) * H * D forward,
@@ -24,7 +24,7 @@ from triton.testing import do_bench
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from models.qwen2_vl import attention as va  # noqa: E402
+from mpcore.models.qwen2_vl import attention as va  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "vision_attention_h200.json"
 LENGTHS, HEADS, DIM = [1764, 2704, 3364, 4096, 4692], 16, 80

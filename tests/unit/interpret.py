@@ -12,8 +12,7 @@ import subprocess
 import sys
 
 import pytest
-
-from kernels._triton import HAVE_TRITON
+from mpcore.kernels._triton import HAVE_TRITON
 
 
 def run_under_interpreter(path: str, marker: str, timeout: float = 600) -> None:

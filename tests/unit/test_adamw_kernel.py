@@ -1,4 +1,4 @@
-"""AdamW in Triton (``kernels.adamw``, ``mpcore.optim.TritonAdamW``): the update against
+"""AdamW in Triton (``mpcore.kernels.adamw``, ``mpcore.optim.TritonAdamW``): the update against
 ``torch.optim.AdamW`` (fp32, and the same math in float64) over several steps with weight decay,
 a changing learning rate, a gradient divisor and a skipped step; checkpoints that move between
 the two optimizers; bad input; and the Triton kernel itself run on CPU tensors by the Triton
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
+from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 
-from kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.optim import TritonAdamW
 
 # Ragged sizes (not multiples of the kernel's block), a matrix and a 0-d parameter.
@@ -177,7 +177,7 @@ def test_full_blocks_compile_to_16_byte_vectors(grad):
     fp32 state is read and written in 16-byte vectors (the update is bandwidth-bound: 28 bytes
     per element), with an fp32 or a bf16 gradient; without the mark (a tensor at an
     odd offset), nothing is vectorised, which is why the host checks the alignment."""
-    from kernels import adamw as module
+    from mpcore.kernels import adamw as module
 
     sig = {"table_ptr": "*i64", "blocks_ptr": "*i64", "coef_ptr": "*fp32", "scale_ptr": "*fp32",
            "skip_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
@@ -233,9 +233,8 @@ def _check_kernel_equals_reference(grad_dtype):
 
 
 def _interpreter_checks():
+    from mpcore.kernels import adamw as module
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import adamw as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._adamw_kernel, InterpretedFunction), "not interpreted"

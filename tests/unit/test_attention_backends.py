@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mpcore.models import ModelConfig, build_model
+from mpcore.parallel import te
+from mpcore.parallel.attention import AttentionPlan, backends, context_attention, flash
+from mpcore.parallel.attention.primitive import plan_block, use_flash
+from mpcore.parallel.state import ParallelState
 
-from models import ModelConfig, build_model
 from mpcore.config import load_config
-from parallel import te
-from parallel.attention import AttentionPlan, backends, context_attention, flash
-from parallel.attention.primitive import plan_block, use_flash
-from parallel.state import ParallelState
 
 RESULTS = Path(__file__).resolve().parents[1] / "perf" / "results" / "attention_h200.json"
 no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")
@@ -171,7 +171,7 @@ def test_te_fused_without_te_names_the_install_hint():
         model(torch.randint(0, 64, (12,)), pos, cu_seqlens=torch.tensor([0, 5, 12]),
               output="logits")
     # The kernel itself, called without TE, says the same.
-    from parallel.attention.te_fused import te_fused_forward
+    from mpcore.parallel.attention.te_fused import te_fused_forward
 
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=hint):

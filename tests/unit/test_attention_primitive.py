@@ -9,9 +9,8 @@ planner (the CUDA path's host half) is run with a kernel that emulates flash var
 import pytest
 import torch
 import torch.nn.functional as F
-
-from parallel.attention import AttentionPlan, context_attention, flash, reference
-from parallel.attention.primitive import attention_with_lse, use_flash
+from mpcore.parallel.attention import AttentionPlan, context_attention, flash, reference
+from mpcore.parallel.attention.primitive import attention_with_lse, use_flash
 
 F64 = torch.float64
 
@@ -230,7 +229,7 @@ def test_one_call_covering_every_row_skips_the_merge():
 
 
 def test_local_cu_seqlens_give_the_own_block_of_a_zigzag_rank():
-    # parallel.context's local cu_seqlens: one segment per document (chunk r, then 2cp-1-r).
+    # mpcore.parallel.context's local cu_seqlens: one segment per document (chunk r, then 2cp-1-r).
     g = torch.Generator().manual_seed(8)
     for cp in (2, 4):
         for rank in range(cp):
@@ -301,7 +300,7 @@ def test_context_attention_rejects_bad_input(change, match):
 def test_attention_plan_is_checked_once_and_planned_once(monkeypatch):
     """A model's layers share one AttentionPlan: the block is planned at the first layer only,
     and every layer's result is that of a call planned on its own."""
-    from parallel.attention import api
+    from mpcore.parallel.attention import api
 
     q, k, v, doc, pos = _stream(LENGTHS, seed=3)
     cu = torch.tensor([0, *LENGTHS]).cumsum(0).int()
@@ -326,7 +325,7 @@ def test_attention_plan_is_checked_once_and_planned_once(monkeypatch):
 
 def test_query_chunk_without_any_key_of_its_document():
     """A whole query chunk whose documents have no keys here: out 0, lse -inf, zero grads."""
-    from parallel.attention.reference import reference_backward, reference_forward
+    from mpcore.parallel.attention.reference import reference_backward, reference_forward
 
     q = torch.randn(300, 2, 8, dtype=torch.float64)
     k = torch.randn(5, 2, 8, dtype=torch.float64)

@@ -93,7 +93,7 @@ def test_verl_kernel_imports_without_ray():
 def test_chunk_budget_rows_set_the_budget_for_the_whole_step(monkeypatch):
     """An ``@N MiB`` row runs forward and backward (the RL head re-chunks there) with its own
     ``CHUNK_BYTES``, gives the default rows' gradients, and leaves the default in place."""
-    from kernels import _lce_chunks
+    from mpcore.kernels import _lce_chunks
 
     seen = []
     chunk_rows = _lce_chunks.Head.chunk_rows

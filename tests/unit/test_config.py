@@ -8,14 +8,14 @@ import math
 from pathlib import Path
 
 import pytest
+from mpcore.kernels._triton import HAVE_TRITON
+from mpcore.models import ModelConfig, build_model
+from mpcore.parallel.state import ParallelState
 
-from kernels._triton import HAVE_TRITON
-from models import ModelConfig, build_model
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import ModelSection, load_config, model_section, save_config
 from mpcore.metrics import flops_per_token, num_params
 from mpcore.optim import lr_at
-from parallel.state import ParallelState
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 
@@ -71,10 +71,10 @@ def test_resolved_config_round_trips(tmp_path):
 def test_model_section_is_the_family_section_plus_run_keys():
     """No mirror: the decoder keys are ModelConfig's fields (derived), each family's section
     adds its own nested sections (derived from its configs), mpcore adds only run-level keys."""
-    from models import FAMILIES
-    from models.common.section import DecoderSection
-    from models.qwen2_vl import VisionConfig
-    from models.qwen3_moe.config import Qwen3MoeConfig
+    from mpcore.models import FAMILIES
+    from mpcore.models.common.section import DecoderSection
+    from mpcore.models.qwen2_vl import VisionConfig
+    from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
 
     run = {f.name for f in dataclasses.fields(ModelSection)}
     assert run == {"family", "init_from", "attention_backend", "linear_backend", "fp8",
@@ -97,8 +97,8 @@ def test_every_model_key_of_every_family_has_a_docstring():
     """--help shows these docstrings: the reference docs of each key (derived ones included)."""
     import typing
 
-    from models import FAMILIES
-    from models.common.section import field_docs
+    from mpcore.models import FAMILIES
+    from mpcore.models.common.section import field_docs
 
     def undocumented(cls, prefix):
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
@@ -150,14 +150,15 @@ def test_family_sections_round_trip_and_take_every_override_form(tmp_path):
 
 def test_kernel_choices_mirror_the_library():
     """config.py imports nothing of ours, so it spells the names out; they must agree."""
-    from kernels.fp8_linear import RECIPES
+    from mpcore.kernels.fp8_linear import RECIPES
+    from mpcore.parallel.attention.backends import BACKENDS
+    from mpcore.parallel.te import LINEAR_BACKENDS, TE_RECIPES
+
     from mpcore import config
-    from parallel.attention.backends import BACKENDS
-    from parallel.te import LINEAR_BACKENDS, TE_RECIPES
 
     assert config.ATTENTION_BACKENDS == BACKENDS and config.FP8_RECIPES == RECIPES + TE_RECIPES
     assert config.LINEAR_BACKENDS == LINEAR_BACKENDS
-    from models import FAMILIES
+    from mpcore.models import FAMILIES
 
     assert config.FAMILIES == tuple(FAMILIES)
     cfg = load_config(None, ["model.attention_backend=sdpa_cudnn", "model.fp8=tensorwise"])
@@ -183,15 +184,14 @@ def test_shipped_shapes():
 
 
 def test_shipped_vl_shape_matches_qwen2_vl_2b():
-    from models.qwen2_vl import FAMILY
+    from mpcore.models.qwen2_vl import FAMILY
 
     ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                vision_end_token_id=151653)
     cfg = FAMILY.config_from_section(load_config(CONFIGS / "vl_2b.yaml").model, ids)
     import torch
     import transformers
-
-    from models import hf_vl_config_dict
+    from mpcore.models import hf_vl_config_dict
 
     with torch.device("meta"):  # transformers' own model of this config, counted without memory
         hf = transformers.Qwen2VLForConditionalGeneration(

@@ -9,9 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from parallel import ContextPlan, LabelShifter, loss_share, split_batch
-from parallel.loss import global_valid_count
+from mpcore.parallel import ContextPlan, LabelShifter, loss_share, split_batch
+from mpcore.parallel.loss import global_valid_count
 
 IGNORE = -100
 

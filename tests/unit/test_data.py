@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mpcore.launch import prepare_data
 
-from launch import prepare_data
 from mpcore.data import (
     BlendedDataset,
     DataLoader,

@@ -1,15 +1,14 @@
 """The fused rope and SwiGLU passes skip their custom op's dispatch in eager mode and keep the op
-under torch.compile (kernels._triton.eager_or_op): one eager step records no ``mpcore::`` op in
+under torch.compile (mpcore.kernels._triton.eager_or_op): one eager step records no ``mpcore::`` op in
 the profiler and gives the same values and gradients as the op called directly; a compiled
 step's graph holds the ops (so compile keeps them whole, without a graph break)."""
 
 import torch
+from mpcore.kernels import rope as rope_module
+from mpcore.kernels import swiglu as swiglu_module
+from mpcore.kernels.rope import rope
+from mpcore.kernels.swiglu import swiglu
 from torch.profiler import ProfilerActivity, profile
-
-from kernels import rope as rope_module
-from kernels import swiglu as swiglu_module
-from kernels.rope import rope
-from kernels.swiglu import swiglu
 
 
 def _tables(t, d):

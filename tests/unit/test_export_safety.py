@@ -15,30 +15,30 @@ import sys
 import threading
 from pathlib import Path
 
+import mpcore.launch.export_hf
 import pytest
+from mpcore.launch.export_hf import main
 
-import launch.export_hf
-from launch.export_hf import main
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import train
 
-REPO = Path(launch.export_hf.__file__).resolve().parents[1]  # children run the code tested here
+REPO = Path(mpcore.launch.export_hf.__file__).resolve().parents[1]  # children run the code tested here
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 # export_hf with the weights' write held until the file argv[1] appears (config.json is written
 # by then): prints "writing" first.
 SLOW = """import sys, time
 from pathlib import Path
-import models.common.hf_io
-real, go = models.common.hf_io.save_file, Path(sys.argv[1])
+import mpcore.models.common.hf_io
+real, go = mpcore.models.common.hf_io.save_file, Path(sys.argv[1])
 def slow(*args, **kwargs):
     print("writing", flush=True)
     while not go.exists():
         time.sleep(0.05)
     return real(*args, **kwargs)
-models.common.hf_io.save_file = slow
-from launch.export_hf import main
+mpcore.models.common.hf_io.save_file = slow
+from mpcore.launch.export_hf import main
 sys.exit(main(sys.argv[2:]))
 """
 

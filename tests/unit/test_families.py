@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from mpcore.models import FAMILIES, ModelConfig, family_named, family_of, family_of_hf
+from mpcore.models.common.family import MODALITIES
 
-from models import FAMILIES, ModelConfig, family_named, family_of, family_of_hf
-from models.common.family import MODALITIES
 from mpcore.build import run_family
 from mpcore.config import load_config
 

@@ -1,14 +1,13 @@
-"""FP8 linear on CPU: the autograd math of ``kernels.fp8_linear`` through its PyTorch
+"""FP8 linear on CPU: the autograd math of ``mpcore.kernels.fp8_linear`` through its PyTorch
 reference (FP8 casts, fp32 matmuls) against float64, and the errors for machines and shapes
 FP8 cannot run. The Triton + ``torch._scaled_mm`` path runs in tests/gpu/test_fp8_linear_gpu.py."""
 
 import pytest
 import torch
-
-from kernels.fp8_linear import check_fp8, fp8_linear, fp8_linear_reference, quantize
-from models import ModelConfig, build_model
-from parallel.layers import ColumnParallelLinear
-from parallel.state import ParallelState
+from mpcore.kernels.fp8_linear import check_fp8, fp8_linear, fp8_linear_reference, quantize
+from mpcore.models import ModelConfig, build_model
+from mpcore.parallel.layers import ColumnParallelLinear
+from mpcore.parallel.state import ParallelState
 
 
 def _rel(a, b):

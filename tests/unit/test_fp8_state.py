@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from mpcore.parallel.te import FP8_STATE_KEYS, TEGemm, fp8_state_layers, merge_fp8_states
 from test_checkpoint_safety import data_dir, tiny  # noqa: F401 (fixture)
 
 from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import save_checkpoint
-from parallel.te import FP8_STATE_KEYS, TEGemm, fp8_state_layers, merge_fp8_states
 
 
 class _FakeTEModule:
@@ -130,7 +130,7 @@ def test_a_checkpoint_without_fp8_state_is_noted_and_a_mismatched_history_refuse
     assert torch.equal(merged["amax_history_fwd"],
                        torch.maximum(states[0]["amax_history_fwd"], states[1]["amax_history_fwd"]))
     gemm = _fake_gemm()
-    from parallel.te import load_fp8_state
+    from mpcore.parallel.te import load_fp8_state
 
     with pytest.raises(ValueError, match=r"FP8 state scale_fwd: the checkpoint holds \(4, 3\), "
                                          r"this run's recipe \(3,\)"):

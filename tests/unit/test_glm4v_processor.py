@@ -1,4 +1,4 @@
-"""GLM-4V's resize rule (``models.glm4v.processor.resize_size``) vs transformers: its
+"""GLM-4V's resize rule (``mpcore.models.glm4v.processor.resize_size``) vs transformers: its
 ``smart_resize`` on random sizes (tiny, huge, thin ones included) and its image processor's grids
 on the images shipped in launch/data/images; and where it differs from Qwen2-VL's rule."""
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpcore.models.glm4v.processor import resize_size
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
-from models.glm4v.processor import resize_size
 from mpcore.data.images import smart_resize as qwen_resize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,12 +66,12 @@ def test_score_images_form_resizes_by_the_family_rule(tmp_path):
 
     import numpy as np
     import torch
+    from mpcore.launch.score import checkpoint_spec
+    from mpcore.launch.score_io import read_input
+    from mpcore.models.glm4v import FAMILY
     from PIL import Image
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    from launch.score import checkpoint_spec
-    from launch.score_io import read_input
-    from models.glm4v import FAMILY
     from mpcore.config import load_config
 
     ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,

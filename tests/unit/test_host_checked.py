@@ -1,4 +1,4 @@
-"""kernels.host_checked: ranges taken on the host, and the layers that trust them (the
+"""mpcore.kernels.host_checked: ranges taken on the host, and the layers that trust them (the
 embedding and the loss heads still raise on ids outside the vocab). That no sync happens on
 CUDA is checked in tests/gpu/test_master_linear_gpu.py."""
 
@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import host_checked, linear_cross_entropy
-from parallel.layers import VocabParallelEmbedding
+from mpcore.kernels import host_checked, linear_cross_entropy
+from mpcore.parallel.layers import VocabParallelEmbedding
 
 
 def test_records_the_range_without_the_ignored_value():
@@ -85,10 +84,11 @@ def test_value_range_and_host_values_fall_back_to_the_tensor():
 
 
 def test_local_inputs_record_every_tensor():
-    from models.llama import FAMILY
+    from mpcore.models.llama import FAMILY
+    from mpcore.parallel.state import ParallelState
+
     from mpcore.batches import local_inputs
     from mpcore.config import load_config
-    from parallel.state import ParallelState
 
     cfg = load_config(None, [])
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)

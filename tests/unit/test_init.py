@@ -1,8 +1,7 @@
 """Weight init is the same logical function at every TP degree (single process, no comms)."""
 
 import torch
-
-from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def test_column_shards_concatenate_to_tp1_weight():

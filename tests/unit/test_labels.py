@@ -4,9 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from parallel import LabelShifter
-from parallel.labels import check_cu_seqlens, pack_padded, position_ids
+from mpcore.parallel import LabelShifter
+from mpcore.parallel.labels import check_cu_seqlens, pack_padded, position_ids
 
 IGNORE = -100
 

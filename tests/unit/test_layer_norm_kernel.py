@@ -1,4 +1,4 @@
-"""LayerNorm (``kernels.layernorm``): the reference against float64 ``F.layer_norm`` and eager
+"""LayerNorm (``mpcore.kernels.layernorm``): the reference against float64 ``F.layer_norm`` and eager
 autocast's float32 LayerNorm, the Triton kernels on CPU tensors under Triton's interpreter (this
 file re-runs itself with TRITON_INTERPRET=1; fp32 and fp16, since the interpreter's bf16 casts
 truncate), and the kernels compiled for sm_90 without a GPU (16-byte vector accesses)."""
@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
-
-from kernels.layernorm import layer_norm, layer_norm_reference, layer_norm_triton
+from mpcore.kernels.layernorm import layer_norm, layer_norm_reference, layer_norm_triton
 
 _TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.float64: 1e-12}
 # (rows, H, x dtype): ragged widths, and more rows than the interpreter's 4 backward programs
@@ -100,7 +99,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses(which):
     """Triton lowers the kernels to PTX for an H100/H200 here (no GPU needed): bf16 rows of a
     width divisible by 16 must load and store in vectors (``.v4`` / ``.v2``: 16 or 8 bytes),
     not one 2-byte element at a time."""
-    from kernels import layernorm
+    from mpcore.kernels import layernorm
 
     if which == "fwd":
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16",
@@ -124,9 +123,8 @@ def test_triton_kernels_under_interpreter():
 
 
 def _interpreter_checks():
+    from mpcore.kernels import layernorm as module
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import layernorm as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._layer_norm_fwd_kernel, InterpretedFunction), "not interpreted"

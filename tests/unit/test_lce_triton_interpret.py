@@ -21,9 +21,8 @@ def _close(actual, expected, rel):
 
 def _check_rows(dtype):
     import torch
-
-    from kernels import _lce_triton as tri
-    from kernels._lce_chunks import TorchRows, grad_view
+    from mpcore.kernels import _lce_triton as tri
+    from mpcore.kernels._lce_chunks import TorchRows, grad_view
 
     n, v, n_valid = 13, 77, 70  # 7 padding columns; blocks of 16 leave a ragged tail
     rel = 1e-5 if dtype == torch.float32 else 2e-3
@@ -66,8 +65,7 @@ def _check_rows(dtype):
 
 def _check_scale():
     import torch
-
-    from kernels import _lce_triton as tri
+    from mpcore.kernels import _lce_triton as tri
 
     x = torch.randn(10001, dtype=torch.float16)
     y = x.clone()
@@ -83,9 +81,8 @@ def _check_scale():
 def _check_engine():
     import torch
     import torch.nn.functional as F
-
-    from kernels import _lce_chunks
-    from kernels.linear_cross_entropy import _cross_entropy, _logprobs
+    from mpcore.kernels import _lce_chunks
+    from mpcore.kernels.linear_cross_entropy import _cross_entropy, _logprobs
 
     _lce_chunks.CHUNK_BYTES = 8 * 50 * 4  # 8-row chunks: 5 chunks for 37 tokens
     n, h, v_rows, vocab = 37, 24, 50, 45
@@ -119,9 +116,8 @@ def _check_engine():
 
 def _main():
     import torch
+    from mpcore.kernels import _lce_triton
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import _lce_triton
 
     assert isinstance(_lce_triton._lce_rows_kernel, InterpretedFunction), "not interpreted"
     torch.manual_seed(0)

@@ -8,9 +8,8 @@ chunks (the CUDA path uses the same chunk engine).
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import _lce_chunks, linear_cross_entropy, linear_logprobs
-from kernels.linear_cross_entropy import (
+from mpcore.kernels import _lce_chunks, linear_cross_entropy, linear_logprobs
+from mpcore.kernels.linear_cross_entropy import (
     linear_cross_entropy_reference,
     linear_logprobs_reference,
 )

@@ -1,4 +1,4 @@
-"""kernels.master_linear on the CPU: the autograd math against float64, and when the layers
+"""mpcore.kernels.master_linear on the CPU: the autograd math against float64, and when the layers
 use it (CUDA only: the fp32-output GEMM is a CUDA op; tests/gpu/test_master_linear_gpu.py runs
 it there)."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.master_linear import master_linear, master_linear_applies
-from parallel.layers import linear
+from mpcore.kernels.master_linear import master_linear, master_linear_applies
+from mpcore.parallel.layers import linear
 
 
 def _data(seed: int, rows: int = 37, k: int = 48, m: int = 24):

@@ -1,4 +1,4 @@
-"""models.common.moe.MoeBlock vs transformers' sparse MoE blocks, and the aux-loss formula.
+"""mpcore.models.common.moe.MoeBlock vs transformers' sparse MoE blocks, and the aux-loss formula.
 
 - Qwen3-MoE's block (no renormalisation) and Qwen2-MoE's (renormalised, shared expert gated
   by sigmoid(shared_expert_gate)): outputs and every gradient (router, experts, shared expert,
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.common.moe import MoeBlock
-from models.common.moe_loss import aux_share, global_counts, load_balancing_loss, pool_layers
+from mpcore.models.common.moe import MoeBlock
+from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss, pool_layers
 
 
 def _hf_block(kind: str, norm: bool):
@@ -101,7 +100,7 @@ def test_pooled_share_is_transformers_load_balancing_loss_and_mask_drops_rows():
 
 
 def test_z_share_is_the_mean_squared_logsumexp_over_real_rows():
-    from models.common.moe_loss import z_share
+    from mpcore.models.common.moe_loss import z_share
 
     block = MoeBlock(16, 6, 2, 8, norm_topk_prob=False)
     block.reset_parameters(5)
@@ -121,7 +120,7 @@ def test_bad_block_arguments():
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 def test_grouped_gemm_equals_the_reference_with_empty_experts():
-    from models.common.moe import grouped_swiglu_experts, swiglu_experts
+    from mpcore.models.common.moe import grouped_swiglu_experts, swiglu_experts
 
     gen = torch.Generator().manual_seed(3)
     w13 = torch.randn(4, 48, 32, generator=gen, requires_grad=True)
@@ -146,7 +145,7 @@ def test_grouped_gemm_under_autocast_takes_fp32_master_weights():
     operands as autocast casts ``F.linear`` (autocast does not cover ``_grouped_mm``, so before
     it refused fp32 weights beside bf16 rows): the same bf16 result as the reference, and fp32
     gradients for the fp32 weights."""
-    from models.common.moe import grouped_swiglu_experts, swiglu_experts
+    from mpcore.models.common.moe import grouped_swiglu_experts, swiglu_experts
 
     gen = torch.Generator().manual_seed(4)
     w13 = torch.randn(3, 64, 32, generator=gen, requires_grad=True)

@@ -25,11 +25,11 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_everything_imports_and_a_kernel_launch_says_how_to_install():
     proc = _run(
-        "import kernels, parallel, models, mpcore.train, launch.pretrain, launch.score, "
-        "launch.export_hf\n"
+        "import mpcore.kernels, mpcore.parallel, mpcore.models, mpcore.train, mpcore.launch.pretrain, mpcore.launch.score, "
+        "mpcore.launch.export_hf\n"
         "import torch\n"
-        "from kernels._triton import HAVE_TRITON\n"
-        "from kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_triton\n"
+        "from mpcore.kernels._triton import HAVE_TRITON\n"
+        "from mpcore.kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_triton\n"
         "assert not HAVE_TRITON\n"
         "x, w = torch.randn(4, 32), torch.randn(32)\n"
         "assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))\n"

@@ -10,8 +10,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-from launch.plot_metrics import main
+from mpcore.launch.plot_metrics import main
 
 REPO = Path(__file__).resolve().parents[2]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -95,7 +94,7 @@ def test_errors_leave_the_previous_picture(tmp_path):
 
 def test_png_without_matplotlib_says_so(tmp_path):
     _write_run(tmp_path / "a", 10, 0.0)
-    code = ("import sys; sys.modules['matplotlib'] = None; from launch.plot_metrics import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from mpcore.launch.plot_metrics import main; "
             f"main([{str(tmp_path / 'a')!r}, '--out', {str(tmp_path / 'c.png')!r}])")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)

@@ -9,8 +9,7 @@ import os
 import pytest
 import torch
 from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
-
-from kernels.quick_gelu import quick_gelu, quick_gelu_reference, quick_gelu_triton
+from mpcore.kernels.quick_gelu import quick_gelu, quick_gelu_reference, quick_gelu_triton
 
 # Norm-wise relative tolerance per dtype: fp32 to rounding, fp16 a few ulps of its roundings.
 _TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float64: 1e-12}
@@ -138,7 +137,7 @@ def test_bf16_accesses_compile_to_16_byte_vectors(which):
     vectorises a masked access only where it knows the mask constant over a vector. Opted out
     (``do_not_specialize``), every access was 2 bytes wide and the forward ran at a quarter of
     the copy bandwidth on the H200 (302 us for the Qwen2-VL-2B tower's 338 MB per block)."""
-    from kernels import quick_gelu as module
+    from mpcore.kernels import quick_gelu as module
 
     kernel = getattr(module, f"_quick_gelu_{which}_kernel")
     assert not kernel.do_not_specialize, "n must stay specialised"
@@ -163,9 +162,8 @@ def _check_triton_rounds_like_reference():
 
 
 def _interpreter_checks():
+    from mpcore.kernels import quick_gelu as module
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import quick_gelu as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._quick_gelu_fwd_kernel, InterpretedFunction), "not interpreted"

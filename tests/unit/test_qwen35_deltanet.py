@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from models.qwen3_5.deltanet import (
+from mpcore.models.qwen3_5.deltanet import (
     causal_conv1d,
     chunk_gated_delta_rule,
     l2norm,
@@ -118,7 +117,7 @@ def test_dtypes_and_empty():
 
 
 def test_kernel_choice_on_cpu():
-    from models.qwen3_5 import kernels
+    from mpcore.models.qwen3_5 import kernels
 
     x = torch.zeros(2, 3, dtype=torch.bfloat16)
     assert kernels.resolve("auto", x) == "reference"

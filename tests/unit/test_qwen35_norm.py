@@ -3,8 +3,7 @@ equal to transformers' ``Qwen3_5RMSNorm``; the scale is formed in fp32 even for 
 the default norm is unchanged (weight starts at 1)."""
 
 import torch
-
-from models.common.norm import RMSNorm
+from mpcore.models.common.norm import RMSNorm
 
 
 def test_zero_centred_matches_transformers_and_keeps_the_scale_in_fp32():

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpcore.models.qwen3_5.kernels import GDN_KERNELS
+from mpcore.models.registry import family_named
 
-from models.qwen3_5.kernels import GDN_KERNELS
-from models.registry import family_named
 from mpcore import config as mpcore_config
 from mpcore.build import build, resolve_device, resolve_model_config, setup
 from mpcore.config import load_config

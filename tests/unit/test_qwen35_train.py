@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpcore.launch.export_hf import main
+from mpcore.models.common.inputs import local_text_inputs
+from mpcore.models.qwen3_5 import FAMILY, Qwen35Config
+from mpcore.models.qwen3_5.hf import load_hf
+from mpcore.parallel.state import ParallelState
 
-from launch.export_hf import main
-from models.common.inputs import local_text_inputs
-from models.qwen3_5 import FAMILY, Qwen35Config
-from models.qwen3_5.hf import load_hf
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import train
-from parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6

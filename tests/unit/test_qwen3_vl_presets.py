@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
-from models.qwen3_vl import build_model, config_from_hf, local_inputs, num_params
-from models.qwen3_vl.presets import QWEN3_VL_2B, TINY, config_from_section
-from parallel.state import ParallelState
+from mpcore.models.qwen3_vl import build_model, config_from_hf, local_inputs, num_params
+from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY, config_from_section
+from mpcore.parallel.state import ParallelState
 
 IDS = dict(image_token_id=2048, video_token_id=2049, vision_start_token_id=2050,
            vision_end_token_id=2051)

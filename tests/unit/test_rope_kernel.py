@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 from interpret import needs_triton, run_under_interpreter
-
-from kernels.rope import rope, rope_reference, rope_triton
-from models.common.rope import RotaryEmbedding, apply_rope
+from mpcore.kernels.rope import rope, rope_reference, rope_triton
+from mpcore.models.common.rope import RotaryEmbedding, apply_rope
 
 # Norm-wise relative tolerance per rounded dtype: one rounding of an fp32 (or exact) value.
 _TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.float64: 1e-12}
@@ -237,9 +236,8 @@ def _check_triton_equals_reference():
 
 
 def _interpreter_checks():
+    from mpcore.kernels import rope as module
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import rope as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._rope_fwd_kernel, InterpretedFunction), "not interpreted"

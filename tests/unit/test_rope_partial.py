@@ -1,4 +1,4 @@
-"""Partial rotary and GPT-J (adjacent-pair) rotation in ``models.common.rope``, vs the eager
+"""Partial rotary and GPT-J (adjacent-pair) rotation in ``mpcore.models.common.rope``, vs the eager
 formulas of transformers' GLM-4V (``rotate_half_llm`` on the first ``rotary_dim`` dims), and the
 config checks of the new ``ModelConfig`` fields."""
 
@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.common.config import ModelConfig
-from models.common.rope import RotaryEmbedding, apply_rope
+from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.rope import RotaryEmbedding, apply_rope
 
 
 def _gptj_eager(x, angles):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpcore.launch.score_io import InputSpec, read_input, vl_spec
 
-from launch.score_io import InputSpec, read_input, vl_spec
 from mpcore.data.images import load_image, process_image
 
 IMAGES = Path(__file__).resolve().parents[2] / "launch" / "data" / "images"

@@ -18,14 +18,13 @@ import threading
 import time
 from pathlib import Path
 
+import mpcore.launch.score
 import pytest
+from mpcore.launch.score import main
+from mpcore.models import ModelConfig, build_model, export_hf
+from mpcore.parallel.state import ParallelState
 
-import launch.score
-from launch.score import main
-from models import ModelConfig, build_model, export_hf
-from parallel.state import ParallelState
-
-REPO = Path(launch.score.__file__).resolve().parents[1]  # children run the code tested here
+REPO = Path(mpcore.launch.score.__file__).resolve().parents[1]  # children run the code tested here
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 VOCAB = 64
 
@@ -43,7 +42,7 @@ def slow(obj, *args, **kwargs):
                 time.sleep(0.05)
     return real(obj, *args, **kwargs)
 json.dumps = slow
-from launch.score import main
+from mpcore.launch.score import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 import transformers
+from mpcore.models.registry import family_of
 
-from models.registry import family_of
 from mpcore.build import resolve_model_config
 from mpcore.config import load_config
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpret import needs_triton, run_under_interpreter
-
-from kernels.swiglu import swiglu, swiglu_reference, swiglu_triton
+from mpcore.kernels.swiglu import swiglu, swiglu_reference, swiglu_triton
 
 # Norm-wise relative tolerance per dtype: fp32 to rounding, fp16 a few ulps of two roundings.
 _TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float64: 1e-12}
@@ -212,9 +211,8 @@ def _check_triton_compiles():
 
 
 def _interpreter_checks():
+    from mpcore.kernels import swiglu as module
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import swiglu as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._swiglu_fwd_kernel, InterpretedFunction), "not interpreted"

@@ -11,13 +11,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from mpcore.parallel import te
+from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mpcore.parallel.state import ParallelState
+from mpcore.parallel.te import TEGemm, forward_region
 
 from mpcore.build import build
 from mpcore.config import load_config
-from parallel import te
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.state import ParallelState
-from parallel.te import TEGemm, forward_region
 
 no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")
 HINT = re.escape(te.TE_INSTALL)
@@ -70,11 +70,11 @@ def test_resolve_rejects_unknown_names_and_crossed_recipes():
 
 def test_auto_falls_back_to_native_and_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(te, "_logged", set())
-    with caplog.at_level(logging.INFO, logger="parallel.te"):
+    with caplog.at_level(logging.INFO, logger="mpcore.parallel.te"):
         assert te.resolve_linear_backend("auto", "cpu") == "native"
         assert te.resolve_linear_backend("auto", "cpu") == "native"
         assert te.resolve_linear_backend("auto", "cpu", "tensorwise") == "native"
-    lines = [r.getMessage() for r in caplog.records if r.name == "parallel.te"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpcore.parallel.te"]
     assert lines == ["model.linear_backend=auto: using native (device cpu)"], lines
     assert te.resolve_linear_backend("native", "cpu") == "native"
 

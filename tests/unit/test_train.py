@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from mpcore.models import load_hf_model
+from mpcore.parallel.state import ParallelState
 
-from models import load_hf_model
 from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
 from mpcore.config import load_config
@@ -26,7 +27,6 @@ from mpcore.data import prepare_default
 from mpcore.data.tokenizer import Tokenizer
 from mpcore.metrics import KEYS
 from mpcore.train import Trainer, TrainingDiverged, train
-from parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -167,7 +167,7 @@ def test_export_hf_roundtrip(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "run", "checkpoint.every=2", "training.max_steps=2",
                "model.tie_embeddings=false")
     train(cfg)
-    from launch.export_hf import main
+    from mpcore.launch.export_hf import main
 
     umask = os.umask(0o077)  # a private umask: the export still gets normal modes
     try:
@@ -282,7 +282,7 @@ def test_sigint_saves_at_the_step_boundary_and_says_where(tmp_path, data_dir, st
 def test_init_from_a_truncated_safetensors_names_the_file(tmp_path, data_dir):
     cfg = tiny(tmp_path, data_dir, "run", "checkpoint.every=1", "training.max_steps=1")
     train(cfg)
-    from launch.export_hf import export
+    from mpcore.launch.export_hf import export
 
     export(cfg.checkpoint_dir, tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"

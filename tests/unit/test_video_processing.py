@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from mpcore.models import family_named
 
-from models import family_named
 from mpcore.config import load_config
 from mpcore.data.images import process_image
 from mpcore.data.videos import VideoSettings, frame_times, process_video, video_parts

@@ -20,16 +20,7 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
-from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
-from transformers.models.qwen2_vl import modeling_qwen2_vl
-from transformers.vision_utils import (
-    get_vision_cu_seqlens,
-    get_vision_position_ids,
-    get_vision_window_index,
-)
-
-from models.qwen2_vl import (
+from mpcore.models.qwen2_vl import (
     VisionConfig,
     VisionTower,
     build_vision_tower,
@@ -40,7 +31,15 @@ from models.qwen2_vl import (
     vision_config_from_hf,
     vision_shard_map,
 )
-from models.qwen2_vl.vision_hf import shard_from_full
+from mpcore.models.qwen2_vl.vision_hf import shard_from_full
+from safetensors.torch import load_file
+from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+from transformers.models.qwen2_vl import modeling_qwen2_vl
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
 
 TEXT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=32,
@@ -324,7 +323,7 @@ def test_hf_dict_errors_name_the_key():
 
 
 def test_unknown_attention_kernel_raises():
-    from models.qwen2_vl import VisionConfig, VisionTower
+    from mpcore.models.qwen2_vl import VisionConfig, VisionTower
 
     cfg = VisionConfig(arch="qwen2_vl", depth=1, hidden_size=16, num_heads=2,
                        intermediate_size=32, out_hidden_size=8, patch_size=2)

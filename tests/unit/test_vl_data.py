@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mpcore.launch import prepare_vl_data
 from PIL import Image
 
-from launch import prepare_vl_data
 from mpcore.data import (
     BlendedDataset,
     ImageSettings,
@@ -439,10 +439,10 @@ def test_blend_with_text_only(prepared, data_dir, tok):
 
 
 def test_batches_feed_the_vl_model_inputs(prepared, tok):
-    from models.common.config import ModelConfig
-    from models.qwen2_vl.config import VLConfig
-    from models.qwen2_vl.inputs import vl_inputs
-    from models.qwen2_vl.vision_config import VisionConfig
+    from mpcore.models.common.config import ModelConfig
+    from mpcore.models.qwen2_vl.config import VLConfig
+    from mpcore.models.qwen2_vl.inputs import vl_inputs
+    from mpcore.models.qwen2_vl.vision_config import VisionConfig
 
     vl = VLDataset(prepared[1])
     packed = VLPackedDataset(vl, 64, 0, pad_id=tok.eos_id)

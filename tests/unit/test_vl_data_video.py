@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mpcore.launch import prepare_vl_data
+from mpcore.models import family_named
+from mpcore.parallel.state import ParallelState
 from PIL import Image
 from test_video_processing import CASES, RECORDED, case_id, digest, frames_of
 
-from launch import prepare_vl_data
-from models import family_named
 from mpcore.batches import local_inputs
 from mpcore.build import build, setup
 from mpcore.config import load_config
@@ -33,7 +34,6 @@ from mpcore.data.videos import VideoSettings, process_video
 from mpcore.data.vl_dataset import dataset_fingerprint, folder_fingerprint, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
 from mpcore.vl_data import build_vl_loaders
-from parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"qwen2_vl": "vl_tiny.yaml", "qwen3_vl": "qwen3_vl_tiny.yaml",

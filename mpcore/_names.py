@@ -1,0 +1,56 @@
+"""The guard on the repository's top-level folders' bare names (``kernels``, ``parallel``,
+``models``, ``launch``).
+
+Those folders are the packages ``mpcore.kernels``, ``mpcore.parallel``, ``mpcore.models`` and
+``mpcore.launch`` (pyproject.toml maps them; docs/design.md says why). Python still finds them
+under their bare names whenever the repository's root is on ``sys.path`` (a shell started in the
+checkout, ``python -m``, pytest). Each folder's ``__init__`` calls :func:`bare_import` when it
+runs under a name other than its own, and this module decides what that import means:
+
+- another installed distribution owns the name (``kernels`` is Hugging Face's kernel hub, which
+  transformers >= 5.25 imports): that package is loaded in place of the folder, so the checkout
+  never shadows it;
+- nobody else owns it: an ``ImportError`` that names the import to write instead.
+
+Standard library only, and imported only on those wrong routes: the layers above never run it.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _same_dir(a: str, b: Path) -> bool:
+    try:
+        return Path(a or ".").resolve() == b
+    except OSError:
+        return False
+
+
+def bare_import(name: str, path: list[str]) -> None:
+    """Resolve ``import <name>`` that reached our folder ``path[0]`` under its bare name.
+
+    Loads another distribution's top-level ``name`` into ``sys.modules[name]`` (the import
+    statement then returns it) or raises ``ImportError`` naming ``mpcore.<name>``.
+    """
+    ours = Path(path[0]).resolve()
+    elsewhere = [entry for entry in sys.path if not _same_dir(entry, ours.parent)]
+    spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
+    if spec is not None and spec.loader is not None and spec.origin != str(ours / "__init__.py"):
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return
+    raise ImportError(
+        f"'{name}' is not an import name of mpcore: the folder {ours} is the package "
+        f"'mpcore.{name}' (write 'import mpcore.{name}' or 'from mpcore.{name} import ...'). "
+        f"If 'mpcore.{name}' is not found either, this checkout is not installed: "
+        f"pip install -e . in {ours.parent}",
+        name=name)
