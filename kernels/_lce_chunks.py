@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from mpcore.kernels.master_linear import mm_has_out_dtype
 
 # Upper bound on one chunk of logits; the peak workspace of every path is about this much.

@@ -21,6 +21,7 @@ of that row, so an fp32 row can hold its own bf16 gradient in its first half.
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels._triton import tl, triton
 
 _MAX_BLOCK = 8192

@@ -32,6 +32,7 @@ with one masked launch per tensor, and 11.7 ms for PyTorch's fused AdamW.
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels._triton import HAVE_TRITON, tl, triton
 from mpcore.kernels.host_checked import copy_to
 

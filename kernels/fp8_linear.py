@@ -33,6 +33,7 @@ matmuls) on any device: what the CPU tests check.
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels._triton import tl, triton
 
 RECIPES = ("none", "tensorwise")

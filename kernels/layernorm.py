@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels._triton import tl, triton
 from mpcore.kernels.rmsnorm import (
     MAX_HIDDEN,

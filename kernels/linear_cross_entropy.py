@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from mpcore.kernels import _lce_chunks as chunks
 from mpcore.kernels import host_checked
 from mpcore.kernels.master_linear import master_linear_applies

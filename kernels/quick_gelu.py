@@ -29,6 +29,7 @@ mode (``mpcore.kernels._triton.eager_or_op``).
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -26,6 +26,7 @@ about 1 row in 10 gets an rstd 1 ulp apart; ``tests/gpu/test_rmsnorm_gpu.py`` bo
 import functools
 
 import torch
+
 from mpcore.kernels._triton import tl, triton
 
 MAX_HIDDEN = 65536

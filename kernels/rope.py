@@ -38,6 +38,7 @@ traces ``rope`` without a graph break; eager calls skip the op's dispatch
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

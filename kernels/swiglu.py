@@ -38,6 +38,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels._triton import eager_or_op, tl, triton
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -32,16 +32,16 @@ import sys
 from pathlib import Path
 
 import torch
-from mpcore.launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
-from mpcore.models import Family, family_named
-from mpcore.parallel.random import RNGTracker
-from mpcore.parallel.state import ParallelState
 
 from mpcore import atomic
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.data.tokenizer import Tokenizer
 from mpcore.data.vl_tokenizer import VLTokenizer
+from mpcore.launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
 from mpcore.logical import LogicalLayout
+from mpcore.models import Family, family_named
+from mpcore.parallel.random import RNGTracker
+from mpcore.parallel.state import ParallelState
 from mpcore.progress import ProgressBar
 from mpcore.train_state import TrainState
 

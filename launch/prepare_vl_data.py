@@ -36,12 +36,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from mpcore.models import FAMILIES, family_named
-
 from mpcore.data.corpus import prepare_default
 from mpcore.data.videos import VideoSettings
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.models import FAMILIES, family_named
 
 VL_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.modality == "image-text")
 

@@ -40,12 +40,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from mpcore.checkpoint import from_rank0
 from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, family_of, family_of_hf, read_hf_config
 from mpcore.parallel.state import ParallelState
-
-from mpcore.checkpoint import from_rank0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EPILOG = """exit codes: 0 scored and written; 2 an input or usage error (the message names the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 
 # torch 2.13 renamed the tensor collectives; torch 2.11 (the GPU machine) has only the old names.

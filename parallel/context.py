@@ -47,6 +47,7 @@ from functools import cached_property, partial
 from typing import NamedTuple
 
 import torch
+
 from mpcore.parallel.collectives import gather_along
 from mpcore.parallel.labels import check_cu_seqlens
 from mpcore.parallel.state import ProcessGroup, group_size

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
 from mpcore.parallel.state import ProcessGroup, group_size
 
 

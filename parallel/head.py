@@ -14,11 +14,12 @@ reduce-scatters) so the partial gradients are summed over the tp group.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mpcore.kernels.linear_cross_entropy import linear_cross_entropy, linear_logprobs
 from mpcore.parallel.layers import pad_vocab_rows
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ProcessGroup, group_rank, group_size
-from torch import nn
 
 OUTPUTS = ("loss", "loss_sum", "logprobs", "logits")
 

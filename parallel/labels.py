@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
+
 from mpcore.kernels import host_checked
 
 __all__ = ["LabelShifter", "PackedBatch", "check_cu_seqlens", "pack_padded", "position_ids"]

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mpcore.kernels import host_checked
 from mpcore.kernels.fp8_linear import check_fp8, fp8_linear
 from mpcore.kernels.master_linear import master_linear, master_linear_applies
@@ -46,7 +48,6 @@ from mpcore.parallel.collectives import (
 )
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ProcessGroup, group_rank, group_size
-from torch import nn
 
 
 def divide(n: int, tp: int, what: str) -> int:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
 from mpcore.parallel.collectives import reduce_from_tp
 from mpcore.parallel.state import ProcessGroup, group_size
 

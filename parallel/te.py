@@ -61,9 +61,10 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mpcore.kernels.fp8_linear import check_fp8_device
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_fp8_dims
-from torch import nn
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,8 @@ receives the same update.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.norm import RMSNorm
 from mpcore.models.common.rope import apply_rope
@@ -26,7 +28,6 @@ from mpcore.parallel.collectives import all_reduce, copy_to_tp, sp_all_gather
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, linear
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ProcessGroup, group_size
-from torch import nn
 
 
 def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> tuple[slice, slice]:

@@ -34,6 +34,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from mpcore.kernels import host_checked
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.attention import Attention
@@ -49,8 +52,6 @@ from mpcore.parallel.labels import check_cu_seqlens
 from mpcore.parallel.layers import VocabParallelEmbedding
 from mpcore.parallel.random import param_seed
 from mpcore.parallel.state import ParallelState
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 class Packing(NamedTuple):

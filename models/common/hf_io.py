@@ -19,11 +19,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from mpcore.parallel.collectives import all_gather
-from mpcore.parallel.state import ParallelState, ProcessGroup
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from mpcore.parallel.collectives import all_gather
+from mpcore.parallel.state import ParallelState, ProcessGroup
 
 
 def read_hf_config(source: str | Path | dict) -> dict:

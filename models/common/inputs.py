@@ -10,6 +10,7 @@ a multiple of tp under sequence parallelism) splits ids, labels and positions to
 from __future__ import annotations
 
 import torch
+
 from mpcore.parallel.context import ContextPlan, split_batch
 from mpcore.parallel.labels import LabelShifter, position_ids
 from mpcore.parallel.state import ParallelState

@@ -15,11 +15,12 @@ less per layer: 256 MiB at 16k tokens x 8192 in bf16). Same rounding as eager ``
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mpcore.kernels.swiglu import swiglu
 from mpcore.models.common.config import ModelConfig
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.state import ProcessGroup
-from torch import nn
 
 
 class FeedForward(nn.Module):

@@ -29,10 +29,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mpcore.parallel.experts import combine, dispatch
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ProcessGroup, group_rank, group_size
-from torch import nn
 
 
 class RouterStats(NamedTuple):

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
 from mpcore.models.common.moe import RouterStats
 from mpcore.parallel.state import ProcessGroup
 

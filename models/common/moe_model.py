@@ -16,6 +16,7 @@ experts.
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.moe import MoeBlock, RouterStats
 from mpcore.models.common.moe_loss import pool_layers
 from mpcore.parallel.state import ParallelState

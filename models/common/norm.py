@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mpcore.kernels.layernorm import layer_norm
 from mpcore.kernels.rmsnorm import add_rms_norm, rms_norm
 from mpcore.parallel.collectives import copy_to_tp
 from mpcore.parallel.state import ProcessGroup
-from torch import nn
 
 
 def matmul_dtype(h: torch.Tensor) -> torch.dtype | None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+
 from mpcore.kernels.host_checked import copy_to
 from mpcore.kernels.rope import rope
-from torch import nn
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

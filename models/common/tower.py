@@ -8,9 +8,10 @@ the segment attention's CUDA kernel (``mpcore.models.common.vision_attention.KER
 
 from __future__ import annotations
 
+from torch import nn
+
 from mpcore.models.common.vision_attention import KERNELS
 from mpcore.parallel.state import ParallelState, ProcessGroup, group_rank, group_size
-from torch import nn
 
 
 class TowerBase(nn.Module):

@@ -21,12 +21,13 @@ from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mpcore.kernels.host_checked import copy_to
 from mpcore.kernels.rope import rope
 from mpcore.parallel.attention import flash, sdpa_cudnn, use_flash
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.state import ProcessGroup, group_size
-from torch import nn
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float):

@@ -23,10 +23,11 @@ cp all-gather, FSDP's parameter gathers) and contributes exact zero gradients.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mpcore.kernels.host_checked import copy_to
 from mpcore.parallel.collectives import copy_to_tp, sp_all_gather
 from mpcore.parallel.state import ProcessGroup, group_rank, group_size
-from torch import nn
 
 MODES = ("split", "replicate")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from mpcore.models.common.vl_split import check_grid
 
 

@@ -24,12 +24,13 @@ gives its tower class and, where its decoder differs, its block class or its dec
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mpcore.kernels import host_checked
 from mpcore.models.common.decoder import Transformer, make_packing
 from mpcore.models.common.vision_cp import MODES, vision_rows_for_rank
 from mpcore.models.common.vl_split import check_grid
 from mpcore.parallel.state import ParallelState
-from torch import nn
 
 
 class VisionLanguageModel(nn.Module):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 
 import torch
+
 from mpcore.parallel.context import ContextPlan, split_batch
 from mpcore.parallel.state import ParallelState
 

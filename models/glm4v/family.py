@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+
+from mpcore.data.images import CLIP_MEAN, CLIP_STD
+from mpcore.data.videos import smart_resize_video
 from mpcore.models.common import counts
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
 from mpcore.models.common.section import given
@@ -22,9 +25,6 @@ from mpcore.models.glm4v.inputs import local_glm4v_inputs
 from mpcore.models.glm4v.model import build_model, load_hf_model
 from mpcore.models.glm4v.processor import MAX_PIXELS, MIN_PIXELS, resize_size
 from mpcore.models.glm4v.tower import Glm4vVisionTower
-
-from mpcore.data.images import CLIP_MEAN, CLIP_STD
-from mpcore.data.videos import smart_resize_video
 
 
 def video_span_ids(token_ids: dict) -> tuple[int, int]:

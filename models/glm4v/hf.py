@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.decoder_hf import shard_map as decoder_shard_map
 from mpcore.models.common.hf_io import Checkpoint, Piece, chunk, fill_from_table, whole, write_hf
 from mpcore.models.glm4v.config import Glm4vConfig, Glm4vVisionConfig, hf_config_dict

@@ -25,6 +25,7 @@ with no token between) are refused, as transformers cannot place them either.
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.vl_split import check_grid, split_vl_stream
 from mpcore.models.glm4v.config import Glm4vConfig
 from mpcore.parallel.context import ContextPlan

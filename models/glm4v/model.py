@@ -18,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from mpcore.models.common.attention import Attention
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.mlp import FeedForward
@@ -27,7 +29,6 @@ from mpcore.models.glm4v.config import Glm4vConfig, config_from_hf
 from mpcore.models.glm4v.hf import load_hf_weights
 from mpcore.models.glm4v.tower import Glm4vVisionTower
 from mpcore.parallel.state import ParallelState
-from torch import nn
 
 
 class Glm4vDecoderLayer(nn.Module):

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from mpcore.kernels.host_checked import copy_to
 from mpcore.kernels.swiglu import swiglu
 from mpcore.models.common.decoder import init_weights
@@ -37,8 +40,6 @@ from mpcore.models.glm4v.config import Glm4vVisionConfig
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ParallelState, ProcessGroup
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 class Replicated(nn.Module):

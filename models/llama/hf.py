@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.decoder import Transformer

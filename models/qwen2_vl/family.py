@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+
+from mpcore.data.images import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 from mpcore.models.common import counts
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
@@ -20,8 +22,6 @@ from mpcore.models.qwen2_vl.inputs import local_vl_inputs
 from mpcore.models.qwen2_vl.model import build_vl_model
 from mpcore.models.qwen2_vl.tower import VisionTower
 from mpcore.models.qwen2_vl.vision_config import VisionConfig
-
-from mpcore.data.images import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 
 
 def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.decoder_hf import shard_map
 from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf

@@ -28,6 +28,7 @@ max(h', w')``; for images (t' = 1) the two rules agree.
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
 from mpcore.models.qwen2_vl.config import VLConfig
 from mpcore.parallel.context import ContextPlan

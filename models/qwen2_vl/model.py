@@ -5,6 +5,7 @@ inputs come from ``mpcore.models.qwen2_vl.inputs.vl_inputs``."""
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.vl_model import VisionLanguageModel
 from mpcore.models.qwen2_vl.config import VLConfig

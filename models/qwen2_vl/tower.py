@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from mpcore.kernels.host_checked import copy_to
 from mpcore.kernels.quick_gelu import quick_gelu
 from mpcore.kernels.swiglu import swiglu
@@ -37,8 +40,6 @@ from mpcore.models.qwen2_vl.vision_config import VisionConfig
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ParallelState, ProcessGroup
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 class PatchEmbed(nn.Module):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,

@@ -27,6 +27,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+
 from mpcore.parallel.attention import AttentionPlan
 from mpcore.parallel.attention.comm import gather_metadata
 from mpcore.parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads

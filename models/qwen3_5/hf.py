@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.attention import qkv_rows
 from mpcore.models.common.hf_io import (
     Checkpoint,

@@ -17,6 +17,7 @@ import functools
 import warnings
 
 import torch
+
 from mpcore.models.qwen3_5 import deltanet
 
 GDN_KERNELS = ("auto", "fla", "reference")

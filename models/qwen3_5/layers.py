@@ -25,6 +25,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mpcore.models.common.attention import QKVProjection
 from mpcore.models.common.mlp import FeedForward
 from mpcore.models.common.norm import RMSNorm, matmul_dtype
@@ -36,7 +38,6 @@ from mpcore.parallel.attention import AttentionPlan, context_attention
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.random import init_shard_
 from mpcore.parallel.state import ParallelState, ProcessGroup, group_rank, group_size
-from torch import nn
 
 
 class GatedAttention(nn.Module):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import Transformer, init_weights
 from mpcore.models.common.norm import RMSNorm

@@ -37,6 +37,7 @@ import re
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
 from mpcore.models.qwen3_5.config import Qwen35Config
 from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf

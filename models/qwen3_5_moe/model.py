@@ -11,6 +11,7 @@ checks. Built on the meta device and initialised per shard: the same function at
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.moe import MoeBlock
 from mpcore.models.common.moe_model import MoeRouting, check_moe_layout

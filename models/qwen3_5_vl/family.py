@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from mpcore.models.common.family import Family
 from mpcore.models.common.section import VLSection, given
 from mpcore.models.qwen3_5 import counts as text_counts

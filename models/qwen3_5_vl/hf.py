@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
 from mpcore.models.qwen3_5.hf import log_unused

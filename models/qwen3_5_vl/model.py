@@ -20,6 +20,7 @@ layers (the tower has no DeepStack), so ``rows`` is one ``hidden`` wide.
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.vl_model import VisionLanguageModel

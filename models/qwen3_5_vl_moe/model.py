@@ -12,6 +12,7 @@ padding; ``mpcore.models.common.moe_model``), so the routing statistics count re
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.moe_model import DecoderMoeRouting
 from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer

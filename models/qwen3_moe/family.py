@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.family import Family
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.common.moe_model import idle_expert_params, moe_mask

@@ -24,16 +24,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save
+from torch import nn
+
+from mpcore import atomic
 from mpcore.models.common.decoder_hf import shard_map as decoder_shard_map
 from mpcore.models.common.hf_io import Checkpoint, Piece, gather_full, whole
 from mpcore.models.qwen3_moe.config import Qwen3MoeConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer, is_expert_param
 from mpcore.parallel.collectives import all_gather
 from mpcore.parallel.state import ParallelState
-from safetensors.torch import save
-from torch import nn
-
-from mpcore import atomic
 
 
 def shard_map(cfg: Qwen3MoeConfig, tp: int, rank: int, prefix: str = "model."

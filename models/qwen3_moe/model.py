@@ -13,6 +13,7 @@ tokens only; ``router_stats()`` pools the layers' statistics of the last forward
 from __future__ import annotations
 
 import torch
+
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import DecoderLayer, Transformer, init_weights
 from mpcore.models.common.moe import MoeBlock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpcore.data.videos import smart_resize_video
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
 from mpcore.models.common.section import given
 from mpcore.models.qwen3_vl.config import (
@@ -17,8 +18,6 @@ from mpcore.models.qwen3_vl.hf import export_hf, load_hf_model, shard_map
 from mpcore.models.qwen3_vl.inputs import local_inputs
 from mpcore.models.qwen3_vl.model import build_model, flops_per_token, num_params
 from mpcore.models.qwen3_vl.presets import config_from_section as _from_fields
-
-from mpcore.data.videos import smart_resize_video
 
 
 def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int | str]:

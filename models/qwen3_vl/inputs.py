@@ -25,6 +25,7 @@ by one ``ContextPlan``.
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
 from mpcore.models.qwen3_vl.config import Qwen3VLConfig
 from mpcore.parallel.context import ContextPlan

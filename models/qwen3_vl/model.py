@@ -24,6 +24,7 @@ on a dummy window times zero, adds nothing, and joins every collective.
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.vl_model import VisionLanguageModel
 from mpcore.models.qwen3_vl.config import Qwen3VLConfig

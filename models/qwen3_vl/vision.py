@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from mpcore.kernels.host_checked import copy_to
 from mpcore.models.common.norm import LayerNorm, matmul_dtype
 from mpcore.models.common.tower import TowerBase
@@ -36,8 +39,6 @@ from mpcore.models.qwen3_vl.config import Qwen3VisionConfig
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ParallelState, ProcessGroup
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 class PatchEmbed(nn.Module):

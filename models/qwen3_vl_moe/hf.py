@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Piece
 from mpcore.models.qwen3_moe.hf import export_moe, load_moe_weights

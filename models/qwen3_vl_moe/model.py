@@ -10,6 +10,7 @@ padding; ``mpcore.models.common.moe_model``), so the routing statistics count re
 from __future__ import annotations
 
 import torch
+
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.moe_model import DecoderMoeRouting, check_moe_layout, idle_expert_params
 from mpcore.models.qwen3_moe.model import Qwen3MoeLayer

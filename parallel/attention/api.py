@@ -19,6 +19,7 @@ Kernels: ``backend`` (``backends.py``: ``auto``, ``flash``, ``sdpa_cudnn``, ``te
 from __future__ import annotations
 
 import torch
+
 from mpcore.parallel.attention import backends
 from mpcore.parallel.attention.primitive import Block, attend_block, plan_block, use_flash
 from mpcore.parallel.attention.ring import plan_ring, ring_attend

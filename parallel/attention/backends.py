@@ -32,6 +32,7 @@ import logging
 from dataclasses import replace
 
 import torch
+
 from mpcore.parallel.attention import te_fused
 from mpcore.parallel.attention.flash import FLASH_DTYPES, FlashCall
 

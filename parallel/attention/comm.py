@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from mpcore.parallel.collectives import all_gather
 from mpcore.parallel.state import ProcessGroup, group_rank, group_size
 

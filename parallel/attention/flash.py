@@ -45,6 +45,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+
 from mpcore.kernels import host_checked
 from mpcore.parallel.attention.reference import compute_dtype, merge_partials
 from mpcore.parallel.attention.sdpa_cudnn import sdpa_cudnn_backward, sdpa_cudnn_forward

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from mpcore.parallel.attention import backends, flash
 from mpcore.parallel.attention.reference import any_visible, reference_backward, reference_forward
 

@@ -25,6 +25,7 @@ streams, padding and both layouts need nothing else.
 from __future__ import annotations
 
 import torch
+
 from mpcore.parallel.attention.comm import gather_metadata, ring_shift, wait
 from mpcore.parallel.attention.primitive import Block, block_backward, block_forward, plan_block
 from mpcore.parallel.attention.reference import compute_dtype, merge_partials

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from mpcore.parallel.attention.comm import gather_metadata
 from mpcore.parallel.attention.primitive import Block, attend_block, plan_block
 from mpcore.parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads

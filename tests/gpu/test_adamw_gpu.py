@@ -5,8 +5,8 @@ the kernel against its PyTorch reference with fp32 and bf16 gradients."""
 
 import pytest
 import torch
-from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 
+from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.optim import TritonAdamW
 
 pytestmark = pytest.mark.gpu

@@ -13,6 +13,7 @@ absolute <= 2e-2 (fp32 lse from bf16 scores of magnitude ~10).
 
 import pytest
 import torch
+
 from mpcore.parallel.attention import context_attention, flash
 from mpcore.parallel.attention.primitive import (
     attention_with_lse,

@@ -10,6 +10,7 @@ accumulation order and the bf16 output rounding (2^-9) differ: 1e-2.
 
 import pytest
 import torch
+
 from mpcore.kernels.fp8_linear import GRAD_DTYPE, fp8_linear, fp8_linear_reference, quantize
 from mpcore.models import ModelConfig, build_model
 from mpcore.parallel.state import ParallelState

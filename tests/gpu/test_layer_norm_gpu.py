@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gpu_checks import rel_err
+
 from mpcore.kernels.layernorm import layer_norm
 
 pytestmark = pytest.mark.gpu

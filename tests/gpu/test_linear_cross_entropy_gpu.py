@@ -9,6 +9,7 @@ vocab rows, V=152064 (not a multiple of the 8192-column block) and a peaked soft
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels import _lce_chunks, linear_cross_entropy, linear_logprobs
 from mpcore.kernels.linear_cross_entropy import linear_cross_entropy_reference
 

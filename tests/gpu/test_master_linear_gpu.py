@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels import host_checked, linear_cross_entropy
 from mpcore.kernels.linear_cross_entropy import _check_label_range
 from mpcore.kernels.master_linear import master_linear_applies, mm_has_out_dtype

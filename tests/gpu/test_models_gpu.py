@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.launch.score import score_stream
 from mpcore.models import local_text_inputs
 from mpcore.models.llama.hf import load_hf_model

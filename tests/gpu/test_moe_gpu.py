@@ -6,6 +6,7 @@ is tests/dist/test_moe_host_syncs.py). Not run on the CPU machine (no device).""
 
 import pytest
 import torch
+
 from mpcore.models.common.moe import MoeBlock, grouped_available, swiglu_experts
 
 pytestmark = pytest.mark.gpu

@@ -5,6 +5,7 @@ kept for backward."""
 import pytest
 import torch
 from gpu_checks import rel_err
+
 from mpcore.kernels.quick_gelu import quick_gelu
 
 pytestmark = pytest.mark.gpu

@@ -7,6 +7,7 @@ same bf16 inputs); the whole tiny decoder under bf16 autocast: loss 1e-2, gradie
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.qwen3_5 import Qwen35Config, deltanet, kernels
 from mpcore.models.qwen3_5.model import build

@@ -24,6 +24,7 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
     save_hf_model,
     stream,
 )
+
 from mpcore.models.common.decoder import init_weights  # noqa: E402
 from mpcore.models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
 from mpcore.models.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from mpcore.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_reference
 
 pytestmark = pytest.mark.gpu

@@ -6,6 +6,7 @@ float32 -> bfloat16 casts (tests/unit/test_rope_kernel.py)."""
 
 import pytest
 import torch
+
 from mpcore.kernels.rope import rope, rope_reference
 from mpcore.models.common.rope import RotaryEmbedding
 

@@ -4,6 +4,7 @@ forward, the (d_gate | d_up) gradient, the memory kept for backward, and torch.c
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels.swiglu import swiglu, swiglu_reference
 
 pytestmark = pytest.mark.gpu

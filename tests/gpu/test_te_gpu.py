@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import copy
 
-import mpcore.parallel.te
 import pytest
 import torch
 import torch.nn.functional as F
+
+import mpcore.parallel.te
+from mpcore.build import build, setup
+from mpcore.config import load_config
 from mpcore.models import ModelConfig, build_model
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.state import ParallelState
 from mpcore.parallel.te import TEGemm, forward_region, use_te
-
-from mpcore.build import build, setup
-from mpcore.config import load_config
 from mpcore.train import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

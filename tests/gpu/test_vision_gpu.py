@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+
 from mpcore.models.common.vision_attention import Segments, attention_reference, segment_attention
 from mpcore.models.qwen2_vl import (
     load_vision_tower,

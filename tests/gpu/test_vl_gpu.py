@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 from gpu_checks import second_run_never_syncs  # noqa: E402
 from hf_vl_tiny import _load, reference_scores, save_hf_vl_model, vl_stream  # noqa: E402
+
 from mpcore.models.qwen2_vl.hf import load_hf_vl_model  # noqa: E402
 from mpcore.models.qwen2_vl.inputs import local_vl_inputs  # noqa: E402
 from mpcore.parallel.state import ParallelState  # noqa: E402
@@ -65,9 +66,8 @@ def test_placed_step_never_waits_for_the_gpu(tmp_path):
     (``mpcore.batches.place``: pinned asynchronous copies that keep the host copies the
     placeholder checks read), make no CPU-GPU sync, so the host queues a step while the
     device still runs the last one. The checked run equals the first one, made unchecked."""
-    from mpcore.models.registry import family_of
-
     from mpcore.batches import place
+    from mpcore.models.registry import family_of
 
     save_hf_vl_model("qwen2_vl", seed=0, folder=tmp_path)
     state = ParallelState.build()

@@ -23,9 +23,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # runnable from a plain checkout
-from mpcore.kernels import adamw as kernel_module  # noqa: E402
-
 from mpcore.config import load_config  # noqa: E402
+from mpcore.kernels import adamw as kernel_module  # noqa: E402
 from mpcore.optim import TritonAdamW  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "adamw_h200.json"
@@ -37,9 +36,8 @@ VARIANTS = {"torch_fused": None, "triton": (1024, 4), "triton_b2048_w8": (2048, 
 def _shapes(cfg) -> list[tuple[int, ...]]:
     """The decoder's parameter shapes (fused qkv and gate|up, tied embedding), from a model
     built on the meta device."""
-    from mpcore.parallel.state import ParallelState
-
     from mpcore.build import resolve_model_config, run_family
+    from mpcore.parallel.state import ParallelState
 
     family = run_family(cfg)
     _, model_cfg = resolve_model_config(cfg, family)

@@ -71,12 +71,12 @@ from megatron_peer import (  # noqa: E402
     training_pieces,
     transformer_config,
 )
-from mpcore.models.common.moe import run_experts  # noqa: E402
-from mpcore.models.registry import family_named  # noqa: E402
-from mpcore.parallel.state import ParallelState  # noqa: E402
 from step_timing import adamw, autocast, timed  # noqa: E402
 
+from mpcore.models.common.moe import run_experts  # noqa: E402
+from mpcore.models.registry import family_named  # noqa: E402
 from mpcore.moe_step import MoeStep  # noqa: E402
+from mpcore.parallel.state import ParallelState  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "moe_h200.json"
 # Qwen3-30B-A3B's config.json (its shape fields; num_hidden_layers set by --layers).

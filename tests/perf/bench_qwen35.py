@@ -32,6 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_timing import adamw, autocast, timed  # noqa: E402
+
 from mpcore.models.common.decoder import init_weights  # noqa: E402
 from mpcore.models.common.inputs import local_text_inputs  # noqa: E402
 from mpcore.models.qwen3_5 import kernels  # noqa: E402
@@ -40,7 +42,6 @@ from mpcore.models.qwen3_5.layers import GatedDeltaNet  # noqa: E402
 from mpcore.models.qwen3_5.model import build  # noqa: E402
 from mpcore.parallel.attention import AttentionPlan  # noqa: E402
 from mpcore.parallel.state import ParallelState  # noqa: E402
-from step_timing import adamw, autocast, timed  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "qwen35_h200.json"
 DEFAULT_CONFIG = REPO / "tests" / "dist" / "qwen35_0p8b_config.json"

@@ -68,15 +68,14 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from mpcore.kernels import _lce_chunks  # noqa: E402
-from mpcore.launch.pretrain import init_distributed  # noqa: E402
-from mpcore.models import hf_config_dict  # noqa: E402
-from mpcore.parallel.te import TEGemm  # noqa: E402
-
 from mpcore.backends import resolve_linear_backend  # noqa: E402
 from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
 from mpcore.config import load_config  # noqa: E402
+from mpcore.kernels import _lce_chunks  # noqa: E402
+from mpcore.launch.pretrain import init_distributed  # noqa: E402
+from mpcore.models import hf_config_dict  # noqa: E402
 from mpcore.optim import lr_at, set_lr  # noqa: E402
+from mpcore.parallel.te import TEGemm  # noqa: E402
 from mpcore.train import Trainer  # noqa: E402
 
 

@@ -100,14 +100,13 @@ import torch.distributed as dist
 # Runnable from a plain checkout, without `pip install -e .`.
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from mpcore.batches import place  # noqa: E402
+from mpcore.config import load_config  # noqa: E402
 from mpcore.models import ModelConfig, VisionConfig, VLConfig, family_named, family_of  # noqa: E402
 from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf  # noqa: E402
 from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section  # noqa: E402
 from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY  # noqa: E402
 from mpcore.parallel.state import ParallelState  # noqa: E402
-
-from mpcore.batches import place  # noqa: E402
-from mpcore.config import load_config  # noqa: E402
 from mpcore.processes import init_distributed  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

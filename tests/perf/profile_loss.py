@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_loss  # noqa: E402
+
 from mpcore.kernels import _lce_chunks, linear_cross_entropy  # noqa: E402
 
 RUNS = 3

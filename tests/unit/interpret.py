@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+
 from mpcore.kernels._triton import HAVE_TRITON
 
 

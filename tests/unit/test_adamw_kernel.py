@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
-from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 
+from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.optim import TritonAdamW
 
 # Ragged sizes (not multiples of the kernel's block), a matrix and a 0-d parameter.
@@ -233,8 +233,9 @@ def _check_kernel_equals_reference(grad_dtype):
 
 
 def _interpreter_checks():
-    from mpcore.kernels import adamw as module
     from triton.runtime.interpreter import InterpretedFunction
+
+    from mpcore.kernels import adamw as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._adamw_kernel, InterpretedFunction), "not interpreted"

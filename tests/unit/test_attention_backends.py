@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from mpcore.config import load_config
 from mpcore.models import ModelConfig, build_model
 from mpcore.parallel import te
 from mpcore.parallel.attention import AttentionPlan, backends, context_attention, flash
 from mpcore.parallel.attention.primitive import plan_block, use_flash
 from mpcore.parallel.state import ParallelState
-
-from mpcore.config import load_config
 
 RESULTS = Path(__file__).resolve().parents[1] / "perf" / "results" / "attention_h200.json"
 no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")

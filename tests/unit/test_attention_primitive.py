@@ -9,6 +9,7 @@ planner (the CUDA path's host half) is run with a kernel that emulates flash var
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.parallel.attention import AttentionPlan, context_attention, flash, reference
 from mpcore.parallel.attention.primitive import attention_with_lse, use_flash
 

@@ -23,6 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "perf"))
 import bench_moe  # noqa: E402
+
 from mpcore.models.registry import family_named  # noqa: E402
 
 needs_megatron = pytest.mark.skipif(

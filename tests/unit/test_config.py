@@ -8,14 +8,14 @@ import math
 from pathlib import Path
 
 import pytest
-from mpcore.kernels._triton import HAVE_TRITON
-from mpcore.models import ModelConfig, build_model
-from mpcore.parallel.state import ParallelState
 
 from mpcore.backends import adam_backend, apex_fused_adam
 from mpcore.config import ModelSection, load_config, model_section, save_config
+from mpcore.kernels._triton import HAVE_TRITON
 from mpcore.metrics import flops_per_token, num_params
+from mpcore.models import ModelConfig, build_model
 from mpcore.optim import lr_at
+from mpcore.parallel.state import ParallelState
 
 CONFIGS = Path(__file__).resolve().parents[2] / "launch" / "configs"
 
@@ -150,11 +150,10 @@ def test_family_sections_round_trip_and_take_every_override_form(tmp_path):
 
 def test_kernel_choices_mirror_the_library():
     """config.py imports nothing of ours, so it spells the names out; they must agree."""
+    from mpcore import config
     from mpcore.kernels.fp8_linear import RECIPES
     from mpcore.parallel.attention.backends import BACKENDS
     from mpcore.parallel.te import LINEAR_BACKENDS, TE_RECIPES
-
-    from mpcore import config
 
     assert config.ATTENTION_BACKENDS == BACKENDS and config.FP8_RECIPES == RECIPES + TE_RECIPES
     assert config.LINEAR_BACKENDS == LINEAR_BACKENDS
@@ -191,6 +190,7 @@ def test_shipped_vl_shape_matches_qwen2_vl_2b():
     cfg = FAMILY.config_from_section(load_config(CONFIGS / "vl_2b.yaml").model, ids)
     import torch
     import transformers
+
     from mpcore.models import hf_vl_config_dict
 
     with torch.device("meta"):  # transformers' own model of this config, counted without memory

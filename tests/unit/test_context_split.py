@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mpcore.parallel import ContextPlan, LabelShifter, loss_share, split_batch
 from mpcore.parallel.loss import global_valid_count
 

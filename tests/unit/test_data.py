@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mpcore.launch import prepare_data
 
 from mpcore.data import (
     BlendedDataset,
@@ -29,6 +28,7 @@ from mpcore.data import (
 from mpcore.data import corpus as corpus_mod
 from mpcore.data.blend import blend_counts
 from mpcore.data.indexed import Progress
+from mpcore.launch import prepare_data
 from mpcore.progress import ProgressBar
 
 CORPUS = corpus_mod.DEFAULT_CORPUS

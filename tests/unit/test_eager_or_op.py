@@ -4,11 +4,12 @@ the profiler and gives the same values and gradients as the op called directly; 
 step's graph holds the ops (so compile keeps them whole, without a graph break)."""
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 from mpcore.kernels import rope as rope_module
 from mpcore.kernels import swiglu as swiglu_module
 from mpcore.kernels.rope import rope
 from mpcore.kernels.swiglu import swiglu
-from torch.profiler import ProfilerActivity, profile
 
 
 def _tables(t, d):

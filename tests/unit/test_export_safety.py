@@ -15,12 +15,12 @@ import sys
 import threading
 from pathlib import Path
 
-import mpcore.launch.export_hf
 import pytest
-from mpcore.launch.export_hf import main
 
+import mpcore.launch.export_hf
 from mpcore.config import load_config
 from mpcore.data import prepare_default
+from mpcore.launch.export_hf import main
 from mpcore.train import train
 
 REPO = Path(mpcore.launch.export_hf.__file__).resolve().parents[1]  # children run the code tested here

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from mpcore.models import FAMILIES, ModelConfig, family_named, family_of, family_of_hf
-from mpcore.models.common.family import MODALITIES
 
 from mpcore.build import run_family
 from mpcore.config import load_config
+from mpcore.models import FAMILIES, ModelConfig, family_named, family_of, family_of_hf
+from mpcore.models.common.family import MODALITIES
 
 
 def test_lookup_by_name_names_the_closest():

@@ -4,6 +4,7 @@ FP8 cannot run. The Triton + ``torch._scaled_mm`` path runs in tests/gpu/test_fp
 
 import pytest
 import torch
+
 from mpcore.kernels.fp8_linear import check_fp8, fp8_linear, fp8_linear_reference, quantize
 from mpcore.models import ModelConfig, build_model
 from mpcore.parallel.layers import ColumnParallelLinear

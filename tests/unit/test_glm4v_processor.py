@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpcore.models.glm4v.processor import resize_size
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
 from mpcore.data.images import smart_resize as qwen_resize
+from mpcore.models.glm4v.processor import resize_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,13 +66,13 @@ def test_score_images_form_resizes_by_the_family_rule(tmp_path):
 
     import numpy as np
     import torch
-    from mpcore.launch.score import checkpoint_spec
-    from mpcore.launch.score_io import read_input
-    from mpcore.models.glm4v import FAMILY
     from PIL import Image
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
     from mpcore.config import load_config
+    from mpcore.launch.score import checkpoint_spec
+    from mpcore.launch.score_io import read_input
+    from mpcore.models.glm4v import FAMILY
 
     ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,
                vision_end_token_id=303)

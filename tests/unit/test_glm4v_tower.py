@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Glm4vVisionConfig as HFVisionConfig
+from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
+
 from mpcore.models.glm4v import Glm4vVisionTower, vision_from_hf, vision_shard_map
 from mpcore.models.glm4v.tower import resample_positions
 from mpcore.models.qwen2_vl.vision_hf import shard_from_full
-from transformers import Glm4vVisionConfig as HFVisionConfig
-from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
 
 VISION = dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=40, out_hidden_size=24,
               image_size=8, patch_size=2, temporal_patch_size=2, spatial_merge_size=2,

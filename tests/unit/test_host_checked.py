@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mpcore.kernels import host_checked, linear_cross_entropy
 from mpcore.parallel.layers import VocabParallelEmbedding
 
@@ -84,11 +85,10 @@ def test_value_range_and_host_values_fall_back_to_the_tensor():
 
 
 def test_local_inputs_record_every_tensor():
-    from mpcore.models.llama import FAMILY
-    from mpcore.parallel.state import ParallelState
-
     from mpcore.batches import local_inputs
     from mpcore.config import load_config
+    from mpcore.models.llama import FAMILY
+    from mpcore.parallel.state import ParallelState
 
     cfg = load_config(None, [])
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)

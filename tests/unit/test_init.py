@@ -1,6 +1,7 @@
 """Weight init is the same logical function at every TP degree (single process, no comms)."""
 
 import torch
+
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 

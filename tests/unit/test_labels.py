@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mpcore.parallel import LabelShifter
 from mpcore.parallel.labels import check_cu_seqlens, pack_padded, position_ids
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
+
 from mpcore.kernels.layernorm import layer_norm, layer_norm_reference, layer_norm_triton
 
 _TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.float64: 1e-12}
@@ -123,8 +124,9 @@ def test_triton_kernels_under_interpreter():
 
 
 def _interpreter_checks():
-    from mpcore.kernels import layernorm as module
     from triton.runtime.interpreter import InterpretedFunction
+
+    from mpcore.kernels import layernorm as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._layer_norm_fwd_kernel, InterpretedFunction), "not interpreted"

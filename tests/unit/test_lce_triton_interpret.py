@@ -21,6 +21,7 @@ def _close(actual, expected, rel):
 
 def _check_rows(dtype):
     import torch
+
     from mpcore.kernels import _lce_triton as tri
     from mpcore.kernels._lce_chunks import TorchRows, grad_view
 
@@ -65,6 +66,7 @@ def _check_rows(dtype):
 
 def _check_scale():
     import torch
+
     from mpcore.kernels import _lce_triton as tri
 
     x = torch.randn(10001, dtype=torch.float16)
@@ -81,6 +83,7 @@ def _check_scale():
 def _check_engine():
     import torch
     import torch.nn.functional as F
+
     from mpcore.kernels import _lce_chunks
     from mpcore.kernels.linear_cross_entropy import _cross_entropy, _logprobs
 
@@ -116,8 +119,9 @@ def _check_engine():
 
 def _main():
     import torch
-    from mpcore.kernels import _lce_triton
     from triton.runtime.interpreter import InterpretedFunction
+
+    from mpcore.kernels import _lce_triton
 
     assert isinstance(_lce_triton._lce_rows_kernel, InterpretedFunction), "not interpreted"
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ chunks (the CUDA path uses the same chunk engine).
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels import _lce_chunks, linear_cross_entropy, linear_logprobs
 from mpcore.kernels.linear_cross_entropy import (
     linear_cross_entropy_reference,

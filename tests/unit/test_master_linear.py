@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.kernels.master_linear import master_linear, master_linear_applies
 from mpcore.parallel.layers import linear
 

@@ -10,12 +10,13 @@ import json
 
 import pytest
 import torch
-from mpcore.models import ModelConfig, build_model, config_from_hf, hf_config_dict, load_hf_model
-from mpcore.models.common.rope import inverse_frequencies
-from mpcore.parallel.state import ParallelState
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from mpcore.models import ModelConfig, build_model, config_from_hf, hf_config_dict, load_hf_model
+from mpcore.models.common.rope import inverse_frequencies
+from mpcore.parallel.state import ParallelState
 
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 64}

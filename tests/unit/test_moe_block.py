@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mpcore.models.common.moe import MoeBlock
 from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss, pool_layers
 

@@ -16,13 +16,13 @@ import math
 
 import pytest
 import torch
-from mpcore.models.common.moe_loss import aux_share, global_counts
-from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
-from mpcore.parallel.state import ParallelState
 
 from mpcore.build import build, resolve_device, resolve_model_config, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default
+from mpcore.models.common.moe_loss import aux_share, global_counts
+from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
+from mpcore.parallel.state import ParallelState
 from mpcore.train import Trainer, train
 
 MOE = ["model.family=qwen3_moe", "model.moe.num_experts=4", "model.moe.num_experts_per_tok=2",

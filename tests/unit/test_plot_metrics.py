@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
 from mpcore.launch.plot_metrics import main
 
 REPO = Path(__file__).resolve().parents[2]

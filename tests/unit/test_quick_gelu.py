@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
+
 from mpcore.kernels.quick_gelu import quick_gelu, quick_gelu_reference, quick_gelu_triton
 
 # Norm-wise relative tolerance per dtype: fp32 to rounding, fp16 a few ulps of its roundings.
@@ -162,8 +163,9 @@ def _check_triton_rounds_like_reference():
 
 
 def _interpreter_checks():
-    from mpcore.kernels import quick_gelu as module
     from triton.runtime.interpreter import InterpretedFunction
+
+    from mpcore.kernels import quick_gelu as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._quick_gelu_fwd_kernel, InterpretedFunction), "not interpreted"

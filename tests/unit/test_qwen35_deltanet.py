@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mpcore.models.qwen3_5.deltanet import (
     causal_conv1d,
     chunk_gated_delta_rule,

@@ -3,6 +3,7 @@ equal to transformers' ``Qwen3_5RMSNorm``; the scale is formed in fp32 even for 
 the default norm is unchanged (weight starts at 1)."""
 
 import torch
+
 from mpcore.models.common.norm import RMSNorm
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpcore.models.qwen3_5_vl import FAMILY, Qwen35VLConfig, build_model
-from mpcore.parallel.state import ParallelState
 
 from mpcore.build import run_family
 from mpcore.config import load_config
+from mpcore.models.qwen3_5_vl import FAMILY, Qwen35VLConfig, build_model
+from mpcore.parallel.state import ParallelState
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "qwen35_vl_tiny.yaml"

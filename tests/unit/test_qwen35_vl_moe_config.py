@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mpcore.build import run_family
+from mpcore.config import load_config
 from mpcore.models.qwen3_5_moe import Qwen35MoeConfig
 from mpcore.models.qwen3_5_vl_moe import FAMILY, Qwen35VLMoeConfig
 from mpcore.models.qwen3_5_vl_moe.model import build_model
 from mpcore.parallel.state import ParallelState
-
-from mpcore.build import run_family
-from mpcore.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "qwen35_vl_moe_tiny.yaml"

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 import transformers
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.rope import RotaryEmbedding
 from mpcore.models.qwen3_vl import config_from_dict, config_from_hf, hf_config_dict
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 TEXT = dict(vocab_size=160, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-5,

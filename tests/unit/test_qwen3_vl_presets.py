@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from mpcore.models.qwen3_vl import build_model, config_from_hf, local_inputs, num_params
 from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY, config_from_section
 from mpcore.parallel.state import ParallelState

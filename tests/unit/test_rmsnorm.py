@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from interpret import needs_triton
+
 from mpcore.kernels.rmsnorm import (
     MAX_HIDDEN,
     add_rms_norm,

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from interpret import needs_triton, run_under_interpreter
+
 from mpcore.kernels.rope import rope, rope_reference, rope_triton
 from mpcore.models.common.rope import RotaryEmbedding, apply_rope
 
@@ -236,8 +237,9 @@ def _check_triton_equals_reference():
 
 
 def _interpreter_checks():
-    from mpcore.kernels import rope as module
     from triton.runtime.interpreter import InterpretedFunction
+
+    from mpcore.kernels import rope as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._rope_fwd_kernel, InterpretedFunction), "not interpreted"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.rope import RotaryEmbedding, apply_rope
 

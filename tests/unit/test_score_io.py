@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpcore.launch.score_io import InputSpec, read_input, vl_spec
 
 from mpcore.data.images import load_image, process_image
+from mpcore.launch.score_io import InputSpec, read_input, vl_spec
 
 IMAGES = Path(__file__).resolve().parents[2] / "launch" / "data" / "images"
 TEXT = InputSpec(vocab_size=100, checkpoint="ckpt (Qwen3ForCausalLM)")

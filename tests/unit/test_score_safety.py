@@ -18,8 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-import mpcore.launch.score
 import pytest
+
+import mpcore.launch.score
 from mpcore.launch.score import main
 from mpcore.models import ModelConfig, build_model, export_hf
 from mpcore.parallel.state import ParallelState

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from mpcore.models.registry import family_of
 
 from mpcore.build import resolve_model_config
 from mpcore.config import load_config
+from mpcore.models.registry import family_of
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen3_30b_a3b.yaml"
 # The released config.json's shape fields (Qwen/Qwen3-30B-A3B).

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpret import needs_triton, run_under_interpreter
+
 from mpcore.kernels.swiglu import swiglu, swiglu_reference, swiglu_triton
 
 # Norm-wise relative tolerance per dtype: fp32 to rounding, fp16 a few ulps of two roundings.
@@ -211,8 +212,9 @@ def _check_triton_compiles():
 
 
 def _interpreter_checks():
-    from mpcore.kernels import swiglu as module
     from triton.runtime.interpreter import InterpretedFunction
+
+    from mpcore.kernels import swiglu as module
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(module._swiglu_fwd_kernel, InterpretedFunction), "not interpreted"

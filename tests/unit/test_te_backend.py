@@ -11,13 +11,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+
+from mpcore.build import build
+from mpcore.config import load_config
 from mpcore.parallel import te
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.state import ParallelState
 from mpcore.parallel.te import TEGemm, forward_region
-
-from mpcore.build import build
-from mpcore.config import load_config
 
 no_te = pytest.mark.skipif(te.te_available(), reason="TransformerEngine is installed here")
 HINT = re.escape(te.TE_INSTALL)

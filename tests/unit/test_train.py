@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from mpcore.models import load_hf_model
-from mpcore.parallel.state import ParallelState
 
 from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
@@ -26,6 +24,8 @@ from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.data.tokenizer import Tokenizer
 from mpcore.metrics import KEYS
+from mpcore.models import load_hf_model
+from mpcore.parallel.state import ParallelState
 from mpcore.train import Trainer, TrainingDiverged, train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from mpcore.models import family_named
 
 from mpcore.config import load_config
 from mpcore.data.images import process_image
 from mpcore.data.videos import VideoSettings, frame_times, process_video, video_parts
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.models import family_named
 
 REPO = Path(__file__).resolve().parents[2]
 # (family, frames, height, width, min_pixels, max_pixels): resized up, down, and kept

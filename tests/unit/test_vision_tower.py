@@ -20,6 +20,15 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
+from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+from transformers.models.qwen2_vl import modeling_qwen2_vl
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
+
 from mpcore.models.qwen2_vl import (
     VisionConfig,
     VisionTower,
@@ -32,14 +41,6 @@ from mpcore.models.qwen2_vl import (
     vision_shard_map,
 )
 from mpcore.models.qwen2_vl.vision_hf import shard_from_full
-from safetensors.torch import load_file
-from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
-from transformers.models.qwen2_vl import modeling_qwen2_vl
-from transformers.vision_utils import (
-    get_vision_cu_seqlens,
-    get_vision_position_ids,
-    get_vision_window_index,
-)
 
 TEXT = dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=32,

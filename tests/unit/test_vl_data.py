@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mpcore.launch import prepare_vl_data
 from PIL import Image
 
 from mpcore.data import (
@@ -26,6 +25,7 @@ from mpcore.data import (
 )
 from mpcore.data.images import load_image, process_image
 from mpcore.data.vl_default import DEFAULT_MANIFEST, DEFAULT_SETTINGS
+from mpcore.launch import prepare_vl_data
 
 SMALL = ImageSettings(min_pixels=28 * 28, max_pixels=4 * 28 * 28)  # 1 to 4 tokens per image
 

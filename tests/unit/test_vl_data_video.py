@@ -20,9 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mpcore.launch import prepare_vl_data
-from mpcore.models import family_named
-from mpcore.parallel.state import ParallelState
 from PIL import Image
 from test_video_processing import CASES, RECORDED, case_id, digest, frames_of
 
@@ -33,6 +30,9 @@ from mpcore.data import VLDataset, VLPackedDataset, collate_vl, prepare_default
 from mpcore.data.videos import VideoSettings, process_video
 from mpcore.data.vl_dataset import dataset_fingerprint, folder_fingerprint, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.launch import prepare_vl_data
+from mpcore.models import family_named
+from mpcore.parallel.state import ParallelState
 from mpcore.vl_data import build_vl_loaders
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,9 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mpcore.launch import prepare_vl_data
-from mpcore.models import family_named
-from mpcore.parallel.state import ParallelState
 from PIL import Image
 
 from mpcore.config import load_config
@@ -24,6 +21,9 @@ from mpcore.data import VLDataset, VLTokenizer, prepare_default
 from mpcore.data.vl_dataset import dataset_fingerprint
 from mpcore.data.vl_default import default_settings
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.launch import prepare_vl_data
+from mpcore.models import family_named
+from mpcore.parallel.state import ParallelState
 from mpcore.vl_data import build_vl_loaders, vl_sources
 
 REPO = Path(__file__).resolve().parents[2]
