@@ -54,3 +54,24 @@ def bare_import(name: str, path: list[str]) -> None:
         f"If 'mpcore.{name}' is not found either, this checkout is not installed: "
         f"pip install -e . in {ours.parent}",
         name=name)
+
+
+LAYERS = ("kernels", "parallel", "models", "launch")
+"""The top-level folders installed under ``mpcore.``."""
+
+
+def check_installed() -> None:
+    """Refuse, at ``import mpcore``, an install whose ``mpcore.<layer>`` packages are missing.
+
+    That is an install made before the one namespace (it put ``kernels``, ``models``, ... at the
+    top level, where Hugging Face's ``kernels`` also lives) or a checkout put on ``sys.path``
+    without installing it; either way the next import would fail with a bare
+    ``No module named 'mpcore.kernels'``.
+    """
+    missing = [name for name in LAYERS if importlib.util.find_spec(f"mpcore.{name}") is None]
+    if missing:
+        here = Path(__file__).resolve().parent
+        raise ImportError(
+            f"mpcore at {here} has no {', '.join('mpcore.' + m for m in missing)}: this install "
+            f"predates mpcore's one namespace (it installed {', '.join(missing)} as top-level "
+            f"names) or the checkout is not installed; run pip install -e . in {here.parent}")
