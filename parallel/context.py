@@ -279,9 +279,9 @@ class ContextPlan:
 def _pad_value(key: str, tensor: torch.Tensor, ignore_index: int, pad_id: int, pad_values):
     if key in pad_values:
         return pad_values[key]
-    if key == "labels":
+    if key == "labels" or key.startswith("mtp_labels"):  # LabelShifter.mtp's, per depth
         return ignore_index
-    if key == "input_ids":
+    if key == "input_ids" or key.startswith("mtp_input_ids"):
         return pad_id
     return False if tensor.dtype == torch.bool else 0
 
@@ -295,7 +295,8 @@ def split_batch(batch: dict, plan: ContextPlan, rank: int, *, ignore_index: int 
     default; ``token_dims={"key": 0}`` for e.g. ``[T, H]``); keys listed in ``replicate`` pass
     through unchanged; ``cu_seqlens``, if present, must match the plan. Anything else raises
     ``ValueError``: nothing is passed on unsplit by accident. Padding gets ``ignore_index`` for
-    ``labels``, ``pad_id`` for ``input_ids``, False/0 otherwise, or ``pad_values[key]``.
+    ``labels`` (and ``mtp_labels*``), ``pad_id`` for ``input_ids`` (and ``mtp_input_ids*``),
+    False/0 otherwise, or ``pad_values[key]``.
     The result has the same keys, plus ``cu_seqlens``: this rank's local segments (int32).
     """
     pad_values = dict(pad_values or {})

@@ -15,6 +15,20 @@ makes the last token of a document predict the first token of the next. Both tra
 Shift here, then split the labels together with every other per-token tensor
 (``parallel/context.py``).
 
+Multi-token prediction shifts further, by the same rule. The depth-k block (k = 1..D) sees at
+position t the token k places ahead and predicts the one k+1 places ahead:
+
+    mtp_ids_k[t]    = input_ids[t+k]     if t+k is in t's document,    fill_id otherwise
+    mtp_labels_k[t] = input_ids[t+k+1]   under the three conditions above with t+1 -> t+k+1,
+                                         ignore_index otherwise
+
+so the last k+1 tokens of every document have no depth-k target, and a document of k+1 tokens
+or fewer gives none. ``labels`` is the case ``shift=1`` (:meth:`LabelShifter.__call__`), bit for
+bit what it always was. A ``fill_id`` input never reaches a target: it sits only at positions
+whose own label is ignored, and attention never crosses into the next document. The shift must
+be taken here, on the global stream, for the same two reasons as above, only worse: at depth k
+a shift after the split gets k+1 wrong targets at every shard's end.
+
 Documents are non-empty: ``cu_seqlens`` must start at 0, be strictly increasing and end at T.
 An empty document (a repeated offset) is rejected; drop it when packing.
 
@@ -34,7 +48,8 @@ import torch
 
 from mpcore.kernels import host_checked
 
-__all__ = ["LabelShifter", "PackedBatch", "check_cu_seqlens", "pack_padded", "position_ids"]
+__all__ = ["LabelShifter", "MtpTargets", "PackedBatch", "check_cu_seqlens", "pack_padded",
+           "position_ids"]
 
 IGNORE_INDEX = -100  # the label of positions without a target (LabelShifter's default)
 
@@ -129,6 +144,25 @@ def position_ids(cu_seqlens, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu.device) - starts
 
 
+def _document_ends(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T]`` int64: the offset one past the end of each token's document."""
+    return torch.repeat_interleave(cu[1:], cu[1:] - cu[:-1], output_size=total)
+
+
+def _check_shift(shift, name: str) -> int:
+    if isinstance(shift, bool) or not isinstance(shift, int) or shift < 1:
+        raise ValueError(f"{name} must be a positive int (1 = the next token), got {shift!r}")
+    return shift
+
+
+class MtpTargets(NamedTuple):
+    """The depth-k inputs and targets of multi-token prediction (module docstring)."""
+
+    depth: int
+    input_ids: torch.Tensor  # (T,) ids k ahead, fill_id past the document's end
+    labels: torch.Tensor  # (T,) int64, the token k+1 ahead or ignore_index
+
+
 class PackedBatch(NamedTuple):
     """The canonical packed form of a batch (DESIGN.md, Batches)."""
 
@@ -209,22 +243,55 @@ class LabelShifter:
                              f"use a negative ignore_index (the default is -100)")
         return torch.where(keep, nxt, torch.full_like(nxt, self.ignore_index))
 
-    def __call__(self, input_ids, cu_seqlens=None, loss_mask=None) -> torch.Tensor:
+    def __call__(self, input_ids, cu_seqlens=None, loss_mask=None, shift: int = 1
+                 ) -> torch.Tensor:
         """Labels ``[T]`` int64 for the packed stream ``input_ids [T]`` (module docstring).
 
         ``cu_seqlens [D+1]`` or ``None`` (one document); ``loss_mask [T]`` bool or 0/1, where
-        ``loss_mask[t]`` says whether token t is a target. Every split happens after this.
+        ``loss_mask[t]`` says whether token t is a target. ``shift``: how far ahead the target
+        is (1, the next token, for the model's own head; k+1 for the depth-k MTP block). Every
+        split happens after this.
         """
         ids = _check_ids(input_ids, "input_ids", 1)
+        shift = _check_shift(shift, "shift")
         total = ids.numel()
         cu = check_cu_seqlens(cu_seqlens, total).to(ids.device)
         mask = _check_mask(loss_mask, ids.shape, "loss_mask")
         _check_nonnegative(ids)
-        last = torch.zeros(total, dtype=torch.bool, device=ids.device)
-        last[cu[1:] - 1] = True  # last token of each document: no target
         labels = torch.full((total,), self.ignore_index, dtype=torch.long, device=ids.device)
-        labels[:-1] = self._labels(ids[1:], ~last[:-1], None if mask is None else mask[1:])
+        if shift >= total:
+            return labels
+        # t's target t+shift exists in t's document (for shift 1: t is not a document's last)
+        inside = torch.arange(shift, total, device=ids.device) < _document_ends(cu, total)[:-shift]
+        labels[:-shift] = self._labels(ids[shift:], inside,
+                                       None if mask is None else mask[shift:])
         return labels
+
+    def mtp(self, input_ids, cu_seqlens=None, loss_mask=None, depth: int = 1,
+            fill_id: int = 0) -> list[MtpTargets]:
+        """Inputs and labels ``[T]`` of the multi-token-prediction blocks of depth 1..``depth``.
+
+        Block k gets ``input_ids`` shifted by k inside each document (``fill_id`` past its end)
+        and the labels shifted by k+1 (:meth:`__call__` with ``shift=k+1``); both are per-token
+        tensors of the global stream, to be split with everything else. ``fill_id`` must be a
+        valid id of the embedding (it is looked up, never a target).
+        """
+        depth = _check_shift(depth, "depth")
+        if isinstance(fill_id, bool) or not isinstance(fill_id, int) or fill_id < 0:
+            raise ValueError(f"fill_id must be a token id >= 0 (an id the embedding holds), "
+                             f"got {fill_id!r}")
+        ids = _check_ids(input_ids, "input_ids", 1)
+        total = ids.numel()
+        cu = check_cu_seqlens(cu_seqlens, total).to(ids.device)
+        ends = _document_ends(cu, total)
+        out = []
+        for k in range(1, depth + 1):
+            ahead = torch.full_like(ids, fill_id)
+            if k < total:
+                inside = torch.arange(k, total, device=ids.device) < ends[:-k]
+                ahead[:-k] = torch.where(inside, ids[k:], ahead[:-k])
+            out.append(MtpTargets(k, ahead, self(ids, cu, loss_mask, shift=k + 1)))
+        return out
 
     def from_padded(self, input_ids, attention_mask=None, loss_mask=None) -> torch.Tensor:
         """Labels ``[B, S]`` int64 for a padded batch ``input_ids [B, S]``, one document per row.
