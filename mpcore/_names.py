@@ -10,7 +10,11 @@ runs under a name other than its own, and this module decides what that import m
 - another installed distribution owns the name (``kernels`` is Hugging Face's kernel hub, which
   transformers >= 5.25 imports): that package is loaded in place of the folder, so the checkout
   never shadows it;
-- nobody else owns it: an ``ImportError`` that names the import to write instead.
+- nobody else owns it: a stand-in module with no file, no version and no contents, whose every
+  use (``from models import registry``, ``kernels.rms_norm``) raises the ``ImportError`` that
+  names the import to write instead. The import itself does not fail, because availability
+  probes (transformers' ``find_spec`` then ``import_module``, where a package has no metadata)
+  would crash on it; they read the stand-in as a PEP 420 namespace folder and move on.
 
 Standard library only, and imported only on those wrong routes: the layers above never run it.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 
@@ -33,8 +38,8 @@ def _same_dir(a: str, b: Path) -> bool:
 def bare_import(name: str, path: list[str]) -> None:
     """Resolve ``import <name>`` that reached our folder ``path[0]`` under its bare name.
 
-    Loads another distribution's top-level ``name`` into ``sys.modules[name]`` (the import
-    statement then returns it) or raises ``ImportError`` naming ``mpcore.<name>``.
+    Puts another distribution's top-level ``name`` into ``sys.modules[name]`` (the import
+    statement then returns it), or the stand-in whose every use names ``mpcore.<name>``.
     """
     ours = Path(path[0]).resolve()
     elsewhere = [entry for entry in sys.path if not _same_dir(entry, ours.parent)]
@@ -48,12 +53,25 @@ def bare_import(name: str, path: list[str]) -> None:
             del sys.modules[name]
             raise
         return
-    raise ImportError(
-        f"'{name}' is not an import name of mpcore: the folder {ours} is the package "
-        f"'mpcore.{name}' (write 'import mpcore.{name}' or 'from mpcore.{name} import ...'). "
-        f"If 'mpcore.{name}' is not found either, this checkout is not installed: "
-        f"pip install -e . in {ours.parent}",
-        name=name)
+    sys.modules[name] = _Moved(name, ours)
+
+
+class _Moved(types.ModuleType):
+    """A bare name of ours that no other distribution owns (module docstring)."""
+
+    def __init__(self, name: str, folder: Path):
+        super().__init__(name)
+        self._folder = folder
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") and attr.endswith("__") or attr == "_folder":
+            raise AttributeError(attr)  # what probes ask (__file__, __version__, __path__)
+        name, folder = self.__name__, self._folder
+        raise ImportError(
+            f"'{name}' is not an import name of mpcore: the folder {folder} is the package "
+            f"'mpcore.{name}' (write 'from mpcore.{name} import {attr}' or 'import "
+            f"mpcore.{name}'). If 'mpcore.{name}' is not found either, this checkout is not "
+            f"installed: pip install -e . in {folder.parent}", name=name)
 
 
 LAYERS = ("kernels", "parallel", "models", "launch")
