@@ -11,9 +11,9 @@ ranks import this module.
 
 from __future__ import annotations
 
-from hf_qwen3_vl_tiny import TOKENS
-from hf_qwen35_vl_tiny import TEXT, TOWER
-from qwen35_moe_tiny import CONFIG, MOE_KEYS, randomize_, sharpen_router_
+from tests.dist.hf_qwen3_vl_tiny import TOKENS
+from tests.dist.hf_qwen35_vl_tiny import TEXT, TOWER
+from tests.dist.qwen35_moe_tiny import CONFIG, MOE_KEYS, randomize_, sharpen_router_
 
 TEXT_MOE = {k: v for k, v in TEXT.items() if k != "intermediate_size"} | {
     k: CONFIG[k] for k in MOE_KEYS}

@@ -11,8 +11,8 @@ they are. transformers is imported inside functions: spawned test ranks import t
 
 from __future__ import annotations
 
-from hf_qwen3_vl_tiny import TOKENS, VISION, VOCAB
-from qwen35_tiny import HF_CONFIG, randomize_
+from tests.dist.hf_qwen3_vl_tiny import TOKENS, VISION, VOCAB
+from tests.dist.qwen35_tiny import HF_CONFIG, randomize_
 
 TEXT = {**HF_CONFIG, "vocab_size": VOCAB, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
         "max_position_embeddings": 4096,

@@ -5,8 +5,8 @@ transformers is imported inside the functions: spawned test ranks import this mo
 
 from __future__ import annotations
 
-from hf_moe_tiny import randomise_moe
-from hf_qwen3_vl_tiny import TEXT, TOKENS, VISION
+from tests.dist.hf_moe_tiny import randomise_moe
+from tests.dist.hf_qwen3_vl_tiny import TEXT, TOKENS, VISION
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
            decoder_sparse_step=1, mlp_only_layers=[1], router_aux_loss_coef=0.5)

@@ -12,7 +12,8 @@ aux loss over the whole batch is ``hf_moe_tiny.reference`` (transformers'
 from __future__ import annotations
 
 import torch
-from qwen35_tiny import HF_CONFIG, randomize_
+
+from tests.dist.qwen35_tiny import HF_CONFIG, randomize_
 
 CONFIG = {k: v for k, v in HF_CONFIG.items() if k != "intermediate_size"} | dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,

@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import torch.distributed as dist
-from harness import run_distributed
-from test_train_layouts import tiny
 
 from mpcore.checkpoint import verify_checkpoint
 from mpcore.data import prepare_default
 from mpcore.train import train
+from tests.dist.harness import run_distributed
+from tests.dist.test_train_layouts import tiny
 
 pytestmark = pytest.mark.slow
 LAYOUTS = {"dp2_fsdp": ["data.micro_batch=1"], "tp2": ["parallel.tp=2"]}

@@ -8,7 +8,6 @@ import json
 
 import torch
 import torch.distributed as dist
-from harness import run_distributed
 
 from mpcore.checkpoint import (
     CheckpointError,
@@ -20,6 +19,7 @@ from mpcore.checkpoint import (
 )
 from mpcore.config import load_config
 from mpcore.rundir import claim_run_dir
+from tests.dist.harness import run_distributed
 
 
 def _save_damage_resume(rank, world, tmp):

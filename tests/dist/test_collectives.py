@@ -1,9 +1,9 @@
 """Every collective mapping, forward and backward, against the math on the full tensors."""
 
 import torch
-from harness import run_distributed
 
 import mpcore.parallel.collectives as C
+from tests.dist.harness import run_distributed
 
 
 def _same(seed, *shape):

@@ -6,11 +6,17 @@ unsplit stream, float64) is computed on each rank and compared there.
 
 import torch
 import torch.distributed as dist
-from harness import run_distributed
 
-from mpcore.parallel import ContextPlan, LabelShifter, global_mean_loss, global_valid_count, loss_share
+from mpcore.parallel import (
+    ContextPlan,
+    LabelShifter,
+    global_mean_loss,
+    global_valid_count,
+    loss_share,
+)
 from mpcore.parallel.loss import sum_over_group
 from mpcore.parallel.state import ParallelState, group_size
+from tests.dist.harness import run_distributed
 
 IGNORE = -100
 CASES = [  # (document lengths, layout, pad_multiple)

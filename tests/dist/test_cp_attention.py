@@ -8,10 +8,10 @@ attention contract: per-token doc_id and pos. One spawn per cp size loops over e
 
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
 
 from mpcore.parallel.attention import AttentionPlan, context_attention
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
 
 LENGTHS = [7, 1, 13, 4, 10]  # odd lengths and a length-1 document
 HEADS = [(4, 2), (4, 1), (6, 3)]  # (H, H_kv): GQA, H_kv < cp, H_kv not dividing cp

@@ -4,26 +4,20 @@ rank only, read a step late, stops both ranks together one step later, saved the
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-from harness import run_distributed
-from test_train_layouts import tiny
 
 from mpcore.checkpoint import latest_checkpoint
 from mpcore.data import prepare_default
-
-UNIT = str(Path(__file__).resolve().parents[1] / "unit")
+from tests.dist.harness import run_distributed
+from tests.dist.test_train_layouts import tiny
 
 
 def _stop_on_rank_1(rank, world, tmp):
-    sys.path.insert(0, UNIT)
     import mpcore.build
     from mpcore.build import build, resolve_device, setup
     from mpcore.optim import decides_on_device
     from mpcore.train import Trainer
-    from test_device_decided_step import fused_adamw
+    from tests.unit.test_device_decided_step import fused_adamw
 
     out = {}
     plain = mpcore.build.build_optimizer

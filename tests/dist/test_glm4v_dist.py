@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
-from hf_glm4v_tiny import IMAGE, reference_logprobs, save_hf_model, stream
 
 from mpcore.models.common.hf_io import gather_full
 from mpcore.models.glm4v import load_hf_model, local_glm4v_inputs, shard_map
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_glm4v_tiny import IMAGE, reference_logprobs, save_hf_model, stream
 
 # (tp, cp, cp_mode, sequence_parallel, vision_cp)
 LAYOUTS = [(1, 1, "none", False, "split"), (2, 1, "none", False, "split"),

@@ -15,15 +15,6 @@ import json
 import pytest
 import torch
 import transformers
-from hf_glm4v_tiny import (
-    IMAGE,
-    make_hf_model,
-    reference_logprobs,
-    reference_loss_grads,
-    reference_positions,
-    save_hf_model,
-    stream,
-)
 
 from mpcore.models import family_of, family_of_hf
 from mpcore.models.glm4v import (
@@ -37,6 +28,15 @@ from mpcore.models.glm4v import (
     position_ids,
 )
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_glm4v_tiny import (
+    IMAGE,
+    make_hf_model,
+    reference_logprobs,
+    reference_loss_grads,
+    reference_positions,
+    save_hf_model,
+    stream,
+)
 
 
 def _logprobs(model, cfg, state, s):
@@ -187,8 +187,8 @@ def test_shipped_shape_matches_glm41v_9b():
     (its config's defaults are that checkpoint's shape), both built on meta."""
     from pathlib import Path
 
-    from mpcore.models.glm4v import FAMILY, Glm4vModel
     from mpcore.config import load_config
+    from mpcore.models.glm4v import FAMILY, Glm4vModel
 
     root = Path(__file__).resolve().parents[2]
     ids = dict(image_token_id=151343, video_token_id=151344, vision_start_token_id=151339,

@@ -4,8 +4,9 @@ the registry gives score.py the family's inputs; log-probs within 1e-4 per seque
 from __future__ import annotations
 
 import pytest
-from hf_glm4v_tiny import I_END, I_START, IMAGE, save_hf_model
-from vl_launch_checks import score_matches_transformers
+
+from tests.dist.hf_glm4v_tiny import I_END, I_START, IMAGE, save_hf_model
+from tests.dist.vl_launch_checks import score_matches_transformers
 
 
 @pytest.mark.slow

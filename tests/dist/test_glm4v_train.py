@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vl_launch_checks import TinyRun, export_matches_transformers, layouts_agree
 
 from mpcore.models.glm4v import FAMILY
+from tests.dist.vl_launch_checks import TinyRun, export_matches_transformers, layouts_agree
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "glm4v_tiny.yaml"
 TINY = TinyRun(str(CONFIG), (

@@ -3,7 +3,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
+
+from tests.dist.harness import run_distributed
 
 
 def _sum_ranks(rank, world_size):

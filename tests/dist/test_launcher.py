@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
-from test_processes import PRETRAIN, env, free_port, last_step, small, wait_for, workers  # noqa: F401
 
 from mpcore.processes import EXIT_CRASH, EXIT_PREEMPTED, EXIT_USER_ERROR
+from tests.dist.test_processes import PRETRAIN, env, free_port, last_step, small, wait_for, workers  # noqa: F401
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc"),
               pytest.mark.slow]

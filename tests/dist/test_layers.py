@@ -8,12 +8,12 @@ std 0.02, from a generator with the same seed), then put into plain ``nn.Linear`
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
 from torch import nn
 
 from mpcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

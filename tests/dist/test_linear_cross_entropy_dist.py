@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_distributed
+
+from tests.dist.harness import run_distributed
 
 N, H = 37, 24
 

@@ -25,15 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
-from hf_tiny import (
-    FAMILIES,
-    VOCAB,
-    packed_docs,
-    reference_loss_grads,
-    reference_scores,
-    save_hf_model,
-)
 
 from mpcore.launch.score import gather_in_order, score_sequences, score_stream
 from mpcore.models import local_text_inputs
@@ -42,6 +33,15 @@ from mpcore.models.common.decoder_hf import shard_map
 from mpcore.models.llama.hf import config_from_hf, export_hf, load_hf_model
 from mpcore.parallel.collectives import gather_last_dim
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_tiny import (
+    FAMILIES,
+    VOCAB,
+    packed_docs,
+    reference_loss_grads,
+    reference_scores,
+    save_hf_model,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LENGTHS = [7, 13, 1, 10, 5]

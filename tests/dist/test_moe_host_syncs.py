@@ -24,11 +24,11 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpcore.models.common.moe import MoeBlock
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
 
 GROUPED = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                              reason="this torch has no _grouped_mm")

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
 
 from mpcore.parallel.random import model_parallel_seed
 from mpcore.parallel.state import ParallelState, group_size
+from tests.dist.harness import run_distributed
 
 
 def _members(group):

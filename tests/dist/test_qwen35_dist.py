@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
-from qwen35_tiny import make_hf_model, packed_docs, reference
 from safetensors.torch import load_file
 
 from mpcore.launch.score import score_stream
@@ -29,6 +27,8 @@ from mpcore.models.common.hf_io import gather_full
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.qwen3_5.hf import export_hf, load_hf, shard_map
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.qwen35_tiny import make_hf_model, packed_docs, reference
 
 LENGTHS = [5, 1, 70, 2, 3, 13]
 HEADS = dict(linear_num_key_heads=4, linear_num_value_heads=8)  # split over tp x cp = 4

@@ -14,14 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from qwen35_tiny import (
-    HF_CONFIG,
-    check_per_document,
-    conditional_generation,
-    make_hf_model,
-    packed_docs,
-    reference,
-)
 from safetensors.torch import load_file, save_file
 
 from mpcore.launch.score import score_stream
@@ -33,6 +25,14 @@ from mpcore.models.qwen3_5.hf import config_from_hf, export_hf, hf_config_dict, 
 from mpcore.models.qwen3_5.model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.qwen35_tiny import (
+    HF_CONFIG,
+    check_per_document,
+    conditional_generation,
+    make_hf_model,
+    packed_docs,
+    reference,
+)
 
 LENGTHS = [5, 1, 70, 2, 3, 13]
 

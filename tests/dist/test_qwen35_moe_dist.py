@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_distributed
-from qwen35_moe_tiny import save_hf_model
-from qwen35_tiny import packed_docs
-from test_qwen3_moe_dist import _concat, _expected, _my_streams, _rel, _train
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
 from mpcore.models.qwen3_5_moe.hf import load_hf, shard_map
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.qwen35_moe_tiny import save_hf_model
+from tests.dist.qwen35_tiny import packed_docs
+from tests.dist.test_qwen3_moe_dist import _concat, _expected, _my_streams, _rel, _train
 
 STREAMS = [[7, 3], [66, 1], [10, 5], [4, 9]]
 # DeltaNet's per-head decay parameters: each gradient entry sums, over every token, terms that

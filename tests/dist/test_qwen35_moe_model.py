@@ -24,9 +24,6 @@ import logging
 
 import pytest
 import torch
-from hf_moe_tiny import backward_loss_with_aux, reference
-from qwen35_moe_tiny import CONFIG, make_hf_model, save_hf_model
-from qwen35_tiny import check_per_document, conditional_generation, packed_docs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -36,10 +33,19 @@ from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf
 from mpcore.models.qwen3_5.hf import load_hf as dense_load_hf
 from mpcore.models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.family import config_from_dict
-from mpcore.models.qwen3_5_moe.hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
+from mpcore.models.qwen3_5_moe.hf import (
+    config_from_hf,
+    export_hf,
+    hf_config_dict,
+    load_hf,
+    shard_map,
+)
 from mpcore.models.qwen3_5_moe.model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_moe_tiny import backward_loss_with_aux, reference
+from tests.dist.qwen35_moe_tiny import CONFIG, make_hf_model, save_hf_model
+from tests.dist.qwen35_tiny import check_per_document, conditional_generation, packed_docs
 
 LENGTHS = [5, 1, 70, 2, 3, 13]
 ARCH = {"architectures": ["Qwen3_5MoeForCausalLM"]}

@@ -12,11 +12,11 @@ import math
 import shutil
 
 import pytest
-from harness import run_distributed
 
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import train
+from tests.dist.harness import run_distributed
 
 STEPS = 6
 SAVE_AT = 3

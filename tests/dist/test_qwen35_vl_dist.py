@@ -23,8 +23,9 @@ own way, so two fp32 runs differ by about as much. Every other bound is the othe
 from __future__ import annotations
 
 import pytest
-from hf_qwen35_vl_tiny import save_hf_model
-from test_qwen3_vl_dist import BASE, _run
+
+from tests.dist.hf_qwen35_vl_tiny import save_hf_model
+from tests.dist.test_qwen3_vl_dist import BASE, _run
 
 # (tp, cp, cp_mode, sequence_parallel, activation_checkpointing, vision_cp)
 RING2 = (1, 2, "ring", False, False, "split")

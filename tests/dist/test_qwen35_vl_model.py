@@ -20,10 +20,7 @@ import logging
 import pytest
 import torch
 import transformers
-from hf_qwen3_vl_tiny import load, reference_scores, stream
-from hf_qwen35_vl_tiny import TEXT, save_hf_model
 from safetensors.torch import load_file, save_file
-from test_qwen3_vl_model import export_matches_transformers, matches_transformers, vision_kwargs
 
 from mpcore.models.qwen3_5_vl import (
     FAMILY,
@@ -36,6 +33,13 @@ from mpcore.models.qwen3_5_vl import (
 )
 from mpcore.models.registry import family_named, family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_qwen3_vl_tiny import load, reference_scores, stream
+from tests.dist.hf_qwen35_vl_tiny import TEXT, save_hf_model
+from tests.dist.test_qwen3_vl_model import (
+    export_matches_transformers,
+    matches_transformers,
+    vision_kwargs,
+)
 
 
 @pytest.fixture(scope="module")

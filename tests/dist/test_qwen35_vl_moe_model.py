@@ -19,12 +19,7 @@ import logging
 
 import pytest
 import torch
-from harness import run_distributed
-from hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
-from hf_qwen35_vl_moe_tiny import EAGER, TEXT_MOE, make_hf_model, save_hf_model
 from safetensors.torch import load_file, save_file
-from test_qwen3_vl_model import hf_named, rel
-from test_qwen3_vl_moe_model import ep2_and_tp2, logprobs_at
 
 from mpcore.models.common.moe_loss import aux_share, global_counts
 from mpcore.models.qwen3_5_vl_moe import FAMILY, Qwen35VLMoeConfig
@@ -33,6 +28,11 @@ from mpcore.models.qwen3_5_vl_moe.hf import export_hf, load_hf_model
 from mpcore.models.qwen3_5_vl_moe.model import make_moe_model
 from mpcore.models.registry import family_named, family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
+from tests.dist.hf_qwen35_vl_moe_tiny import EAGER, TEXT_MOE, make_hf_model, save_hf_model
+from tests.dist.test_qwen3_vl_model import hf_named, rel
+from tests.dist.test_qwen3_vl_moe_model import ep2_and_tp2, logprobs_at
 
 ARCH = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
-from vl_launch_checks import export_matches_transformers
 
-from mpcore.models.qwen3_5_vl_moe.family import FAMILY
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
+from mpcore.models.qwen3_5_vl_moe.family import FAMILY
 from mpcore.train import train
+from tests.dist.harness import run_distributed
+from tests.dist.vl_launch_checks import export_matches_transformers
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "launch" / "configs" / "qwen35_vl_moe_tiny.yaml"

@@ -9,16 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_qwen3_vl_tiny import END, IMAGE, START
-from hf_qwen35_vl_tiny import save_hf_model
-from vl_launch_checks import (
+
+from mpcore.models.qwen3_5_vl import FAMILY
+from tests.dist.hf_qwen3_vl_tiny import END, IMAGE, START
+from tests.dist.hf_qwen35_vl_tiny import save_hf_model
+from tests.dist.vl_launch_checks import (
     TinyRun,
     export_matches_transformers,
     layouts_agree,
     score_matches_transformers,
 )
-
-from mpcore.models.qwen3_5_vl import FAMILY
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen35_vl_tiny.yaml"
 TINY = TinyRun(str(CONFIG), (

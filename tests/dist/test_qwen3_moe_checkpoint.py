@@ -23,13 +23,13 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
 
 from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import stored_tensors
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import train
+from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.slow  # seven short training runs
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
-from hf_moe_tiny import packed_docs, reference, save_hf_model
 
 from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss
 from mpcore.models.qwen3_moe.family import local_inputs
 from mpcore.models.qwen3_moe.hf import load_hf_model, shard_map
 from mpcore.models.qwen3_moe.model import is_expert_param
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_moe_tiny import packed_docs, reference, save_hf_model
 
 STREAMS = [[7, 3], [13, 1], [10, 5], [4, 9]]  # document lengths of the four streams
 LAYOUTS = [(1, 1, "none", 1), (1, 1, "none", 2), (1, 1, "none", 4), (2, 1, "none", 2),
@@ -245,9 +245,10 @@ def _export_worker(rank, world, folder, out):
 
 
 def test_export_at_tp2_ep2_from_the_fused_layout_loads_in_transformers(tmp_path):
-    from hf_moe_tiny import make_hf_model
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
+    from tests.dist.hf_moe_tiny import make_hf_model
 
     save_hf_model(5, tmp_path / "released")  # for its config.json
     fused = tmp_path / "fused"

@@ -18,14 +18,6 @@ import json
 
 import pytest
 import torch
-from hf_moe_tiny import (
-    CONFIG,
-    backward_loss_with_aux,
-    make_hf_model,
-    packed_docs,
-    reference,
-    save_hf_model,
-)
 from safetensors.torch import save_file
 
 from mpcore.models.llama.hf_config import config_from_hf as dense_config_from_hf
@@ -34,6 +26,14 @@ from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
 from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
 from mpcore.models.registry import family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_moe_tiny import (
+    CONFIG,
+    backward_loss_with_aux,
+    make_hf_model,
+    packed_docs,
+    reference,
+    save_hf_model,
+)
 
 LENGTHS = [7, 13, 1, 10, 5]
 
@@ -152,9 +152,8 @@ def test_bad_inputs_raise_before_compute(tmp_path):
         Qwen3MoeTransformer(Qwen3MoeConfig(**base), ParallelState(tp=2),
                             sequence_parallel=True)
     # launch/score.py --ep: checked on config.json alone, before the weights load
-    from hf_tiny import save_hf_model as save_dense_model
-
     from mpcore.launch.score import checkpoint_spec
+    from tests.dist.hf_tiny import save_hf_model as save_dense_model
 
     save_dense_model("qwen3", 0, tmp_path / "dense")
     with pytest.raises(ValueError, match="--ep 2 does not fit .*ep=2 but this model has no "

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_moe_tiny import packed_docs, reference, save_hf_model
+
+from tests.dist.hf_moe_tiny import packed_docs, reference, save_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 

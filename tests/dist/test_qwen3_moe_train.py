@@ -14,16 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
 
-from mpcore.models.common.moe_loss import aux_share, global_counts
-from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
 from mpcore.build import _expert_parallel_state, build, resolve_device, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.logical import LogicalLayout
-from mpcore.train import Trainer
+from mpcore.models.common.moe_loss import aux_share, global_counts
+from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
 from mpcore.parallel.state import ParallelState
+from mpcore.train import Trainer
+from tests.dist.harness import run_distributed
 
 COEF = 0.5
 

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_distributed
-from hf_qwen3_vl_tiny import IMAGE, VIDEO, reference_loss_grads, reference_scores, save_hf_model
-from hf_qwen3_vl_tiny import stream as make_stream
-from test_qwen3_vl_model import rel, score_and_grads
 
 from mpcore.models.common.hf_io import gather_full
 from mpcore.models.qwen3_vl import config_from_hf, local_inputs
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_qwen3_vl_tiny import (
+    IMAGE,
+    VIDEO,
+    reference_loss_grads,
+    reference_scores,
+    save_hf_model,
+)
+from tests.dist.hf_qwen3_vl_tiny import stream as make_stream
+from tests.dist.test_qwen3_vl_model import rel, score_and_grads
 
 # (tp, cp, cp_mode, sequence_parallel, activation_checkpointing, vision_cp)
 BASE = (1, 1, "none", False, False, "split")
@@ -158,7 +164,7 @@ def test_tp2_cp4_on_eight_processes(tmp_path):
 def test_a_placeholder_run_crosses_the_zigzag_cut():
     """The mixed stream at cp = 2 and 4 puts some image's run on two ranks (a run across a
     cut), so the layouts above cover it."""
-    from hf_qwen3_vl_tiny import make_hf_model
+    from tests.dist.hf_qwen3_vl_tiny import make_hf_model
 
     hf = make_hf_model(seed=0)
     cfg = config_from_hf({**hf.config.to_dict(),

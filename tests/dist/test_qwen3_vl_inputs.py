@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_qwen3_vl_tiny import END, IMAGE, START, VIDEO, doc_inputs, make_hf_model, stream
 
 from mpcore.models.qwen3_vl import config_from_hf, global_inputs, local_inputs, position_ids
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_qwen3_vl_tiny import END, IMAGE, START, VIDEO, doc_inputs, make_hf_model, stream
 
 
 @pytest.fixture(scope="module")

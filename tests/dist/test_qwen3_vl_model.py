@@ -15,15 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from hf_qwen3_vl_tiny import (
-    IMAGE,
-    VIDEO,
-    load,
-    reference_loss_grads,
-    reference_scores,
-    save_hf_model,
-    stream,
-)
 
 from mpcore.models.common.hf_io import _scatter_back
 from mpcore.models.qwen3_vl import (
@@ -35,6 +26,15 @@ from mpcore.models.qwen3_vl import (
 )
 from mpcore.models.registry import family_of
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_qwen3_vl_tiny import (
+    IMAGE,
+    VIDEO,
+    load,
+    reference_loss_grads,
+    reference_scores,
+    save_hf_model,
+    stream,
+)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

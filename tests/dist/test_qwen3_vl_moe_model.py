@@ -15,9 +15,6 @@ import dataclasses
 
 import pytest
 import torch
-from harness import run_distributed
-from hf_qwen3_vl_moe_tiny import EAGER, MOE, make_hf_model, save_hf_model
-from hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
 
 from mpcore.models.common.hf_io import _scatter_back
 from mpcore.models.qwen3_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
@@ -25,6 +22,9 @@ from mpcore.models.qwen3_vl_moe.family import FAMILY
 from mpcore.models.qwen3_vl_moe.hf import export_hf, load_hf_model, shard_map
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_qwen3_vl_moe_tiny import EAGER, MOE, make_hf_model, save_hf_model
+from tests.dist.hf_qwen3_vl_tiny import reference_loss_grads, reference_scores, stream
 
 
 def _rel(a, b) -> float:

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from vl_launch_checks import TinyRun, export_matches_transformers, layouts_agree
 
 from mpcore.models.qwen3_vl_moe.family import FAMILY
+from tests.dist.vl_launch_checks import TinyRun, export_matches_transformers, layouts_agree
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen3_vl_moe_tiny.yaml"
 STEPS = 8

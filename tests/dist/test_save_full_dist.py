@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import torch
-from harness import run_distributed
 
 from mpcore.checkpoint import (
     CheckpointError,
@@ -17,6 +16,7 @@ from mpcore.checkpoint import (
     save_checkpoint,
     stored_tensors,
 )
+from tests.dist.harness import run_distributed
 
 
 def _fill_up(rank, world, root):

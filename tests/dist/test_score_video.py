@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
-from hf_vl_tiny import END, IMAGE, PATCH_DIM, START, VIDEO, make_hf_vl_model
 
 from mpcore.launch.score import checkpoint_spec, score_items
 from mpcore.launch.score_io import read_input
 from mpcore.models.qwen2_vl import load_hf_vl_model
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_vl_tiny import END, IMAGE, PATCH_DIM, START, VIDEO, make_hf_vl_model
 
 
 def text(gen, n: int) -> list[int]:

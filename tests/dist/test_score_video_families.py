@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 
-import hf_glm4v_tiny as glm
-import hf_qwen3_vl_tiny as qwen3
 import pytest
 import torch
 
@@ -21,6 +19,8 @@ from mpcore.launch.score import checkpoint_spec, score_items
 from mpcore.launch.score_io import read_input
 from mpcore.models import family_of_hf
 from mpcore.parallel.state import ParallelState
+from tests.dist import hf_glm4v_tiny as glm
+from tests.dist import hf_qwen3_vl_tiny as qwen3
 
 
 def _rows(pixels, grid, which: list[int]):

@@ -33,9 +33,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_distributed
-from hf_tiny import save_hf_model
-from hf_vl_tiny import END, IMAGE, PATCH_DIM, START, save_hf_vl_model
+
+from tests.dist.harness import run_distributed
+from tests.dist.hf_tiny import save_hf_model
+from tests.dist.hf_vl_tiny import END, IMAGE, PATCH_DIM, START, save_hf_vl_model
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "launch" / "data" / "images"

@@ -13,11 +13,11 @@ import shutil
 
 import pytest
 import torch.distributed as dist
-from harness import run_distributed
 
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.train import train
+from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.slow  # training in every layout (a 55 s module fixture)
 

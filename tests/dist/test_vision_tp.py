@@ -18,7 +18,6 @@ import json
 
 import pytest
 import torch
-from harness import run_distributed
 from safetensors.torch import load_file
 
 from mpcore.models.qwen2_vl import (
@@ -29,6 +28,7 @@ from mpcore.models.qwen2_vl import (
     vision_hf_tensors,
 )
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.slow  # the vision tower at every tp
 

@@ -14,13 +14,18 @@ parameter's gradient (summed over cp, as the dp x cp reduction does) vs transfor
 from __future__ import annotations
 
 import pytest
-from harness import run_distributed
-from hf_vl_tiny import reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
-from test_vl_model import rel, score_and_grads
 
 from mpcore.models.common.hf_io import gather_full
 from mpcore.models.qwen2_vl.hf import load_hf_vl_model, vl_shard_map
 from mpcore.parallel.state import ParallelState
+from tests.dist.harness import run_distributed
+from tests.dist.hf_vl_tiny import (
+    reference_loss_grads,
+    reference_scores,
+    save_hf_vl_model,
+    vl_stream,
+)
+from tests.dist.test_vl_model import rel, score_and_grads
 
 pytestmark = pytest.mark.slow  # every VL layout against transformers
 

@@ -9,11 +9,11 @@ import inspect
 
 import pytest
 import torch
-from hf_vl_tiny import END, IMAGE, START, VIDEO, make_hf_vl_model, vl_stream
 
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.qwen2_vl.config import hf_vl_config_dict, is_vl_config, vl_config_from_hf
 from mpcore.models.qwen2_vl.inputs import vl_inputs, vl_position_ids
+from tests.dist.hf_vl_tiny import END, IMAGE, START, VIDEO, make_hf_vl_model, vl_stream
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl"]
 

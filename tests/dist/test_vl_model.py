@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_vl_tiny import IMAGE, reference_loss_grads, reference_scores, save_hf_vl_model, vl_stream
 
 from mpcore.models.common.hf_io import _scatter_back
 from mpcore.models.qwen2_vl.hf import export_hf_vl, load_hf_vl_model, vl_shard_map
 from mpcore.models.qwen2_vl.inputs import local_vl_inputs
 from mpcore.parallel.state import ParallelState
+from tests.dist.hf_vl_tiny import (
+    IMAGE,
+    reference_loss_grads,
+    reference_scores,
+    save_hf_vl_model,
+    vl_stream,
+)
 
 CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False)]
 
@@ -108,7 +114,7 @@ def test_bad_vision_inputs_raise(tmp_path):
     with pytest.raises(ValueError, match="grid_thw is given without pixel_values"):
         model(**{**inputs, "pixel_values": None})
     with pytest.raises(ValueError, match="not a vision-language model"):
-        from hf_tiny import save_hf_model
+        from tests.dist.hf_tiny import save_hf_model
 
         save_hf_model("qwen2", 0, tmp_path / "decoder")
         load_hf_vl_model(tmp_path / "decoder", state)
@@ -120,9 +126,9 @@ def test_placed_inputs_are_checked_on_the_host(tmp_path):
     (no device sync on CUDA; ``tests/gpu/test_vl_gpu.py`` checks that), with the same outputs
     and the same errors as the device path. A row changed in place after placing is no longer
     the host copy's: it is checked on the device, and still caught."""
+    from mpcore.batches import place
     from mpcore.kernels import host_checked
     from mpcore.models.registry import family_of
-    from mpcore.batches import place
 
     save_hf_vl_model("qwen2_vl", seed=0, folder=tmp_path)
     state = ParallelState.build()

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
 
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
 from mpcore.train import train
+from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.slow  # VL training in several layouts (a 30 s module fixture)
 
@@ -150,7 +150,7 @@ def test_text_only_manifest_trains_and_image_data_needs_a_vl_model(runs, tmp_pat
 
 def test_export_loads_in_transformers(runs):
     tmp, _, _ = runs
-    from hf_vl_tiny import _doc_logits
+    from tests.dist.hf_vl_tiny import _doc_logits
 
     out = tmp / "hf"
     proc = subprocess.run([sys.executable, "-m", "mpcore.launch.export_hf", "--checkpoint",
@@ -161,8 +161,8 @@ def test_export_loads_in_transformers(runs):
         p.name for p in out.iterdir()}
     import transformers
 
-    from mpcore.models import load_hf_vl_model
     from mpcore.data.vl_tokenizer import VLTokenizer
+    from mpcore.models import load_hf_vl_model
     from mpcore.parallel.state import ParallelState
 
     ours_tok = VLTokenizer(out / "tokenizer.model")
@@ -202,7 +202,7 @@ def test_export_loads_in_transformers(runs):
                                 pixel_values=pixels, image_grid_thw=grid)
     with torch.no_grad():
         ours_logits = ours(**inputs, output="logits")[:, :cfg.text.vocab_size]
-        import hf_vl_tiny
+        from tests.dist import hf_vl_tiny
 
         hf_vl_tiny.IMAGE = cfg.image_token_id  # the tiny helpers' placeholder id -> this model's
         theirs = _doc_logits(hf, ids, pixels, grid)

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from mpcore.models import family_named
 from mpcore.build import build, setup
 from mpcore.config import load_config
 from mpcore.data import prepare_default, prepare_vl_dataset
 from mpcore.data.videos import VideoSettings
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.models import family_named
 from mpcore.train import Trainer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from test_processes import env, free_port, small  # noqa: F401
 
 from mpcore.processes import EXIT_STUCK
 from mpcore.watchdog import stuck_message
+from tests.dist.test_processes import env, free_port, small  # noqa: F401
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc"),
               pytest.mark.slow]

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from harness import run_distributed
 
-from mpcore.launch.export_hf import main as export_main
 from mpcore.config import load_config
 from mpcore.data import prepare_vl_default
+from mpcore.launch.export_hf import main as export_main
 from mpcore.train import train
+from tests.dist.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 

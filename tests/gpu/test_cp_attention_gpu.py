@@ -1,6 +1,7 @@
 """Ring and Ulysses attention on the flash path at cp=2 (two GPUs, NCCL) against cp=1, bf16.
 
-Run as a script: ``torchrun --nproc-per-node 2 tests/gpu/test_cp_attention_gpu.py``; pytest
+Run as a module from the repository root:
+``torchrun --nproc-per-node 2 -m tests.gpu.test_cp_attention_gpu``; pytest
 collects ``test_cp2_flash_matches_cp1`` (marked gpu), which launches that command and skips
 with a reason when fewer than two GPUs are visible.
 
@@ -119,7 +120,6 @@ def _case(rank, cp, group, mode, layout, heads, kv_heads, seed):
 def main() -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
     from mpcore.parallel.state import ParallelState
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -157,7 +157,7 @@ def test_cp2_flash_matches_cp1():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(Path(__file__).resolve())]
+           "2", "-m", "tests.gpu.test_cp_attention_gpu"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -5,9 +5,9 @@ weight and bias, at the vision towers' widths."""
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_checks import rel_err
 
 from mpcore.kernels.layernorm import layer_norm
+from tests.gpu.gpu_checks import rel_err
 
 pytestmark = pytest.mark.gpu
 

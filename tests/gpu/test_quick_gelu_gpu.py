@@ -4,9 +4,9 @@ kept for backward."""
 
 import pytest
 import torch
-from gpu_checks import rel_err
 
 from mpcore.kernels.quick_gelu import quick_gelu
+from tests.gpu.gpu_checks import rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -6,16 +6,16 @@ documents) are those of the CPU tests (tests/dist/hf_qwen3_vl_tiny.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-from gpu_checks import second_run_never_syncs  # noqa: E402
-from hf_qwen3_vl_tiny import (  # noqa: E402
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.qwen3_vl import load_hf_model, local_inputs
+from mpcore.models.qwen3_vl.config import Qwen3VisionConfig
+from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
+from mpcore.parallel.state import ParallelState
+from tests.dist.hf_qwen3_vl_tiny import (
     IMAGE,
     VIDEO,
     doc_inputs,
@@ -24,12 +24,7 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
     save_hf_model,
     stream,
 )
-
-from mpcore.models.common.decoder import init_weights  # noqa: E402
-from mpcore.models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
-from mpcore.models.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower  # noqa: E402
-from mpcore.parallel.state import ParallelState  # noqa: E402
+from tests.gpu.gpu_checks import second_run_never_syncs
 
 pytestmark = pytest.mark.gpu
 VISION = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")

@@ -5,9 +5,6 @@ device's decision trains as the host's did (clipping on: a few ulp per update ap
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,9 +13,7 @@ from mpcore.build import build, resolve_device, setup
 from mpcore.config import load_config
 from mpcore.optim import decides_on_device
 from mpcore.train import Trainer, train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "perf"))
-from profile_train import sync_sites  # noqa: E402
+from tests.perf.profile_train import sync_sites
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without CUDA
 STEPS = 6

@@ -5,19 +5,14 @@ small floor). The tiny models and the packed image-text stream are those of the 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-from gpu_checks import second_run_never_syncs  # noqa: E402
-from hf_vl_tiny import _load, reference_scores, save_hf_vl_model, vl_stream  # noqa: E402
-
-from mpcore.models.qwen2_vl.hf import load_hf_vl_model  # noqa: E402
-from mpcore.models.qwen2_vl.inputs import local_vl_inputs  # noqa: E402
-from mpcore.parallel.state import ParallelState  # noqa: E402
+from mpcore.models.qwen2_vl.hf import load_hf_vl_model
+from mpcore.models.qwen2_vl.inputs import local_vl_inputs
+from mpcore.parallel.state import ParallelState
+from tests.dist.hf_vl_tiny import _load, reference_scores, save_hf_vl_model, vl_stream
+from tests.gpu.gpu_checks import second_run_never_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +30,7 @@ def _ours(folder, dtype, ids, cu, pixels, grid):
 def _hf_bf16(folder, ids, cu, pixels, grid, per_doc):
     model = _load(folder).to("cuda", torch.bfloat16)
     out = torch.zeros(ids.numel(), dtype=torch.float64)
-    from hf_vl_tiny import IMAGE, _doc_inputs, _doc_logits
+    from tests.dist.hf_vl_tiny import IMAGE, _doc_inputs, _doc_logits
 
     with torch.no_grad():
         for d in range(cu.numel() - 1):

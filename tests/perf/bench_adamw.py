@@ -1,7 +1,7 @@
 """Benchmark: one AdamW step over Llama-3.2-1B's parameters, PyTorch's fused AdamW against
 ``TritonAdamW`` (optimizer.backend=triton, with block-size variants), against the bytes floor.
 
-Usage: python tests/perf/bench_adamw.py [OUT.json] [--config CFG] [--bandwidth-gbs GB/s]
+Usage: python -m tests.perf.bench_adamw [OUT.json] [--config CFG] [--bandwidth-gbs GB/s]
 
 The step is what training runs: fp32 parameters, fp32 gradients, ``grad_scale`` (the clip
 divisor) and ``found_inf`` (0) set as ``mpcore.train`` sets them, the groups of
@@ -15,17 +15,16 @@ divided gradient back (32 bytes).
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from mpcore.config import load_config
+from mpcore.kernels import adamw as kernel_module
+from mpcore.optim import TritonAdamW
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # runnable from a plain checkout
-from mpcore.config import load_config  # noqa: E402
-from mpcore.kernels import adamw as kernel_module  # noqa: E402
-from mpcore.optim import TritonAdamW  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "adamw_h200.json"
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"

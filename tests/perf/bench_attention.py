@@ -1,6 +1,6 @@
 """Benchmark: the attention primitive's backends, fwd+bwd, on one GPU (bf16, 32 q / 8 kv heads).
 
-Usage: python tests/perf/bench_attention.py [OUT.json] (default
+Usage: python -m tests.perf.bench_attention [OUT.json] (default
 tests/perf/results/attention_h200.json).
 
 Cases, 16384 query tokens each:
@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from mpcore.parallel.attention import AttentionPlan, context_attention, flash
+from mpcore.parallel.te import te_available
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.parallel.attention import AttentionPlan, context_attention, flash  # noqa: E402
-from mpcore.parallel.te import te_available  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "attention_h200.json"
 TOKENS, HEADS, KV_HEADS, DIM = 16384, 32, 8, 64

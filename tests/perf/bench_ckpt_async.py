@@ -1,6 +1,6 @@
 """Benchmark: the step-time hiccup of a checkpoint save, blocking vs ``checkpoint.async_save``.
 
-    torchrun --nproc-per-node N tests/perf/bench_ckpt_async.py [CONFIG.yaml] [key=value ...]
+    torchrun --nproc-per-node N -m tests.perf.bench_ckpt_async [CONFIG.yaml] [key=value ...]
         [--steps 40] [--every 10] [--out tests/perf/results/ckpt_async.json]
 
 Trains the same run twice from the same seed (``checkpoint.async_save=false``, then ``true``),
@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
+from mpcore.build import build, resolve_device, setup
+from mpcore.config import load_config
+from mpcore.processes import init_distributed
+from mpcore.train import Trainer
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.build import build, resolve_device, setup  # noqa: E402
-from mpcore.config import load_config  # noqa: E402
-from mpcore.processes import init_distributed  # noqa: E402
-from mpcore.train import Trainer  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -1,7 +1,7 @@
 """Benchmark: one linear layer fwd+bwd, bf16 (``F.linear`` under autocast) vs FP8
 (``mpcore.kernels.fp8_linear``, tensorwise), fp32 master weight, bf16 activations, on one GPU.
 
-Usage: python tests/perf/bench_fp8_linear.py [OUT.json] (default
+Usage: python -m tests.perf.bench_fp8_linear [OUT.json] (default
 tests/perf/results/fp8_linear_h200.json). Shapes: the Llama-3.2-1B projections at 16384
 tokens (qkv 2048 -> 3072, wo 2048 -> 2048, w13 2048 -> 16384, w2 8192 -> 2048). Median of
 ``triton.testing.do_bench``; TFLOP/s counts the three GEMMs (6 N K M).
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from mpcore.kernels.fp8_linear import fp8_linear
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.kernels.fp8_linear import fp8_linear  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "fp8_linear_h200.json"
 SHAPES = {"wqkv": (2048, 3072), "wo": (2048, 2048), "w13": (2048, 16384), "w2": (8192, 2048)}

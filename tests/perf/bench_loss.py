@@ -1,7 +1,7 @@
 """Benchmark of the fused loss heads against torch, liger, cut-cross-entropy and verl (CUDA).
 
-    python tests/perf/bench_loss.py [OUT.json] [--chunk-mib 1024,2048]   # one GPU, all shapes and peers
-    torchrun --nproc-per-node 2 tests/perf/bench_loss.py --tp2 [OUT.json]
+    python -m tests.perf.bench_loss [OUT.json] [--chunk-mib 1024,2048]   # one GPU, all shapes and peers
+    torchrun --nproc-per-node 2 -m tests.perf.bench_loss --tp2 [OUT.json]
 
 Forward + backward (gradients of hidden and weight), bf16 inputs, median of 10 timed runs after
 3 warm-ups (the first also compiles), CUDA events. Floor = 6*N*H*V / (bf16 8192^3 matmul rate measured in the same run).
@@ -47,8 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from mpcore.kernels import _lce_chunks, linear_cross_entropy, linear_logprobs  # noqa: E402
+from mpcore.kernels import _lce_chunks, linear_cross_entropy, linear_logprobs
 
 SHAPES = [(8192, 4096, 128256), (16384, 2048, 151936), (32768, 4096, 128256)]
 ERROR_SHAPE = (4096, 2048, 32000)

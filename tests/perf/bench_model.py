@@ -1,6 +1,6 @@
 """Benchmark: forward + backward of the Llama-3.2-1B shape, mpcore vs transformers (+ liger).
 
-    python tests/perf/bench_model.py [OUT.json] [--config PATH] [--steps 20] [--seq 4096]
+    python -m tests.perf.bench_model [OUT.json] [--config PATH] [--steps 20] [--seq 4096]
         [--micro-batch 4]   (any other bench_train.py option too, torchrun layouts included)
 
 The model alone (issue: decoder models): ``bench_train.py`` with ``--forward-backward-only``,
@@ -15,8 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_train  # noqa: E402
+from tests.perf import bench_train
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "model_h200.json"
 

@@ -1,7 +1,7 @@
 """Benchmark: a Qwen3-MoE training step, mpcore vs transformers, and the expert GEMMs' rate.
 
 Usage (one GPU):
-    python tests/perf/bench_moe.py [OUT.json] [--layers 6] [--seq 4096] [--steps 10]
+    python -m tests.perf.bench_moe [OUT.json] [--layers 6] [--seq 4096] [--steps 10]
         [--warmup 3] [--hf-experts grouped_mm,batched_mm,eager] [--skip-hf] [--tiny]
         [--megatron] [--megatron-timeout 420]
 
@@ -57,10 +57,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_peer import (  # noqa: E402
+from mpcore.models.common.moe import run_experts
+from mpcore.models.registry import family_named
+from mpcore.moe_step import MoeStep
+from mpcore.parallel.state import ParallelState
+from tests.perf.megatron_peer import (
     AdamSettings,
     cuda,
     fused_settings,
@@ -71,12 +72,9 @@ from megatron_peer import (  # noqa: E402
     training_pieces,
     transformer_config,
 )
-from step_timing import adamw, autocast, timed  # noqa: E402
+from tests.perf.step_timing import adamw, autocast, timed
 
-from mpcore.models.common.moe import run_experts  # noqa: E402
-from mpcore.models.registry import family_named  # noqa: E402
-from mpcore.moe_step import MoeStep  # noqa: E402
-from mpcore.parallel.state import ParallelState  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "moe_h200.json"
 # Qwen3-30B-A3B's config.json (its shape fields; num_hidden_layers set by --layers).

@@ -1,11 +1,11 @@
 """Benchmark: the 1B training step of the strongest peers beside ours, one row per process.
 
 Usage (one GPU; TransformerEngine and the peer wheels on PYTHONPATH, see tests/perf/NOTES.md):
-    python tests/perf/bench_peers.py [--out tests/perf/results/peers] [--config PATH]
+    python -m tests.perf.bench_peers [--out tests/perf/results/peers] [--config PATH]
         [--shapes 4096x4,16384x1] [--rows megatron_bf16,megatron_fp8,...] [--steps 20]
         [--warmup 5] [--timeout 420]
 CPU smoke check (tiny shape, eager, no fused kernels; proves imports, shims and the loops):
-    CUDA_VISIBLE_DEVICES= python tests/perf/bench_peers.py --config launch/configs/tiny.yaml \
+    CUDA_VISIBLE_DEVICES= python -m tests.perf.bench_peers --config launch/configs/tiny.yaml \
         --shapes 64x2 --steps 2 --warmup 1 --out /tmp/peers
 
 Rows (each a fresh subprocess, so no row inherits another's allocator, compile cache or TE
@@ -62,12 +62,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import matmul_tflops  # noqa: E402
-from bench_train import RandomTokens, _timed  # noqa: E402
-from megatron_peer import (  # noqa: E402
+from mpcore.config import load_config
+from tests.perf.bench_loss import matmul_tflops
+from tests.perf.bench_train import RandomTokens, _timed
+from tests.perf.megatron_peer import (
     AdamSettings,
     fused_settings,
     init_megatron,
@@ -78,9 +76,9 @@ from megatron_peer import (  # noqa: E402
     training_pieces,
     transformer_config,
 )
-from megatron_peer import cuda as _cuda  # noqa: E402
+from tests.perf.megatron_peer import cuda as _cuda
 
-from mpcore.config import load_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"
 DEFAULT_OUT = Path(__file__).parent / "results" / "peers"

@@ -1,7 +1,7 @@
 """Benchmark: Qwen3.5 text training steps, mpcore vs transformers, and the DeltaNet layer vs fla.
 
 Usage (one GPU; fla-core installed so both sides take its kernels):
-    python tests/perf/bench_qwen35.py [OUT.json] [--config HF_CONFIG.json] [--seq 8192]
+    python -m tests.perf.bench_qwen35 [OUT.json] [--config HF_CONFIG.json] [--seq 8192]
         [--steps 10] [--warmup 3] [--skip-hf]
 
 ``--config``: a Qwen3.5 ``config.json`` (default: the Qwen3.5-0.8B shape,
@@ -29,19 +29,17 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_timing import adamw, autocast, timed  # noqa: E402
+from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.inputs import local_text_inputs
+from mpcore.models.qwen3_5 import kernels
+from mpcore.models.qwen3_5.hf import config_from_hf, text_fields
+from mpcore.models.qwen3_5.layers import GatedDeltaNet
+from mpcore.models.qwen3_5.model import build
+from mpcore.parallel.attention import AttentionPlan
+from mpcore.parallel.state import ParallelState
+from tests.perf.step_timing import adamw, autocast, timed
 
-from mpcore.models.common.decoder import init_weights  # noqa: E402
-from mpcore.models.common.inputs import local_text_inputs  # noqa: E402
-from mpcore.models.qwen3_5 import kernels  # noqa: E402
-from mpcore.models.qwen3_5.hf import config_from_hf, text_fields  # noqa: E402
-from mpcore.models.qwen3_5.layers import GatedDeltaNet  # noqa: E402
-from mpcore.models.qwen3_5.model import build  # noqa: E402
-from mpcore.parallel.attention import AttentionPlan  # noqa: E402
-from mpcore.parallel.state import ParallelState  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "qwen35_h200.json"
 DEFAULT_CONFIG = REPO / "tests" / "dist" / "qwen35_0p8b_config.json"

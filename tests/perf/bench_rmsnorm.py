@@ -1,6 +1,6 @@
 """Benchmark: RMSNorm forward + backward, Triton vs PyTorch, against the memory-bandwidth floor.
 
-Usage: python tests/perf/bench_rmsnorm.py [OUT.json] [--bandwidth-gbs GB/s]
+Usage: python -m tests.perf.bench_rmsnorm [OUT.json] [--bandwidth-gbs GB/s]
 
 Shapes x [M, H] in bf16 with weight [H]: [4*4096, 2048] and [8192, 4096]. One step is
 y = f(x, w); y.backward(dy). The floor counts the bytes a fused fwd+bwd must move at least:
@@ -16,7 +16,6 @@ is what the bandwidth floor bounds).
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -24,8 +23,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 # Runnable from a plain checkout, without `pip install -e .`.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mpcore.kernels.rmsnorm import rms_norm_reference, rms_norm_triton  # noqa: E402
+from mpcore.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 
 SHAPES = [(4 * 4096, 2048), (8192, 4096)]
 EPS = 1e-6

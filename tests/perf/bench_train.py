@@ -1,13 +1,13 @@
 """Benchmark: training steps of the Llama-3.2-1B shape, mpcore vs transformers (+ liger-kernel).
 
 Usage (one GPU, both sides in one run):
-    python tests/perf/bench_train.py [OUT.json] [--config PATH] [--steps 20] [--warmup 5]
+    python -m tests.perf.bench_train [OUT.json] [--config PATH] [--steps 20] [--warmup 5]
         [--seq 4096] [--micro-batch 4] [--activation-checkpointing] [--skip-hf]
         [--fp8 none|tensorwise|te_delayed|te_current] [--attention-backend auto|flash|sdpa_cudnn]
         [--linear-backend native|te|auto] [--variants native:none,te:none,te:te_delayed,...]
         [--timing steady|synced]
 Layouts (mpcore only; run under torchrun, e.g. on nvidia-h200-x2):
-    torchrun --nproc-per-node 2 tests/perf/bench_train.py OUT.json --tp 2   (or --cp 2, or
+    torchrun --nproc-per-node 2 -m tests.perf.bench_train OUT.json --tp 2   (or --cp 2, or
         neither for dp=2; --data-parallel fsdp|ddp, --cp-mode ring|ulysses)
 
 mpcore runs through pretrain's own code path (``mpcore.build.build`` + ``Trainer.train_step``:
@@ -65,18 +65,17 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-# Runnable from a plain checkout, without `pip install -e .`.
+from mpcore.backends import resolve_linear_backend
+from mpcore.build import build, resolve_device, resolve_model_config, setup
+from mpcore.config import load_config
+from mpcore.kernels import _lce_chunks
+from mpcore.launch.pretrain import init_distributed
+from mpcore.models import hf_config_dict
+from mpcore.optim import lr_at, set_lr
+from mpcore.parallel.te import TEGemm
+from mpcore.train import Trainer
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.backends import resolve_linear_backend  # noqa: E402
-from mpcore.build import build, resolve_device, resolve_model_config, setup  # noqa: E402
-from mpcore.config import load_config  # noqa: E402
-from mpcore.kernels import _lce_chunks  # noqa: E402
-from mpcore.launch.pretrain import init_distributed  # noqa: E402
-from mpcore.models import hf_config_dict  # noqa: E402
-from mpcore.optim import lr_at, set_lr  # noqa: E402
-from mpcore.parallel.te import TEGemm  # noqa: E402
-from mpcore.train import Trainer  # noqa: E402
 
 
 class Variant(NamedTuple):

@@ -1,6 +1,6 @@
 """Benchmark: the vision tower's segment attention, fwd+bwd, at the Qwen2-VL-2B tower's shape.
 
-Usage: python tests/perf/bench_vision_attention.py [OUT.json] (default
+Usage: python -m tests.perf.bench_vision_attention [OUT.json] (default
 tests/perf/results/vision_attention_h200.json).
 
 16 heads of dim 80, bf16, non-causal, five images' frames of 1764 .. 5476 patches (16.6k
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from mpcore.models.common import vision_attention as va
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.models.qwen2_vl import attention as va  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "vision_attention_h200.json"
 LENGTHS, HEADS, DIM = [1764, 2704, 3364, 4096, 4692], 16, 80

@@ -1,14 +1,14 @@
 """Benchmark: training steps of a VL family's 2B shape on real images, mpcore vs transformers.
 
 Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
-    python tests/perf/bench_vl.py [OUT.json] [--family qwen2_vl|qwen3_vl] [--config 2b|tiny]
+    python -m tests.perf.bench_vl [OUT.json] [--family qwen2_vl|qwen3_vl] [--config 2b|tiny]
         [--steps 10] [--warmup N]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
         [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
         [--data prepared|synthetic] [--timing steady|synced]
 Context parallelism (mpcore only; e.g. on nvidia-h200-x2), the tower's work split over the cp
 ranks or replicated on each (which to keep at this shape is what the run decides):
-    torchrun --nproc-per-node 2 tests/perf/bench_vl.py OUT.json --cp 2 [--cp-mode ring|ulysses]
+    torchrun --nproc-per-node 2 -m tests.perf.bench_vl OUT.json --cp 2 [--cp-mode ring|ulysses]
         [--vision-cp split|replicate]
     Gradients are summed over cp by one all-reduce per tensor after backward; tokens/s is per
     GPU (the step's tokens over cp GPUs).
@@ -97,21 +97,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Runnable from a plain checkout, without `pip install -e .`.
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.batches import place  # noqa: E402
-from mpcore.config import load_config  # noqa: E402
-from mpcore.models import ModelConfig, VisionConfig, VLConfig, family_named, family_of  # noqa: E402
-from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf  # noqa: E402
-from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section  # noqa: E402
-from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY  # noqa: E402
-from mpcore.parallel.state import ParallelState  # noqa: E402
-from mpcore.processes import init_distributed  # noqa: E402
+from mpcore.batches import place
+from mpcore.config import load_config
+from mpcore.models import ModelConfig, VisionConfig, VLConfig, family_named, family_of
+from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf
+from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section
+from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY
+from mpcore.parallel.state import ParallelState
+from mpcore.processes import init_distributed
+from tests.perf.bench_train import _sync, _timed  # (one timing for every benchmark)
+from tests.perf.vl_batches import Batch, build_batches, digest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import _sync, _timed  # noqa: E402  (one timing for every benchmark)
-from vl_batches import Batch, build_batches, digest  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "vl_h200.json"
 OPTIM = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -1,8 +1,8 @@
 """FP8 against bf16 on real text: two 300-step training runs of the Llama-3.2-1B shape, one plot.
 
-Usage (one GPU): python tests/perf/fp8_curve.py [OUT.json] [--fp8 RECIPE] [--linear-backend B]
+Usage (one GPU): python -m tests.perf.fp8_curve [OUT.json] [--fp8 RECIPE] [--linear-backend B]
         [--steps 300] [--seq 4096] [--micro-batch 2] [--control te:none]
-    python tests/perf/fp8_curve.py --plot OUT.json      (re-draw the SVG from a JSON)
+    python -m tests.perf.fp8_curve --plot OUT.json      (re-draw the SVG from a JSON)
 
 Both runs go through pretrain's own code path (``mpcore.build.build`` + ``Trainer.train_step``)
 on the shipped default corpus (``data.paths: []``: Python standard library docstrings, the
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
+from mpcore.build import build, resolve_device, setup
+from mpcore.config import load_config
+from mpcore.train import Trainer
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from mpcore.build import build, resolve_device, setup  # noqa: E402
-from mpcore.config import load_config  # noqa: E402
-from mpcore.train import Trainer  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "fp8_curve_h200.json"
 CONFIG = REPO / "launch" / "configs" / "llama3_1b.yaml"

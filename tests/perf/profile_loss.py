@@ -1,6 +1,6 @@
 """Where the fused CE head's time goes: torch.profiler over its forward + backward (CUDA).
 
-    python tests/perf/profile_loss.py [OUT.txt] [--shape N,H,V ...] [--chunk-mib M]
+    python -m tests.perf.profile_loss [OUT.txt] [--shape N,H,V ...] [--chunk-mib M]
 
 bf16 hidden and weight (``bench_loss.py``'s inputs), reduction "mean", 3 warm-up runs, then 3
 profiled ones. Per shape: the measured ms per run and the 6NHV floor at the bf16 matmul rate
@@ -12,17 +12,14 @@ bytes, shows by name.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_loss  # noqa: E402
-
-from mpcore.kernels import _lce_chunks, linear_cross_entropy  # noqa: E402
+from mpcore.kernels import _lce_chunks, linear_cross_entropy
+from tests.perf import bench_loss
 
 RUNS = 3
 

@@ -1,6 +1,6 @@
 """Where mpcore's training step spends its time: torch.profiler over a few Llama-3.2-1B steps.
 
-    python tests/perf/profile_train.py [OUT.txt] [--seq 4096] [--micro-batch 4] [bench_train flags]
+    python -m tests.perf.profile_train [OUT.txt] [--seq 4096] [--micro-batch 4] [bench_train flags]
 
 Builds the run exactly as ``bench_train.py`` does (pretrain's code path, random tokens), warms
 up, profiles 3 steps and prints the top operators by device time and by host time, then the
@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_train  # noqa: E402
-import memory_peak  # noqa: E402
+from tests.perf import (
+    bench_train,
+    memory_peak,
+)
 
 ELEMENTWISE = ("aten::copy_", "aten::_to_copy", "aten::add", "aten::add_", "aten::fill_",
                "aten::cat", "aten::sum", "aten::clone", "aten::repeat_interleave", "aten::mul")

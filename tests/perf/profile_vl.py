@@ -1,7 +1,7 @@
 """Where mpcore's VL training step spends its time: torch.profiler over a few steps of the
 Qwen2-VL-2B shape on the shipped real images (the step and batches of ``bench_vl.py``).
 
-    python tests/perf/profile_vl.py [OUT.txt] [bench_vl options]
+    python -m tests.perf.profile_vl [OUT.txt] [bench_vl options]
 
 Warms up over every distinct batch twice (so no shape is seen for the first time while
 profiled: a new image size builds cuDNN graphs and may compile a Triton variant), then
@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_vl  # noqa: E402
-from profile_train import host_syncs, idle_gaps  # noqa: E402
+from tests.perf import bench_vl
+from tests.perf.profile_train import host_syncs, idle_gaps
 
 WARMUP_ROUNDS = 2  # passes over the distinct batches before anything is measured
 PROFILED = 3

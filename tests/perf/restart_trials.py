@@ -1,6 +1,6 @@
 """How reliably ``torchrun --max-restarts`` restarts and resumes a run after a worker dies.
 
-    python tests/perf/restart_trials.py [--trials 10] [--out results/restart_trials_cpu.json]
+    python -m tests.perf.restart_trials [--trials 10] [--out results/restart_trials_cpu.json]
 
 Each trial starts ``torchrun --nproc-per-node 2 --max-restarts 2 launch/pretrain.py`` (tiny
 model, CPU, a checkpoint every 4 steps) in a fresh folder, waits until step 6 is logged, kills

@@ -23,13 +23,13 @@ for part in $parts; do
         tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_rope_kernel_gpu.py
       grep -E "passed|failed|^FAILED|^E  |fp8 vs|one rounding|loss bf16" "$log" | tail -25 ;;
     bench)
-      step bench_attention 100 python3 tests/perf/bench_attention.py "$out/attention_h200.json"
-      step bench_fp8_linear 60 python3 tests/perf/bench_fp8_linear.py "$out/fp8_linear_h200.json"
+      step bench_attention 100 python3 -m tests.perf.bench_attention "$out/attention_h200.json"
+      step bench_fp8_linear 60 python3 -m tests.perf.bench_fp8_linear "$out/fp8_linear_h200.json"
       grep -A12 "^case " "$log" | head -12; grep -E " x[0-9.]+$" "$log" | tail -4 ;;
     train)
       for v in "flash none" "auto none" "auto tensorwise"; do
         set -- $v
-        step "train_$1_$2" 100 python3 tests/perf/bench_train.py "$out/train_$1_$2.json" \
+        step "train_$1_$2" 100 python3 -m tests.perf.bench_train "$out/train_$1_$2.json" \
           --skip-hf --steps 8 --warmup 3 --attention-backend "$1" --fp8 "$2"
         grep -E '"(step_ms|tokens_per_s_per_gpu|peak_gib|first_loss|last_loss)"' \
           "$out/train_$1_$2.json" 2>/dev/null | tr -d '\n '; echo

@@ -40,31 +40,31 @@ elif [ "${1:-}" = te ]; then
     tests/gpu/test_attention_backends_gpu.py
   tail -4 "$out/gpu_tests.log"
   grep -E "rel err|PASS|FAIL" "$out/gpu_tests.log" | head -20
-  run profile 200 python3 tests/perf/profile_train.py "$out/profile_train_h200_te_delayed.txt" \
+  run profile 200 python3 -m tests.perf.profile_train "$out/profile_train_h200_te_delayed.txt" \
     --linear-backend te --fp8 te_delayed
   tail -12 "$out/profile_train_h200_te_delayed.txt"
 elif [ "${1:-}" = te_bench ]; then
   # TE's fused attention beside flash and cuDNN; the loss heads; the host time per step of
   # each linear backend (seq 512 x 1: the device work is small, the step is host-bound).
-  run attention 200 python3 tests/perf/bench_attention.py "$out/attention_h200.json"
+  run attention 200 python3 -m tests.perf.bench_attention "$out/attention_h200.json"
   tail -6 "$out/attention.log"
-  run loss 240 python3 tests/perf/bench_loss.py "$out/loss_h200.json"
+  run loss 240 python3 -m tests.perf.bench_loss "$out/loss_h200.json"
   tail -6 "$out/loss.log"
-  run host 150 python3 tests/perf/bench_train.py "$out/train_h200_host_bound.json" --seq 512 \
+  run host 150 python3 -m tests.perf.bench_train "$out/train_h200_host_bound.json" --seq 512 \
     --micro-batch 1 --skip-hf --steps 20 --warmup 5 \
     --variants native:none,te:none,te:te_delayed,te:te_delayed:bf16_wgrad
   grep -E '"(fp8|step_ms|te_weight_grad)"' "$out/host.log" | head -20
 elif [ "${1:-}" = te_train ]; then
-  run train 580 python3 tests/perf/bench_train.py "$out/train_h200.json" \
+  run train 580 python3 -m tests.perf.bench_train "$out/train_h200.json" \
     --variants native:none,te:none,te:te_delayed,te:te_delayed:bf16_wgrad,te:te_current,native:tensorwise
   grep -E '"(fp8|linear_backend|step_ms|speedup_vs_best_baseline|te_weight_grad)"' "$out/train.log" | head -40
 elif [ "${1:-}" = te2 ]; then
   # Same machine, after `te`: seq 16k rows, the FP8 vs bf16 300-step curve (with the TE bf16
   # control run), the bf16 step's profile.
-  run train16k 300 python3 tests/perf/bench_train.py "$out/train_h200_seq16k.json" --seq 16384 \
+  run train16k 300 python3 -m tests.perf.bench_train "$out/train_h200_seq16k.json" --seq 16384 \
     --micro-batch 1 --variants native:none,te:te_delayed
   grep -E '"(fp8|step_ms|speedup_vs_best_baseline)"' "$out/train16k.log" | head -20
-  run curve 480 python3 tests/perf/fp8_curve.py "$out/fp8_curve_h200.json"
+  run curve 480 python3 -m tests.perf.fp8_curve "$out/fp8_curve_h200.json"
   tail -30 "$out/curve.log"
 elif [ "${1:-}" = peers ]; then
   # Megatron-core + TE and torchtitan (+ torchao float8) beside our rows (bf16 and TE FP8, each
@@ -74,7 +74,7 @@ elif [ "${1:-}" = peers ]; then
   # Our rows' optimizer: OPTIMIZER_BACKEND (default triton, TritonAdamW).
   shape=${2:-4096x4}
   rows=${3:-megatron_bf16,megatron_fp8,torchtitan_bf16,torchtitan_float8,mpcore_bf16,mpcore_te_fp8,mpcore_bf16_res,mpcore_te_fp8_res}
-  run peers 560 python3 tests/perf/bench_peers.py --out "/tmp/peers_h200_$shape" \
+  run peers 560 python3 -m tests.perf.bench_peers --out "/tmp/peers_h200_$shape" \
     --shapes "$shape" --rows "$rows" --steps 10 --warmup 3 --timeout 240 \
     --optimizer-backend "${OPTIMIZER_BACKEND:-triton}"
   tar -C /tmp -cf "$out/peers_h200_$shape.tar" "peers_h200_$shape"
@@ -91,7 +91,7 @@ elif [ "${1:-}" = moe ]; then
   else
     echo "   no Megatron row: transformer_engine.pytorch or megatron.core does not import"
   fi
-  run moe 560 python3 tests/perf/bench_moe.py "$out/moe_h200.json" \
+  run moe 560 python3 -m tests.perf.bench_moe "$out/moe_h200.json" \
     --hf-experts "${2:-grouped_mm,batched_mm,eager}" ${meg[@]+"${meg[@]}"}
   grep -E '"(step_s|tokens_per_s|peak_gib|params|hf_fastest|speedup|speedup_vs_megatron|error|skipped)"' \
     "$out/moe.log" | head -30
@@ -99,10 +99,10 @@ elif [ "${1:-}" = loss_peers ]; then
   # bench_loss.py with verl's fused RL head beside ours (carry .whl: verl, liger, CCE; no TE on
   # the path, since liger's peft import would load it after torch's cuDNN). Exit 1 = verl's
   # outputs differ from ours at a shape (then that row has no time).
-  run loss_peers 420 python3 tests/perf/bench_loss.py "$out/loss_peers_h200.json"
+  run loss_peers 420 python3 -m tests.perf.bench_loss "$out/loss_peers_h200.json"
   grep -E "RL head|verl|FAIL|^[0-9]+ x" "$out/loss_peers.log" | tail -16
 elif [ "${1:-}" = x2 ]; then
-  two=(torchrun --nproc-per-node 2 tests/perf/bench_train.py)
+  two=(torchrun --nproc-per-node 2 -m tests.perf.bench_train)
   run train_tp2 240 "${two[@]}" "$out/train_h200x2_tp2.json" --tp 2 --steps 10 --warmup 3
   run train_cp2_ring 240 "${two[@]}" "$out/train_h200x2_cp2_ring.json" --cp 2 --cp-mode ring \
     --steps 10 --warmup 3
@@ -111,7 +111,7 @@ elif [ "${1:-}" = x2 ]; then
   run train_dp2_fsdp 240 "${two[@]}" "$out/train_h200x2_dp2_fsdp.json" --steps 10 --warmup 3
   # The VL tower under cp=2: split over the ranks by patch count vs replicated on each; keep the
   # faster as model.vision_cp's default (issue 10 asks for this measurement).
-  vl2=(torchrun --nproc-per-node 2 tests/perf/bench_vl.py)
+  vl2=(torchrun --nproc-per-node 2 -m tests.perf.bench_vl)
   run vl_cp2_split 240 "${vl2[@]}" "$out/vl_h200x2_cp2_split.json" --cp 2 --vision-cp split
   run vl_cp2_replicate 240 "${vl2[@]}" "$out/vl_h200x2_cp2_replicate.json" --cp 2 \
     --vision-cp replicate
@@ -124,11 +124,11 @@ elif [ "${1:-}" = vl ]; then
     tests/gpu/test_quick_gelu_gpu.py tests/gpu/test_rmsnorm_gpu.py tests/gpu/test_vl_gpu.py \
     tests/gpu/test_qwen3_vl_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_models_gpu.py
   tail -3 "$out/gpu_tests_vl.log"
-  run vl 200 python3 tests/perf/bench_vl.py "$out/vl_h200.json"
-  run vl_qwen3 200 python3 tests/perf/bench_vl.py "$out/vl_qwen3_h200.json" --family qwen3_vl
-  run vl_glm4v 240 python3 tests/perf/bench_vl.py "$out/vl_glm4v_h200.json" --family glm4v
+  run vl 200 python3 -m tests.perf.bench_vl "$out/vl_h200.json"
+  run vl_qwen3 200 python3 -m tests.perf.bench_vl "$out/vl_qwen3_h200.json" --family qwen3_vl
+  run vl_glm4v 240 python3 -m tests.perf.bench_vl "$out/vl_glm4v_h200.json" --family glm4v
   for name in vl vl_qwen3 vl_glm4v; do tail -3 "$out/$name.log"; done
 else
-  run model 240 python tests/perf/bench_model.py "$out/model_h200.json" --steps 10 --warmup 3
-  run train 240 python tests/perf/bench_train.py "$out/train_h200.json" --steps 10 --warmup 3
+  run model 240 python -m tests.perf.bench_model "$out/model_h200.json" --steps 10 --warmup 3
+  run train 240 python -m tests.perf.bench_train "$out/train_h200.json" --steps 10 --warmup 3
 fi

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import INSTALL_HINT, LocalCluster, missing_binaries
+
+from tests.slurm.slurm_cluster import INSTALL_HINT, LocalCluster, missing_binaries
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "launch" / "slurm" / "pretrain.sbatch"

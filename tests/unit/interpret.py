@@ -1,8 +1,8 @@
 """Run a test file's Triton checks under Triton's CPU interpreter.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so the checks run in a fresh
-process: the test file is executed as a script with the variable set, and it prints a marker
-when every check passed. Shared by the kernel tests of tests/unit, with ``sm90_ptx``: a kernel
+process: the test module is run with ``python -m`` from the repository root with the variable
+set, and it prints a marker when every check passed. Shared by the kernel tests of tests/unit, with ``sm90_ptx``: a kernel
 compiled for the H200 without one, to check what its memory accesses compile to.
 """
 
@@ -10,18 +10,22 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from mpcore.kernels._triton import HAVE_TRITON
 
+REPO = Path(__file__).resolve().parents[2]
 
-def run_under_interpreter(path: str, marker: str, timeout: float = 600) -> None:
-    """Run ``python path`` with ``TRITON_INTERPRET=1``; fail unless it exits 0 and prints
+
+def run_under_interpreter(module: str, marker: str, timeout: float = 600) -> None:
+    """Run ``python -m module`` (a test module's ``__name__``, e.g. ``tests.unit.test_swiglu``)
+    from the repository root with ``TRITON_INTERPRET=1``; fail unless it exits 0 and prints
     ``marker``. The assertion message is the script's whole output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker in proc.stdout, proc.stdout + proc.stderr
 

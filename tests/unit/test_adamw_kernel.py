@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 from mpcore.kernels.adamw import adamw_step_, adamw_step_reference_, step_coefficients
 from mpcore.optim import TritonAdamW
+from tests.unit.interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 # Ragged sizes (not multiples of the kernel's block), a matrix and a 0-d parameter.
 SHAPES = [(37, 53), (5000,), (3,), (2049,), ()]
@@ -200,7 +200,7 @@ def tl_types():
 @needs_triton
 @pytest.mark.slow
 def test_triton_kernel_under_interpreter():
-    run_under_interpreter(__file__, "interpreter checks passed: 2")
+    run_under_interpreter(__name__, "interpreter checks passed: 2")
 
 
 def _check_kernel_equals_reference(grad_dtype):

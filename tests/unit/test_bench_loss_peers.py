@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.perf import bench_loss
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "perf"))
-import bench_loss  # noqa: E402
 
 
 def _inputs(n=48, h=32, v=80):

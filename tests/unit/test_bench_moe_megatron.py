@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "perf"))
-import bench_moe  # noqa: E402
+from mpcore.models.registry import family_named
+from tests.perf import bench_moe
 
-from mpcore.models.registry import family_named  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 needs_megatron = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
@@ -70,8 +69,9 @@ def test_token_batches_are_fixed_by_the_seed():
 @needs_megatron
 def test_megatron_model_of_the_full_shape_has_our_parameter_count():
     from megatron.core import parallel_state
-    from megatron_peer import init_megatron, num_params
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.perf.megatron_peer import init_megatron, num_params
 
     hf = {**bench_moe.QWEN3_30B_A3B, "num_hidden_layers": 2}
     family = family_named("qwen3_moe")
@@ -104,7 +104,7 @@ def test_megatron_model_refuses_another_router():
 def test_megatron_row_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "tests/perf/bench_moe.py", str(out), "--tiny", "--layers", "2",
+        [sys.executable, "-m", "tests.perf.bench_moe", str(out), "--tiny", "--layers", "2",
          "--seq", "64", "--steps", "2", "--warmup", "1", "--skip-hf", "--megatron"], cwd=REPO,
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

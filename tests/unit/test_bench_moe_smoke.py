@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_moe_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "tests/perf/bench_moe.py", str(out), "--tiny", "--layers", "2",
+        [sys.executable, "-m", "tests.perf.bench_moe", str(out), "--tiny", "--layers", "2",
          "--seq", "64", "--steps", "2", "--warmup", "1", "--hf-experts", "eager"], cwd=REPO,
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

@@ -23,12 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "perf"))
-import bench_peers  # noqa: E402
-from bench_train import RandomTokens  # noqa: E402
+from mpcore.config import load_config
+from tests.perf import bench_peers
+from tests.perf.bench_train import RandomTokens
 
-from mpcore.config import load_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = REPO / "launch" / "configs" / "tiny.yaml"
 
@@ -217,7 +216,7 @@ def test_torchtitan_row_model_and_loss_match_transformers():
                     "torchao wheels on the path (tests/perf/NOTES.md)")
 def test_smoke_rows_on_cpu(tmp_path):
     rows = "megatron_bf16,torchtitan_bf16,torchtitan_float8,mpcore_bf16,mpcore_te_fp8"
-    cmd = [sys.executable, "tests/perf/bench_peers.py", "--config", str(CONFIG), "--shapes",
+    cmd = [sys.executable, "-m", "tests.perf.bench_peers", "--config", str(CONFIG), "--shapes",
            "64x2", "--steps", "2", "--warmup", "1", "--rows", rows, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -250,7 +249,7 @@ def test_smoke_rows_on_cpu(tmp_path):
 def test_bench_train_variant_options():
     """Our rows' ``--variants`` items (bench_train): options combine with ``+``; a typo, a zero
     or a second chunk budget, or two optimizers in one item are refused, not ignored."""
-    import bench_train
+    from tests.perf import bench_train
 
     (v,) = bench_train.parse_args(["--variants", "te:te_delayed:bf16_residual+adamw_triton"]
                                   ).variant_list

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist.qwen35_tiny import HF_CONFIG, VOCAB
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "dist"))
-from qwen35_tiny import HF_CONFIG, VOCAB  # noqa: E402
 
 
 @pytest.mark.slow
@@ -25,7 +25,7 @@ def test_bench_qwen35_cpu_smoke(tmp_path):
     config.write_text(json.dumps(HF_CONFIG | {"architectures": ["Qwen3_5ForCausalLM"]}))
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "tests/perf/bench_qwen35.py", str(out), "--config", str(config),
+        [sys.executable, "-m", "tests.perf.bench_qwen35", str(out), "--config", str(config),
          "--seq", "64", "--steps", "2", "--warmup", "1"], cwd=REPO, capture_output=True,
         text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]

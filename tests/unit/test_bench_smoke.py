@@ -1,12 +1,12 @@
 """Smoke runs of the GPU benchmarks on the CPU, so that they work the first time on a GPU.
 
-Each test runs a script of tests/perf as a subprocess from the repo root, with
+Each test runs a module of tests.perf as a subprocess from the repo root, with
 launch/configs/tiny.yaml, seq 64, micro-batch 2, 2 timed steps after 1 warmup step, and
 CUDA hidden (the smoke check is the CPU path on every machine):
 
-    bench_model.py (forward + backward only) with the HF baseline
-    bench_train.py, one process, training steps, with the HF baseline (the loss reference)
-    torchrun --nproc-per-node 2 bench_train.py --tp 2 | --cp 2 --cp-mode ulysses | dp=2 fsdp
+    python -m tests.perf.bench_model (forward + backward only) with the HF baseline
+    python -m tests.perf.bench_train: one process, training steps, HF baseline (loss reference)
+    torchrun --nproc-per-node 2 -m tests.perf.bench_train --tp 2 | --cp 2 --cp-mode ulysses | dp=2 fsdp
 
 The JSON is checked field by field: finite positive tokens/s that agree with the step time,
 null peak memory on CPU, finite losses near ln(vocab) for a fresh model on random tokens. The
@@ -37,13 +37,13 @@ TIMEOUT = 300  # seconds per subprocess; each takes about 10 s on 2 cores
 
 
 def _bench(tmp_path: Path, name: str, script: str, *args: str, nproc: int = 1) -> dict:
-    """Run ``script`` (under torchrun when ``nproc > 1``) and return the JSON it wrote."""
+    """Run ``python -m tests.perf.<script>`` (under torchrun when ``nproc > 1``) and return the JSON it wrote."""
     out = tmp_path / f"{name}.json"
     launcher = [sys.executable]
     if nproc > 1:  # --standalone: rendezvous on localhost:0, a free port per run
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                      str(nproc)]
-    cmd = [*launcher, f"tests/perf/{script}", str(out), "--config", CONFIG, "--seq", str(SEQ),
+    cmd = [*launcher, "-m", f"tests.perf.{script}", str(out), "--config", CONFIG, "--seq", str(SEQ),
            "--micro-batch", str(MICRO_BATCH), "--steps", str(STEPS), "--warmup", str(WARMUP),
            "--run-dir", str(tmp_path / f"{name}_run"), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -101,12 +101,12 @@ def _layout(tp: int = 1, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
 def single(tmp_path_factory) -> dict:
     """bench_train.py in one process, training steps, both sides: the layouts' loss reference."""
     tmp_path = tmp_path_factory.mktemp("bench_single")
-    return _bench(tmp_path, "single", "bench_train.py", "--activation-checkpointing",
+    return _bench(tmp_path, "single", "bench_train", "--activation-checkpointing",
                   "--variants", "auto:none,native:none:lce1+adamw_triton")
 
 
 def test_bench_model_with_hf_baseline(tmp_path):
-    report = _bench(tmp_path, "model", "bench_model.py")
+    report = _bench(tmp_path, "model", "bench_model")
     _check_header(report, 1, forward_backward_only=True)
     _check_side(report["mpcore"], SEQ * MICRO_BATCH, 1)
     assert report["mpcore"]["layout"] == _layout()
@@ -150,7 +150,7 @@ def test_bench_train_single_process_with_hf_baseline(single):
 def test_bench_train_model_parallel_matches_one_process(tmp_path, single, name, args, layout):
     """tp=2 / cp=2 (tiny: 4 heads, 2 KV heads, so ulysses splits them 2 + 1 per rank): one
     model replica on 2 ranks, the same batches and weights as ``single``, the same losses."""
-    report = _bench(tmp_path, name, "bench_train.py", *args, "--skip-hf", nproc=2)
+    report = _bench(tmp_path, name, "bench_train", *args, "--skip-hf", nproc=2)
     _check_header(report, 2, forward_backward_only=False)
     mpcore = report["mpcore"]
     _check_side(mpcore, SEQ * MICRO_BATCH, 2)
@@ -164,7 +164,7 @@ def test_bench_train_model_parallel_matches_one_process(tmp_path, single, name, 
 def test_bench_train_data_parallel_fsdp(tmp_path):
     """FSDP2 on 2 ranks, with torch's AdamW and with TritonAdamW (over the DTensor shards'
     local tensors): the two train alike."""
-    report = _bench(tmp_path, "dp2_fsdp", "bench_train.py", "--data-parallel", "fsdp",
+    report = _bench(tmp_path, "dp2_fsdp", "bench_train", "--data-parallel", "fsdp",
                     "--skip-hf", "--variants", "native:none,native:none:adamw_triton", nproc=2)
     _check_header(report, 2, forward_backward_only=False)
     _check_side(report["mpcore"], 2 * SEQ * MICRO_BATCH, 2)  # each dp rank its own batch

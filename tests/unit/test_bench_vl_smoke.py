@@ -29,11 +29,12 @@ import torch
 from mpcore.data import VLDataset
 from mpcore.data.images import load_image, process_image
 from mpcore.data.vl_manifest import iter_manifest
+from tests.perf import (
+    bench_vl,
+    vl_batches,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "perf"))
-import bench_vl  # noqa: E402
-import vl_batches  # noqa: E402
 
 pytestmark = pytest.mark.slow  # benchmark smoke runs (torchrun layouts, HF baselines)
 
@@ -44,7 +45,7 @@ TIMEOUT = 300  # seconds; about 20 s on 2 busy cores
 
 
 def _run(out: Path, data: str, family: str = "qwen2_vl") -> dict:
-    cmd = [sys.executable, "tests/perf/bench_vl.py", str(out), "--family", family,
+    cmd = [sys.executable, "-m", "tests.perf.bench_vl", str(out), "--family", family,
            "--config", "tiny", "--seq",
            str(SEQ), "--micro-batch", str(MICRO_BATCH), "--steps", str(STEPS), "--warmup",
            str(WARMUP), "--data", data]
@@ -200,7 +201,7 @@ def test_cp2_under_torchrun_trains_like_one_process(report, vision_cp, tmp_path)
     of the fixture's run (same weights, same batches; fp32 on the CPU)."""
     out = tmp_path / "cp2.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "tests/perf/bench_vl.py", str(out), "--config", "tiny", "--seq", str(SEQ),
+           "-m", "tests.perf.bench_vl", str(out), "--config", "tiny", "--seq", str(SEQ),
            "--micro-batch", str(MICRO_BATCH), "--steps", str(STEPS), "--warmup", str(WARMUP),
            "--cp", "2", "--vision-cp", vision_cp]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,

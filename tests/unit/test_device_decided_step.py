@@ -15,13 +15,6 @@ import math
 
 import pytest
 import torch
-from test_train import (  # noqa: F401 (data_dir: a fixture)
-    STEPS,
-    data_dir,
-    fit_with_sigterm_in_step_3,
-    poisonable,
-    tiny,
-)
 
 import mpcore.build
 import mpcore.train
@@ -29,6 +22,13 @@ from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import latest_checkpoint
 from mpcore.optim import TritonAdamW, build_optimizer, decides_on_device
 from mpcore.train import Trainer, TrainingDiverged, train
+from tests.unit.test_train import (  # noqa: F401 (data_dir: a fixture)
+    STEPS,
+    data_dir,
+    fit_with_sigterm_in_step_3,
+    poisonable,
+    tiny,
+)
 
 CLIP = "optimizer.grad_clip=0.05"  # below every step's norm here: each update is clipped
 

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-import test_checkpoint_safety as safety
-from test_checkpoint_safety import ENV, REPO, STEPS, flip, overrides_for, rows, tiny
 
 from mpcore.checkpoint import CheckpointError, resume_newest, verify_checkpoint
 from mpcore.io_errors import folder_bytes, human
 from mpcore.processes import EXIT_PREEMPTED, EXIT_USER_ERROR
 from mpcore.train import train
+from tests.unit import test_checkpoint_safety as safety
+from tests.unit.test_checkpoint_safety import ENV, REPO, STEPS, flip, overrides_for, rows, tiny
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
 # The fixtures of test_checkpoint_safety: the prepared corpus, an 8-step base run, its copy.

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_checkpoint_safety import data_dir, tiny  # noqa: F401 (fixture)
 
 from mpcore.build import build, resolve_device, setup
 from mpcore.checkpoint import save_checkpoint
 from mpcore.parallel.te import FP8_STATE_KEYS, TEGemm, fp8_state_layers, merge_fp8_states
+from tests.unit.test_checkpoint_safety import data_dir, tiny  # noqa: F401 (fixture)
 
 
 class _FakeTEModule:

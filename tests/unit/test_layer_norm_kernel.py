@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 from mpcore.kernels.layernorm import layer_norm, layer_norm_reference, layer_norm_triton
+from tests.unit.interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 _TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.float64: 1e-12}
 # (rows, H, x dtype): ragged widths, and more rows than the interpreter's 4 backward programs
@@ -120,7 +120,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses(which):
 @needs_triton
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 2}")
+    run_under_interpreter(__name__, f"interpreter checks passed: {len(_CASES) + 2}")
 
 
 def _interpreter_checks():

@@ -9,7 +9,8 @@ the interpreter (DESIGN.md); these kernels have no dot, but bf16 is left to the 
 
 
 import pytest
-from interpret import needs_triton, run_under_interpreter
+
+from tests.unit.interpret import needs_triton, run_under_interpreter
 
 
 def _close(actual, expected, rel):
@@ -135,7 +136,7 @@ def _main():
 @needs_triton
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, "INTERPRETED-OK")
+    run_under_interpreter(__name__, "INTERPRETED-OK")
 
 
 if __name__ == "__main__":

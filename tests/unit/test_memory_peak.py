@@ -4,12 +4,11 @@ same way) finds the peak and names the lines behind what is live there."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from tests.perf.memory_peak import peak_from_trace, where
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "perf"))
-from memory_peak import peak_from_trace, where  # noqa: E402
 
 ROOT = "/repo"
 

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 from mpcore.kernels.quick_gelu import quick_gelu, quick_gelu_reference, quick_gelu_triton
+from tests.unit.interpret import global_accesses, needs_triton, run_under_interpreter, sm90_ptx
 
 # Norm-wise relative tolerance per dtype: fp32 to rounding, fp16 a few ulps of its roundings.
 _TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float64: 1e-12}
@@ -151,7 +151,7 @@ def test_bf16_accesses_compile_to_16_byte_vectors(which):
 @needs_triton
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
+    run_under_interpreter(__name__, f"interpreter checks passed: {len(_CASES) + 3}")
 
 
 def _check_triton_rounds_like_reference():

@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from test_moe_train import trains_and_resumes_bit_identically
-
 from mpcore.data import prepare_vl_default
+from tests.unit.test_moe_train import trains_and_resumes_bit_identically
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen35_vl_moe_tiny.yaml"
 STEPS = 4

@@ -5,10 +5,10 @@ TRITON_INTERPRET=1, because triton reads that variable when the kernels are defi
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from interpret import needs_triton
 
 from mpcore.kernels.rmsnorm import (
     MAX_HIDDEN,
@@ -19,6 +19,7 @@ from mpcore.kernels.rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
+from tests.unit.interpret import needs_triton
 
 
 def _rms_norm_f64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,7 +113,8 @@ def test_triton_rejects_rows_wider_than_the_kernel():
 def test_triton_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", __name__], cwd=Path(__file__).resolve().parents[2], env=env,
+        capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "interpreter checks passed: 10" in proc.stdout, proc.stdout + proc.stderr

@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
-from interpret import needs_triton, run_under_interpreter
 
 from mpcore.kernels.rope import rope, rope_reference, rope_triton
 from mpcore.models.common.rope import RotaryEmbedding, apply_rope
+from tests.unit.interpret import needs_triton, run_under_interpreter
 
 # Norm-wise relative tolerance per rounded dtype: one rounding of an fp32 (or exact) value.
 _TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.float64: 1e-12}
@@ -216,7 +216,7 @@ def test_torch_compile_fullgraph_matches_eager():
 @needs_triton
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
+    run_under_interpreter(__name__, f"interpreter checks passed: {len(_CASES) + 3}")
 
 
 def _check_triton_equals_reference():

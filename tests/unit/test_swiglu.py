@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from interpret import needs_triton, run_under_interpreter
 
 from mpcore.kernels.swiglu import swiglu, swiglu_reference, swiglu_triton
+from tests.unit.interpret import needs_triton, run_under_interpreter
 
 # Norm-wise relative tolerance per dtype: fp32 to rounding, fp16 a few ulps of two roundings.
 _TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.float64: 1e-12}
@@ -177,7 +177,7 @@ def test_torch_compile_fullgraph_matches_eager():
 @needs_triton
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, f"interpreter checks passed: {len(_CASES) + 3}")
+    run_under_interpreter(__name__, f"interpreter checks passed: {len(_CASES) + 3}")
 
 
 def _check_triton_rounds_like_reference():

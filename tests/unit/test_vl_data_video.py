@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_video_processing import CASES, RECORDED, case_id, digest, frames_of
 
 from mpcore.batches import local_inputs
 from mpcore.build import build, setup
@@ -34,6 +33,7 @@ from mpcore.launch import prepare_vl_data
 from mpcore.models import family_named
 from mpcore.parallel.state import ParallelState
 from mpcore.vl_data import build_vl_loaders
+from tests.unit.test_video_processing import CASES, RECORDED, case_id, digest, frames_of
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"qwen2_vl": "vl_tiny.yaml", "qwen3_vl": "qwen3_vl_tiny.yaml",

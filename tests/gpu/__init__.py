@@ -1,0 +1,1 @@
+"""CUDA tests (the gpu marker; skipped without a GPU)."""

@@ -1,0 +1,1 @@
+"""Slurm tests on a local one-node cluster (skipped without its binaries)."""

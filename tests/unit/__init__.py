@@ -1,0 +1,1 @@
+"""One-process CPU tests, mirroring the package."""
