@@ -14,6 +14,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-tests/perf/results}
 export PYTHONUNBUFFERED=1
+# mpcore.kernels, mpcore.models, ... are the top-level folders mapped by pyproject.toml: the
+# checkout must be installed (editable, no dependencies: the machine has no registry access).
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+  || { echo "pip install -e . failed: mpcore.* would not import"; exit 1; }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
