@@ -26,8 +26,8 @@ Shard map: Qwen3.5's (``mpcore.models.qwen3_5.hf.shard_map``) with each layer's 
 Released Qwen3.5-MoE checkpoints store one tensor per expert (transformers 5.x fuses them on
 load and splits them again on save: its conversion mapping for ``qwen3_5_moe_text``); both
 layouts load, found per layer by name, each ep rank reading only its experts' slices
-(``mpcore.models.qwen3_moe.hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
-released per-expert layout (``mpcore.models.qwen3_moe.hf.export_moe``).
+(``mpcore.models.common.moe_hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
+released per-expert layout (``mpcore.models.common.moe_hf.export_moe``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from mpcore.models.common import moe_hf
 from mpcore.models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
 from mpcore.models.qwen3_5.config import Qwen35Config
 from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf
@@ -47,7 +48,6 @@ from mpcore.models.qwen3_5.hf import shard_map as dense_shard_map
 from mpcore.models.qwen3_5.model import materialise
 from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
-from mpcore.models.qwen3_moe import hf as moe_hf
 from mpcore.parallel.state import ParallelState
 
 TEXT_ARCH = "Qwen3_5MoeForCausalLM"  # the family's; the registry gives the VL one to qwen3_5_vl_moe
@@ -106,14 +106,10 @@ def shard_map(cfg: Qwen35MoeConfig, tp: int, rank: int, prefix: str = "model."
     """Our parameter name -> the HF pieces of tp rank ``rank`` (experts: fused names, all E;
     module docstring)."""
     out = dense_shard_map(cfg, tp, rank, prefix)
-    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    s = cfg.intermediate_size
+    h, s = cfg.hidden_size, cfg.intermediate_size
     for i in range(cfg.num_layers):
         ours, mlp = f"layers.{i}.feed_forward.", f"{prefix}layers.{i}.mlp."
-        del out[ours + "w13.weight"], out[ours + "w2.weight"]
-        out[ours + "gate.weight"] = whole(mlp + "gate.weight", (e, h))
-        out[ours + "experts.w13"] = whole(mlp + "experts.gate_up_proj", (e, 2 * inter, h))
-        out[ours + "experts.w2"] = whole(mlp + "experts.down_proj", (e, h, inter))
+        moe_hf.expert_pieces(out, cfg, ours, mlp)
         out[ours + "shared_expert.w13"] = [
             *whole(mlp + "shared_expert.gate_proj.weight", (s, h)),
             *whole(mlp + "shared_expert.up_proj.weight", (s, h))]

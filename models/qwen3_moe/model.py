@@ -50,11 +50,6 @@ class Qwen3MoeTransformer(MoeRouting, Transformer):
         return super().forward(input_ids, position_ids, **kwargs)
 
 
-def is_expert_param(name: str) -> bool:
-    """Parameters split over ep (their gradients reduce over the edp group, not dp x cp)."""
-    return ".feed_forward.experts." in f".{name}"
-
-
 def build_model(cfg: Qwen3MoeConfig, state: ParallelState, *, seed: int = 0,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 fp8: str = "none", **kwargs) -> Qwen3MoeTransformer:

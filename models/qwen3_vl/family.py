@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mpcore.data.videos import smart_resize_video
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
+from mpcore.models.common.resize import smart_resize_video
 from mpcore.models.common.section import given
 from mpcore.models.qwen3_vl.config import (
     ARCH,

@@ -130,7 +130,7 @@ def test_config_errors():
         config_from_hf(base).check_parallel(2, 4, "ring")
     with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
         config_from_hf(base | {"linear_num_value_heads": 3})
-    from mpcore.models.llama.hf_config import config_from_hf as llama_config
+    from mpcore.models.common.hf_config import config_from_hf as llama_config
 
     with pytest.raises(ValueError, match="unsupported architecture"):
         llama_config(base)

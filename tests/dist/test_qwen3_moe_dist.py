@@ -28,7 +28,7 @@ from hf_moe_tiny import packed_docs, reference, save_hf_model
 from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss
 from mpcore.models.qwen3_moe.family import local_inputs
 from mpcore.models.qwen3_moe.hf import load_hf_model, shard_map
-from mpcore.models.qwen3_moe.model import is_expert_param
+from mpcore.models.common.moe_hf import is_expert_param
 from mpcore.parallel.state import ParallelState
 
 STREAMS = [[7, 3], [13, 1], [10, 5], [4, 9]]  # document lengths of the four streams

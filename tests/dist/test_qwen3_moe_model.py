@@ -28,7 +28,7 @@ from hf_moe_tiny import (
 )
 from safetensors.torch import save_file
 
-from mpcore.models.llama.hf_config import config_from_hf as dense_config_from_hf
+from mpcore.models.common.hf_config import config_from_hf as dense_config_from_hf
 from mpcore.models.qwen3_moe.config import Qwen3MoeConfig, config_from_dict, config_from_hf
 from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
 from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
