@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpcore.models.common.family import Family
+from mpcore.models.common.moe_family import moe_variant, with_moe_fields
 from mpcore.models.common.moe_model import idle_expert_params
 from mpcore.models.common.section import given, section_of
-from mpcore.models.qwen3_5 import counts
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_5.family import Qwen35Section
-from mpcore.models.qwen3_5.family import config_from_section as dense_config_from_section
+from mpcore.models.qwen3_5.family import FAMILY as QWEN3_5
 from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.hf import (
     ARCHITECTURES,
@@ -28,15 +25,14 @@ from mpcore.models.qwen3_5_moe.hf import (
     shard_map,
 )
 from mpcore.models.qwen3_5_moe.model import build
-from mpcore.models.qwen3_moe.family import check_experts, local_inputs
 
 Qwen35MoeExpertsSection = section_of(Qwen35MoeConfig, "Qwen35MoeExpertsSection",
-                                     skip=Qwen35Config)
+                                     skip=QWEN3_5.config_type)
 """The YAML ``model.moe`` keys of the qwen3_5_moe family: ``Qwen35MoeConfig``'s MoE fields."""
 
 
 @dataclass(frozen=True)
-class Qwen35MoeSection(Qwen35Section):
+class Qwen35MoeSection(QWEN3_5.section):
     """Our YAML model section of the qwen3_5_moe family: the qwen3_5 family's keys
     (``intermediate_size``: the shared expert's width) and ``moe``."""
 
@@ -52,16 +48,12 @@ def config_from_dict(d: dict) -> Qwen35MoeConfig:
     return Qwen35MoeConfig(**d)
 
 
-def with_experts(dense: Qwen35Config, moe: dict) -> Qwen35MoeConfig:
-    """``dense``'s decoder with every feed-forward a MoE block of ``moe``
+def with_experts(dense, moe: dict) -> Qwen35MoeConfig:
+    """``dense``'s decoder (a ``Qwen35Config``) with every feed-forward a MoE block of ``moe``
     (``Qwen35MoeConfig``'s MoE fields; ``dense.intermediate_size``: the shared expert's
     width)."""
-    fields = {k: getattr(dense, k) for k in dense.__dataclass_fields__}
-    try:
-        return Qwen35MoeConfig(**{**fields, **moe})
-    except TypeError as e:
-        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.qwen3_5_moe.config."
-                         f"Qwen35MoeConfig's fields") from None
+    return with_moe_fields(Qwen35MoeConfig, dense, moe,
+                           "mpcore.models.qwen3_5_moe.config.Qwen35MoeConfig")
 
 
 def config_from_section(section, token_ids: dict | None) -> Qwen35MoeConfig:
@@ -69,7 +61,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen35MoeConfig:
     expert's width), plus its ``moe`` mapping (``Qwen35MoeConfig``'s MoE fields:
     num_experts, num_experts_per_tok, moe_intermediate_size, router_aux_loss_coef,
     router_z_loss_coef)."""
-    return with_experts(dense_config_from_section(section, token_ids), given(section.moe))
+    return with_experts(QWEN3_5.config_from_section(section, token_ids), given(section.moe))
 
 
 def _moe_sizes(cfg: Qwen35MoeConfig) -> tuple[int, int]:
@@ -80,7 +72,7 @@ def _moe_sizes(cfg: Qwen35MoeConfig) -> tuple[int, int]:
 
 def num_params(cfg: Qwen35MoeConfig) -> dict[str, int]:
     """``total``, ``embedding``, ``head`` and ``active`` parameter counts (module docstring)."""
-    out = counts.num_params(cfg)
+    out = QWEN3_5.num_params(cfg)
     fixed, expert = _moe_sizes(cfg)
     out["total"] += cfg.num_layers * (fixed + cfg.num_experts * expert)
     return {**out, "active": out["total"] - idle_expert_params(cfg)}
@@ -90,21 +82,15 @@ def flops_per_token(cfg: Qwen35MoeConfig, seq_len: int) -> float:
     """Training FLOPs per token at ``seq_len`` (module docstring)."""
     fixed, expert = _moe_sizes(cfg)
     moe = cfg.num_layers * (fixed + cfg.num_experts_per_tok * expert)
-    return counts.flops_per_token(cfg, seq_len) + 6.0 * moe
+    return QWEN3_5.flops_per_token(cfg, seq_len) + 6.0 * moe
 
 
-def _decoder(model):
-    return model
-
-
-FAMILY = Family(
-    name="qwen3_5_moe", config_type=Qwen35MoeConfig, hf_architectures=(TEXT_ARCH,),
+FAMILY = moe_variant(
+    QWEN3_5, name="qwen3_5_moe", config_type=Qwen35MoeConfig, hf_architectures=(TEXT_ARCH,),
     hf_model_types=(ARCHITECTURES[TEXT_ARCH],),
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
-    local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=_decoder, section=Qwen35MoeSection, options=("gdn_kernel",),
-    check_experts=check_experts)
+    num_params=num_params, flops_per_token=flops_per_token, section=Qwen35MoeSection)
 
 __all__ = ["FAMILY", "config_from_dict", "config_from_section", "with_experts"]

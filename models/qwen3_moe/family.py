@@ -6,7 +6,8 @@ import torch
 
 from mpcore.models.common.family import Family
 from mpcore.models.common.inputs import local_text_inputs
-from mpcore.models.common.moe_model import idle_expert_params, moe_mask
+from mpcore.models.common.moe_family import check_experts, with_moe_mask
+from mpcore.models.common.moe_model import idle_expert_params
 from mpcore.models.common.section import given
 from mpcore.models.qwen3_moe.config import (
     ARCH,
@@ -35,12 +36,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3MoeConfig:
                          f"Qwen3MoeConfig's fields") from None
 
 
-def local_inputs(state, input_ids, cu_seqlens, cfg=None, **kwargs):
-    """``local_text_inputs`` plus ``moe_mask [L]``: true at real tokens (not cp padding), the
-    rows the routing statistics count."""
-    plan, inputs = local_text_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
-    inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
-    return plan, inputs
+local_inputs = with_moe_mask(local_text_inputs)
 
 
 def num_params(cfg: Qwen3MoeConfig) -> dict[str, int]:
@@ -64,10 +60,6 @@ def flops_per_token(cfg: Qwen3MoeConfig, seq_len: int) -> float:
 
 def _decoder(model):
     return model
-
-
-def check_experts(cfg: Qwen3MoeConfig, ep: int) -> None:
-    cfg.check_experts(ep)
 
 
 FAMILY = Family(
