@@ -11,7 +11,9 @@ are checked, each failure naming ``file:line``:
 2. no circle among our modules (the cycle is printed, module by module);
 3. a family folder under ``models/`` imports only ``models/common`` (and the lower layers), never
    a sibling family: families compose shared parts, not each other. ``models/registry.py`` and
-   ``models/__init__.py`` sit above the families and may import them all.
+   ``models/__init__.py`` sit above the families and may import them all. The lineage imports
+   not yet moved down are listed below (``LINEAGE_EDGES``), with their count; both may only
+   shrink.
 
 The one exemption: ``mpcore._names``. The four folders' ``__init__.py`` import it only on the
 route where a folder was reached under its bare name (``import kernels`` from the repository
@@ -209,11 +211,34 @@ def test_no_circle():
                        "import inside a function:\n" + "\n".join(found))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 section 3: the families still import each other")
+# Sibling-family imports that remain (issue 34, section 3, not finished): the variants of the
+# Qwen3-VL and Qwen3.5 lineages still take their parents' parts (the Qwen3.5 hybrid decoder, the
+# Qwen3-VL tower and its config / HF names / inputs, the Qwen3-MoE decoder) from the parents'
+# folders, because those parts have not moved into models/common yet. Only these (importer,
+# imported) folder pairs may appear, and at most this many imports: both may only shrink. Lower
+# them when you move a part down; a new pair or a higher count fails.
+LINEAGE_EDGES = frozenset({
+    ("qwen3_5_moe", "qwen3_5"), ("qwen3_5_moe", "qwen3_moe"),
+    ("qwen3_5_vl", "qwen3_5"), ("qwen3_5_vl", "qwen3_vl"),
+    ("qwen3_5_vl_moe", "qwen3_5_moe"), ("qwen3_5_vl_moe", "qwen3_5_vl"),
+    ("qwen3_5_vl_moe", "qwen3_vl"),
+    ("qwen3_vl_moe", "qwen3_moe"), ("qwen3_vl_moe", "qwen3_vl"),
+})
+SIBLING_IMPORTS_LEFT = 59  # issue 34 counted 74 before section 3
+
+
 def test_families_do_not_import_each_other():
     bad = sibling_imports(all_imports())
-    assert not bad, (f"{len(bad)} imports between sibling family folders; compose parts from "
-                     "models/common instead:\n" + "\n".join(bad))
+    edges = {(line.split(": family ")[1].split(" imports family ")[0],
+              line.split(" imports family ")[1].split(" (")[0]) for line in bad}
+    new = sorted(edges - LINEAGE_EDGES)
+    assert not new, (f"new imports between sibling family folders {new}; compose parts from "
+                     "models/common instead:\n" + "\n".join(
+                         line for line in bad if any(f"family {a} imports family {b} " in line
+                                                     for a, b in new)))
+    assert len(bad) <= SIBLING_IMPORTS_LEFT, (
+        f"{len(bad)} imports between sibling family folders, over the {SIBLING_IMPORTS_LEFT} "
+        "left; compose parts from models/common instead:\n" + "\n".join(bad))
 
 
 def test_checks_can_fail(tmp_path):
