@@ -6,10 +6,7 @@ import torch
 
 from mpcore.models.common.family import Family
 from mpcore.models.common.inputs import local_text_inputs
-from mpcore.models.common.moe_family import check_experts, with_moe_mask
-from mpcore.models.common.moe_model import idle_expert_params
-from mpcore.models.common.section import given
-from mpcore.models.qwen3_moe.config import (
+from mpcore.models.common.moe_config import (
     ARCH,
     MODEL_TYPE,
     Qwen3MoeConfig,
@@ -18,8 +15,11 @@ from mpcore.models.qwen3_moe.config import (
     config_from_hf,
     hf_config_dict,
 )
-from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
-from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer, build_model
+from mpcore.models.common.moe_decoder import Qwen3MoeTransformer, build_model
+from mpcore.models.common.moe_decoder_hf import export_hf, load_hf_model, shard_map
+from mpcore.models.common.moe_family import check_experts, with_moe_mask
+from mpcore.models.common.moe_model import idle_expert_params
+from mpcore.models.common.section import given
 from mpcore.parallel.state import ParallelState
 
 
@@ -32,7 +32,7 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3MoeConfig:
     try:
         return Qwen3MoeConfig(**fields)
     except TypeError as e:
-        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.qwen3_moe.config."
+        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.common.moe_config."
                          f"Qwen3MoeConfig's fields") from None
 
 

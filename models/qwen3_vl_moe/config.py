@@ -16,8 +16,8 @@ from pathlib import Path
 
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.hf_io import check_architecture, read_hf_config
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
-from mpcore.models.qwen3_moe.config import config_from_dict as text_config_from_dict
+from mpcore.models.common.moe_config import Qwen3MoeConfig
+from mpcore.models.common.moe_config import config_from_dict as text_config_from_dict
 from mpcore.models.qwen3_vl.config import ARCH as DENSE_ARCH
 from mpcore.models.qwen3_vl.config import TOKEN_KEYS, Qwen3VLConfig, vision_and_tokens_from_dict
 from mpcore.models.qwen3_vl.config import config_from_hf as dense_config_from_hf

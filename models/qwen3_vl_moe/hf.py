@@ -23,8 +23,8 @@ import torch
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Piece
+from mpcore.models.common.moe_decoder_hf import shard_map as text_shard_map
 from mpcore.models.common.moe_hf import export_moe, fused_experts, load_moe_weights
-from mpcore.models.qwen3_moe.hf import shard_map as text_shard_map
 from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
 from mpcore.models.qwen3_vl_moe.config import Qwen3VLMoeConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_vl_moe.model import Qwen3VLMoeModel

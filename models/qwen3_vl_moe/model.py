@@ -1,5 +1,5 @@
 """The Qwen3-VL-MoE model: ``mpcore.models.qwen3_vl``'s model (tower, DeepStack, interleaved M-RoPE)
-whose decoder layers are Qwen3-MoE's (``mpcore.models.qwen3_moe.model.Qwen3MoeLayer``: a
+whose decoder layers are Qwen3-MoE's (``mpcore.models.common.moe_decoder.Qwen3MoeLayer``: a
 ``mpcore.models.common.moe.MoeBlock`` in each sparse layer, experts split over ``state.ep_group``).
 
 Layout as ``mpcore.models.qwen3_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.moe_decoder import Qwen3MoeLayer
 from mpcore.models.common.moe_model import DecoderMoeRouting, check_moe_layout, idle_expert_params
-from mpcore.models.qwen3_moe.model import Qwen3MoeLayer
 from mpcore.models.qwen3_vl.model import Qwen3VLModel
 from mpcore.models.qwen3_vl.model import flops_per_token as dense_flops_per_token
 from mpcore.models.qwen3_vl.model import num_params as dense_num_params

@@ -1,4 +1,5 @@
-"""Qwen3-MoE Hugging Face checkpoints <-> the model's shards, in both expert layouts.
+"""Qwen3-MoE Hugging Face checkpoints <-> the model's shards, in both expert layouts (the
+qwen3_moe family's, and the text half of qwen3_vl_moe's).
 
 The decoder's names (``decoder_hf.shard_map``) with each sparse layer's MLP the router and
 experts of ``mpcore.models.common.moe_hf`` (both expert layouts load; ep rank r reads only its
@@ -15,14 +16,14 @@ import torch
 
 from mpcore.models.common.decoder_hf import shard_map as decoder_shard_map
 from mpcore.models.common.hf_io import Piece
+from mpcore.models.common.moe_config import Qwen3MoeConfig, config_from_hf, hf_config_dict
+from mpcore.models.common.moe_decoder import Qwen3MoeTransformer
 from mpcore.models.common.moe_hf import (
     expert_pieces,
     export_moe,
     load_moe_weights,
     released_experts,
 )
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig, config_from_hf, hf_config_dict
-from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer
 from mpcore.parallel.state import ParallelState
 
 
