@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpcore.models.common.hybrid.config import Qwen35Config
 from mpcore.models.common.moe_config import Qwen3MoeConfig
-from mpcore.models.qwen3_5.config import Qwen35Config
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The Qwen3.5-MoE text family: Qwen3.5's hybrid decoder with Qwen3-MoE's MoE plumbing.
 
-Counts (logical, tp = ep = 1): Qwen3.5's (``mpcore.models.qwen3_5.counts``, whose SwiGLU of
+Counts (logical, tp = ep = 1): Qwen3.5's (``mpcore.models.common.hybrid.counts``, whose SwiGLU of
 ``intermediate_size`` is here the shared expert) plus per layer the router ``E h``, the
 experts ``E * 3 h I`` and the shared expert's gate ``h``; ``active`` keeps k of the E experts.
 FLOPs per token: Qwen3.5's plus ``6 x`` (router, k experts, shared gate) per layer.

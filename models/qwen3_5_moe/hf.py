@@ -6,11 +6,11 @@ decoder of a released ``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A
 ``text_config``, keys ``model.language_model.*``; the tower ``model.visual.*`` and the
 multi-token-prediction ``mtp.*`` tensors are skipped with one log line; the registry gives that
 architecture to ``mpcore.models.qwen3_5_vl_moe``, which reads it whole). The text fields are read as Qwen3.5's
-(``mpcore.models.qwen3_5.hf.config_from_hf``: the same keys, both transformers forms), the shared
+(``mpcore.models.common.hybrid.hf.config_from_hf``: the same keys, both transformers forms), the shared
 expert's width standing in for the dense MLP's; the MoE keys are transformers'
 ``Qwen3_5MoeTextConfig``'s (its defaults where absent).
 
-Shard map: Qwen3.5's (``mpcore.models.qwen3_5.hf.shard_map``) with each layer's MLP replaced by
+Shard map: Qwen3.5's (``mpcore.models.common.hybrid.hf.shard_map``) with each layer's MLP replaced by
 (``M`` = ``{prefix}layers.i.mlp.``; every tensor whole on each tp rank):
 
     feed_forward.gate.weight                [E, hidden]       M gate.weight (the router)
@@ -40,12 +40,12 @@ import torch
 
 from mpcore.models.common import moe_hf
 from mpcore.models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf
-from mpcore.models.qwen3_5.hf import hf_config_dict as dense_hf_config_dict
-from mpcore.models.qwen3_5.hf import log_unused, text_fields
-from mpcore.models.qwen3_5.hf import shard_map as dense_shard_map
-from mpcore.models.qwen3_5.model import materialise
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.hybrid.hf import config_from_hf as dense_config_from_hf
+from mpcore.models.common.hybrid.hf import hf_config_dict as dense_hf_config_dict
+from mpcore.models.common.hybrid.hf import log_unused, text_fields
+from mpcore.models.common.hybrid.hf import shard_map as dense_shard_map
+from mpcore.models.common.hybrid.model import materialise
 from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
 from mpcore.parallel.state import ParallelState

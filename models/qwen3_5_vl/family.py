@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from mpcore.models.common.family import Family
+from mpcore.models.common.hybrid import counts as text_counts
+from mpcore.models.common.hybrid.section import decoder_from_fields
 from mpcore.models.common.section import VLSection, given
-from mpcore.models.qwen3_5 import counts as text_counts
-from mpcore.models.qwen3_5.family import decoder_from_fields
 from mpcore.models.qwen3_5_vl.config import (
     ARCH,
     MODEL_TYPE,
@@ -44,7 +44,7 @@ class Qwen35VLSection(VLSection):
 
 def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of our YAML model section: the decoder as the qwen3_5 family
-    derives it from the shape fields (``mpcore.models.qwen3_5.family.config_from_section``) with the
+    derives it from the shape fields (``mpcore.models.common.hybrid.section.config_from_section``) with the
     section's ``mrope_section`` (interleaved, summing to ``rotary_dim / 2``: a quarter of each
     head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no
     DeepStack), and the data tokenizer's four special ids; ``name``: the family the errors
@@ -70,7 +70,7 @@ def tower_params(cfg: Qwen35VLConfig) -> int:
 
 
 def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
-    """Logical parameter counts: the decoder's (``mpcore.models.qwen3_5.counts``) plus ``vision``
+    """Logical parameter counts: the decoder's (``mpcore.models.common.hybrid.counts``) plus ``vision``
     (the tower with its merger), included in ``total``."""
     vision = tower_params(cfg)
     text = text_counts.num_params(cfg.text)
@@ -78,7 +78,7 @@ def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
 
 
 def flops_per_token(cfg: Qwen35VLConfig, seq_len: int) -> float:
-    """The decoder's training FLOPs per token (``mpcore.models.qwen3_5.counts``); the tower's work
+    """The decoder's training FLOPs per token (``mpcore.models.common.hybrid.counts``); the tower's work
     depends on each batch's share of visual tokens and is left out (TFLOP/s and MFU are lower
     bounds, as for the other VL families)."""
     return text_counts.flops_per_token(cfg.text, seq_len)

@@ -1,7 +1,7 @@
 """Hugging Face ``Qwen3_5ForConditionalGeneration`` checkpoints <-> shards of ``Qwen35VLModel``.
 
 Key layout (the released checkpoints' and transformers' ``save_pretrained``):
-``model.language_model.*`` (the Qwen3.5 decoder, ``mpcore.models.qwen3_5.hf.shard_map`` under that
+``model.language_model.*`` (the Qwen3.5 decoder, ``mpcore.models.common.hybrid.hf.shard_map`` under that
 prefix: ``linear_attn.*``, ``self_attn.q_proj`` with query and gate rows per head),
 ``lm_head.weight`` (untied only) and ``model.visual.*`` (Qwen3-VL's tower keys,
 ``mpcore.models.qwen3_vl.hf.vision_shard_map``, without ``deepstack_merger_list``). Tensors the model
@@ -19,8 +19,8 @@ import torch
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
-from mpcore.models.qwen3_5.hf import log_unused
-from mpcore.models.qwen3_5.hf import shard_map as text_shard_map
+from mpcore.models.common.hybrid.hf import log_unused
+from mpcore.models.common.hybrid.hf import shard_map as text_shard_map
 from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, make_model
 from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
