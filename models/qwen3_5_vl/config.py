@@ -26,7 +26,7 @@ from mpcore.models.common.hybrid.hf import config_from_hf as text_config_from_hf
 from mpcore.models.common.hybrid.hf import hf_config_dict as text_hf_config_dict
 from mpcore.models.common.hybrid.hf import text_fields
 from mpcore.models.common.hybrid.section import config_from_dict as text_config_from_dict
-from mpcore.models.qwen3_vl.config import (
+from mpcore.models.common.qwen3_vl.config import (
     TOKEN_KEYS,
     Qwen3VLConfig,
     interleaved_mrope,

@@ -1,5 +1,5 @@
 """The Qwen3.5 vision-language family: Qwen3-VL's tower without DeepStack, the Qwen3.5 hybrid
-decoder with interleaved M-RoPE, Qwen3-VL's position rule (``mpcore.models.qwen3_vl.inputs``)."""
+decoder with interleaved M-RoPE, Qwen3-VL's position rule (``mpcore.models.common.qwen3_vl.inputs``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import torch
 from mpcore.models.common.family import Family
 from mpcore.models.common.hybrid import counts as text_counts
 from mpcore.models.common.hybrid.section import decoder_from_fields
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionSection
+from mpcore.models.common.qwen3_vl.inputs import local_inputs
+from mpcore.models.common.qwen3_vl.presets import vision_from_section
+from mpcore.models.common.qwen3_vl.processing import IMAGE_PROCESSING
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.common.section import VLSection, given
 from mpcore.models.qwen3_5_vl.config import (
     ARCH,
@@ -21,11 +26,6 @@ from mpcore.models.qwen3_5_vl.config import (
 )
 from mpcore.models.qwen3_5_vl.hf import export_hf, load_hf_model, shard_map
 from mpcore.models.qwen3_5_vl.model import build_model
-from mpcore.models.qwen3_vl.config import Qwen3VisionSection
-from mpcore.models.qwen3_vl.family import IMAGE_PROCESSING
-from mpcore.models.qwen3_vl.inputs import local_inputs
-from mpcore.models.qwen3_vl.presets import vision_from_section
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 
 NAME = "qwen3_5_vl"
 

@@ -2,7 +2,7 @@
 
 Layout and forward are ``mpcore.models.common.vl_model.VisionLanguageModel``'s: the per-token tensors
 of the GLOBAL stream (``input_ids [L]``, M-RoPE ``position_ids [3, L]``, ``labels [L]``,
-``vision_rows [L]``, by Qwen3-VL's position rule, ``mpcore.models.qwen3_vl.inputs``) split by one
+``vision_rows [L]``, by Qwen3-VL's position rule, ``mpcore.models.common.qwen3_vl.inputs``) split by one
 ``ContextPlan``; the micro-batch's ``pixel_values [N, patch_dim]`` and ``grid_thw [I, 3]`` whole
 on every cp rank.
 
@@ -25,9 +25,9 @@ from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hybrid.kernels import check_available
 from mpcore.models.common.hybrid.model import Qwen35Transformer
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.common.vl_model import VisionLanguageModel
 from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.parallel.state import ParallelState
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpcore.models.common.moe_family import moe_variant
+from mpcore.models.common.qwen3_vl.config import TOKEN_KEYS
 from mpcore.models.common.section import given
 from mpcore.models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
 from mpcore.models.qwen3_5_moe.family import Qwen35MoeExpertsSection, with_experts
@@ -27,7 +28,6 @@ from mpcore.models.qwen3_5_vl_moe.config import (
 )
 from mpcore.models.qwen3_5_vl_moe.hf import export_hf, load_hf_model, shard_map
 from mpcore.models.qwen3_5_vl_moe.model import build_model
-from mpcore.models.qwen3_vl.config import TOKEN_KEYS
 
 NAME = "qwen3_5_vl_moe"
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from mpcore.models.common import moe_hf
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Piece
+from mpcore.models.common.qwen3_vl.hf import TEXT_PREFIX
 from mpcore.models.qwen3_5_moe.hf import log_skipped
 from mpcore.models.qwen3_5_moe.hf import shard_map as text_shard_map
 from mpcore.models.qwen3_5_vl import hf as dense_hf
 from mpcore.models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_5_vl_moe.model import Qwen35VLMoeModel, make_moe_model
-from mpcore.models.qwen3_vl.hf import TEXT_PREFIX
 from mpcore.parallel.state import ParallelState
 
 

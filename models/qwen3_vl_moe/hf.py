@@ -1,6 +1,6 @@
 """Hugging Face Qwen3-VL-MoE checkpoints <-> the shards of ``Qwen3VLMoeModel``.
 
-Keys: Qwen3-VL's (``mpcore.models.qwen3_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
+Keys: Qwen3-VL's (``mpcore.models.common.qwen3_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
 ``lm_head.weight``) with, in each sparse layer (``mlp`` = ``model.language_model.layers.i.mlp.``):
 
     text.layers.i.feed_forward.gate.weight   [E, hidden]        {mlp}gate.weight (the router)
@@ -25,7 +25,7 @@ from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Piece
 from mpcore.models.common.moe_decoder_hf import shard_map as text_shard_map
 from mpcore.models.common.moe_hf import export_moe, fused_experts, load_moe_weights
-from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
+from mpcore.models.common.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
 from mpcore.models.qwen3_vl_moe.config import Qwen3VLMoeConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_vl_moe.model import Qwen3VLMoeModel
 from mpcore.parallel.state import ParallelState

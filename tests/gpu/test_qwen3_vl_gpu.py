@@ -26,9 +26,9 @@ from hf_qwen3_vl_tiny import (  # noqa: E402
 )
 
 from mpcore.models.common.decoder import init_weights  # noqa: E402
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower  # noqa: E402
 from mpcore.models.qwen3_vl import load_hf_model, local_inputs  # noqa: E402
-from mpcore.models.qwen3_vl.config import Qwen3VisionConfig  # noqa: E402
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower  # noqa: E402
 from mpcore.parallel.state import ParallelState  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from mpcore.models.common.mrope import mrope_positions, vision_items
+from mpcore.models.common.qwen3_vl.config import Qwen3VLConfig
 from mpcore.models.common.vl_split import split_vl_stream
-from mpcore.models.qwen3_vl.config import Qwen3VLConfig
 from mpcore.parallel.context import ContextPlan
 from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
 from mpcore.parallel.state import ParallelState
