@@ -1,21 +1,18 @@
-"""The Qwen3.5-MoE text family: Qwen3.5's hybrid decoder with Qwen3-MoE's MoE plumbing.
-
-Counts (logical, tp = ep = 1): Qwen3.5's (``mpcore.models.common.hybrid.counts``, whose SwiGLU of
-``intermediate_size`` is here the shared expert) plus per layer the router ``E h``, the
-experts ``E * 3 h I`` and the shared expert's gate ``h``; ``active`` keeps k of the E experts.
-FLOPs per token: Qwen3.5's plus ``6 x`` (router, k experts, shared gate) per layer.
-"""
+"""The Qwen3.5-MoE text family: the Qwen3.5 hybrid decoder with every feed-forward a MoE block
+(``mpcore.models.common.hybrid.moe_*``), derived from the qwen3_5 family's record."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpcore.models.common.moe_family import moe_variant, with_moe_fields
-from mpcore.models.common.moe_model import idle_expert_params
-from mpcore.models.common.section import given, section_of
-from mpcore.models.qwen3_5.family import FAMILY as QWEN3_5
-from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
-from mpcore.models.qwen3_5_moe.hf import (
+from mpcore.models.common.hybrid.moe_config import (
+    Qwen35MoeConfig,
+    Qwen35MoeExpertsSection,
+    config_from_dict,
+    with_experts,
+)
+from mpcore.models.common.hybrid.moe_counts import flops_per_token, num_params
+from mpcore.models.common.hybrid.moe_hf import (
     ARCHITECTURES,
     TEXT_ARCH,
     config_from_hf,
@@ -24,11 +21,10 @@ from mpcore.models.qwen3_5_moe.hf import (
     load_hf,
     shard_map,
 )
-from mpcore.models.qwen3_5_moe.model import build
-
-Qwen35MoeExpertsSection = section_of(Qwen35MoeConfig, "Qwen35MoeExpertsSection",
-                                     skip=QWEN3_5.config_type)
-"""The YAML ``model.moe`` keys of the qwen3_5_moe family: ``Qwen35MoeConfig``'s MoE fields."""
+from mpcore.models.common.hybrid.moe_model import build
+from mpcore.models.common.moe_family import moe_variant
+from mpcore.models.common.section import given
+from mpcore.models.qwen3_5.family import FAMILY as QWEN3_5
 
 
 @dataclass(frozen=True)
@@ -42,47 +38,12 @@ class Qwen35MoeSection(QWEN3_5.section):
     Null: their defaults."""
 
 
-def config_from_dict(d: dict) -> Qwen35MoeConfig:
-    """``Qwen35MoeConfig`` of ``dataclasses.asdict(cfg)`` (a checkpoint's meta.json; the config
-    turns its lists back into tuples)."""
-    return Qwen35MoeConfig(**d)
-
-
-def with_experts(dense, moe: dict) -> Qwen35MoeConfig:
-    """``dense``'s decoder (a ``Qwen35Config``) with every feed-forward a MoE block of ``moe``
-    (``Qwen35MoeConfig``'s MoE fields; ``dense.intermediate_size``: the shared expert's
-    width)."""
-    return with_moe_fields(Qwen35MoeConfig, dense, moe,
-                           "mpcore.models.qwen3_5_moe.config.Qwen35MoeConfig")
-
-
 def config_from_section(section, token_ids: dict | None) -> Qwen35MoeConfig:
     """Our YAML model section as the qwen3_5 family reads it (``intermediate_size``: the shared
     expert's width), plus its ``moe`` mapping (``Qwen35MoeConfig``'s MoE fields:
     num_experts, num_experts_per_tok, moe_intermediate_size, router_aux_loss_coef,
     router_z_loss_coef)."""
     return with_experts(QWEN3_5.config_from_section(section, token_ids), given(section.moe))
-
-
-def _moe_sizes(cfg: Qwen35MoeConfig) -> tuple[int, int]:
-    """Per layer: ``(router + shared gate, one expert)`` parameters."""
-    h = cfg.hidden_size
-    return cfg.num_experts * h + h, 3 * h * cfg.moe_intermediate_size
-
-
-def num_params(cfg: Qwen35MoeConfig) -> dict[str, int]:
-    """``total``, ``embedding``, ``head`` and ``active`` parameter counts (module docstring)."""
-    out = QWEN3_5.num_params(cfg)
-    fixed, expert = _moe_sizes(cfg)
-    out["total"] += cfg.num_layers * (fixed + cfg.num_experts * expert)
-    return {**out, "active": out["total"] - idle_expert_params(cfg)}
-
-
-def flops_per_token(cfg: Qwen35MoeConfig, seq_len: int) -> float:
-    """Training FLOPs per token at ``seq_len`` (module docstring)."""
-    fixed, expert = _moe_sizes(cfg)
-    moe = cfg.num_layers * (fixed + cfg.num_experts_per_tok * expert)
-    return QWEN3_5.flops_per_token(cfg, seq_len) + 6.0 * moe
 
 
 FAMILY = moe_variant(

@@ -1,7 +1,7 @@
 """The Qwen3.5-MoE vision-language family: the Qwen3.5 VL model (tower without DeepStack,
 Qwen3-VL's position rule) over the Qwen3.5-MoE decoder.
 
-Counts: the Qwen3.5-MoE decoder's (``mpcore.models.qwen3_5_moe.family.num_params``) plus the tower
+Counts: the Qwen3.5-MoE decoder's (``mpcore.models.common.hybrid.moe_counts.num_params``) plus the tower
 (``vision``, in ``total`` and ``active``). FLOPs per token: the decoder's over its active
 weights; the tower's work depends on each batch's visual share and is left out, as for the
 other VL families.
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpcore.models.common.hybrid import moe_counts
+from mpcore.models.common.hybrid.moe_config import Qwen35MoeExpertsSection, with_experts
+from mpcore.models.common.hybrid.vl_counts import tower_params
 from mpcore.models.common.moe_family import moe_variant
 from mpcore.models.common.qwen3_vl.config import TOKEN_KEYS
 from mpcore.models.common.section import given
-from mpcore.models.qwen3_5_moe.family import FAMILY as QWEN3_5_MOE
-from mpcore.models.qwen3_5_moe.family import Qwen35MoeExpertsSection, with_experts
 from mpcore.models.qwen3_5_vl.family import FAMILY as QWEN3_5_VL
-from mpcore.models.qwen3_5_vl.family import tower_params
 from mpcore.models.qwen3_5_vl_moe.config import (
     ARCH,
     MODEL_TYPE,
@@ -55,14 +55,14 @@ def config_from_section(section, token_ids: dict | None) -> Qwen35VLMoeConfig:
 def num_params(cfg: Qwen35VLMoeConfig) -> dict[str, int]:
     """Logical counts (module docstring): ``total``, ``embedding``, ``head``, ``active`` and
     ``vision``."""
-    text, vision = QWEN3_5_MOE.num_params(cfg.text), tower_params(cfg)
+    text, vision = moe_counts.num_params(cfg.text), tower_params(cfg)
     return {**text, "total": text["total"] + vision, "active": text["active"] + vision,
             "vision": vision}
 
 
 def flops_per_token(cfg: Qwen35VLMoeConfig, seq_len: int) -> float:
     """The decoder's training FLOPs per token over its active weights (module docstring)."""
-    return QWEN3_5_MOE.flops_per_token(cfg.text, seq_len)
+    return moe_counts.flops_per_token(cfg.text, seq_len)
 
 
 FAMILY = moe_variant(

@@ -23,7 +23,7 @@ from test_qwen3_moe_dist import _concat, _expected, _my_streams, _rel, _train
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
-from mpcore.models.qwen3_5_moe.hf import load_hf, shard_map
+from mpcore.models.common.hybrid.moe_hf import load_hf, shard_map
 from mpcore.parallel.state import ParallelState
 
 STREAMS = [[7, 3], [66, 1], [10, 5], [4, 9]]

@@ -36,8 +36,8 @@ from mpcore.models.common.hybrid.hf import config_from_hf as dense_config_from_h
 from mpcore.models.common.hybrid.hf import load_hf as dense_load_hf
 from mpcore.models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.family import config_from_dict
-from mpcore.models.qwen3_5_moe.hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
-from mpcore.models.qwen3_5_moe.model import make_model
+from mpcore.models.common.hybrid.moe_hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
+from mpcore.models.common.hybrid.moe_model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
 

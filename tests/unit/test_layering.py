@@ -11,9 +11,8 @@ are checked, each failure naming ``file:line``:
 2. no circle among our modules (the cycle is printed, module by module);
 3. a family folder under ``models/`` imports only ``models/common`` (and the lower layers), never
    a sibling family: families compose shared parts, not each other. ``models/registry.py`` and
-   ``models/__init__.py`` sit above the families and may import them all. The lineage imports
-   not yet moved down are listed below (``LINEAGE_EDGES``), with their count; both may only
-   shrink.
+   ``models/__init__.py`` sit above the families and may import them all. The one kind left:
+   a MoE variant imports its dense family's record to derive its own (``LINEAGE_EDGES``).
 
 The one exemption: ``mpcore._names``. The four folders' ``__init__.py`` import it only on the
 route where a folder was reached under its bare name (``import kernels`` from the repository
@@ -211,17 +210,16 @@ def test_no_circle():
                        "import inside a function:\n" + "\n".join(found))
 
 
-# Sibling-family imports that remain (issue 34, section 3, not finished): each MoE variant takes
-# its dense family's record to derive its own (models/common/moe_family.py: moe_variant), and
-# qwen3_5_vl_moe still takes the Qwen3.5-MoE decoder's and the Qwen3.5-VL model's config, HF
-# names and model from those folders (not yet moved into models/common). Only these (importer,
-# imported) folder pairs may appear, and at most this many imports: both may only shrink. Lower
-# them when you move a part down; a new pair or a higher count fails.
+# The sibling-family imports that remain, by design: a MoE variant is derived from its dense
+# family's registry record (models/common/moe_family.py: moe_variant keeps the dense record's
+# accessors, options, inputs and image processing, so the variant cannot drift from it), and
+# that record lives in the dense family's folder. Every part (configs, models, HF I/O, inputs)
+# comes from models/common. Only these (importer, imported) folder pairs may appear, and at
+# most this many imports; a new pair or a higher count fails.
 LINEAGE_EDGES = frozenset({
-    ("qwen3_5_moe", "qwen3_5"), ("qwen3_vl_moe", "qwen3_vl"),
-    ("qwen3_5_vl_moe", "qwen3_5_moe"), ("qwen3_5_vl_moe", "qwen3_5_vl"),
+    ("qwen3_5_moe", "qwen3_5"), ("qwen3_vl_moe", "qwen3_vl"), ("qwen3_5_vl_moe", "qwen3_5_vl"),
 })
-SIBLING_IMPORTS_LEFT = 17  # issue 34 counted 74 before section 3
+SIBLING_IMPORTS_LEFT = 3  # one record import per MoE variant; issue 34 counted 74
 
 
 def test_families_do_not_import_each_other():

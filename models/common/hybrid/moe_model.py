@@ -14,9 +14,9 @@ import torch
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hybrid.model import Qwen35Transformer, materialise
+from mpcore.models.common.hybrid.moe_config import Qwen35MoeConfig
 from mpcore.models.common.moe import MoeBlock
 from mpcore.models.common.moe_model import MoeRouting, check_moe_layout
-from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
 from mpcore.parallel.state import ParallelState
 
 

@@ -46,8 +46,8 @@ from mpcore.models.common.hybrid.hf import hf_config_dict as dense_hf_config_dic
 from mpcore.models.common.hybrid.hf import log_unused, text_fields
 from mpcore.models.common.hybrid.hf import shard_map as dense_shard_map
 from mpcore.models.common.hybrid.model import materialise
-from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
-from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
+from mpcore.models.common.hybrid.moe_config import Qwen35MoeConfig
+from mpcore.models.common.hybrid.moe_model import Qwen35MoeTransformer, make_model
 from mpcore.parallel.state import ParallelState
 
 TEXT_ARCH = "Qwen3_5MoeForCausalLM"  # the family's; the registry gives the VL one to qwen3_5_vl_moe

@@ -21,9 +21,9 @@ from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
 from mpcore.models.common.hybrid.hf import log_unused
 from mpcore.models.common.hybrid.hf import shard_map as text_shard_map
+from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig, config_from_hf, hf_config_dict
+from mpcore.models.common.hybrid.vl_model import Qwen35VLModel, make_model
 from mpcore.models.common.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
-from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig, config_from_hf, hf_config_dict
-from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, make_model
 from mpcore.parallel.state import ParallelState
 
 

@@ -25,9 +25,9 @@ from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hybrid.kernels import check_available
 from mpcore.models.common.hybrid.model import Qwen35Transformer
+from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig
 from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.common.vl_model import VisionLanguageModel
-from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig
 from mpcore.parallel.state import ParallelState
 
 
