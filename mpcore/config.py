@@ -51,7 +51,7 @@ RESIDUAL_DTYPES = ("float32", "autocast")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 FAMILIES = tuple(REGISTRY)
-GDN_KERNELS = ("auto", "fla", "reference")  # mpcore.models.qwen3_5.kernels.GDN_KERNELS (a test checks)
+GDN_KERNELS = ("auto", "fla", "reference")  # mpcore.models.common.hybrid.kernels.GDN_KERNELS (a test checks)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:

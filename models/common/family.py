@@ -59,7 +59,7 @@ class ImageProcessing:
     (``hf_class``), patch geometry, pixel bounds (``size = {"shortest_edge": min_pixels,
     "longest_edge": max_pixels}``), normalisation, and its resize rule (``size_rule``:
     ``(height, width, *, patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels)
-    -> (height, width)``; None: Qwen2-VL's ``smart_resize`` of ``mpcore.data.images``).
+    -> (height, width)``; None: Qwen2-VL's ``smart_resize`` of ``mpcore.models.common.resize``).
     Patching (rows in merge-window order, the frame repeated ``temporal_patch_size`` times) is
     the same for every family here."""
 

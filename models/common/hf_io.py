@@ -14,6 +14,7 @@ concatenated along one dim. This module runs any such table:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -171,18 +172,27 @@ def fill_from_table(model: nn.Module, ckpt: Checkpoint, table: dict[str, list[Pi
 
 @torch.no_grad()
 def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dict: dict,
-             maps: list[dict[str, list[Piece]]], progress=None) -> None:
-    """Gather every parameter of ``model`` into its full HF tensors (``maps[r]``: tp rank r's
-    shard map) on the tp group of global rank 0; rank 0 writes ``config.json`` (``hf_dict``)
-    and ``model.safetensors``; then a barrier. Collective over the world."""
+             maps: list[dict[str, list[Piece]]], progress=None, *,
+             local: dict[str, torch.Tensor] | None = None,
+             extra: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+    """Gather every parameter of ``model`` (or only ``local``, by our name) into its full HF
+    tensors (``maps[r]``: tp rank r's shard map) on the tp group of global rank 0, add
+    ``extra()``'s full tensors (called on every rank, collective over the groups it uses: the
+    MoE experts over ep, ``moe_hf.export_moe``); rank 0 writes ``config.json`` (``hf_dict``)
+    and ``model.safetensors``; then a barrier. Collective over the world. The one writer of
+    every family's export."""
+    full: dict[str, torch.Tensor] = {}
     if state.cp_rank == 0 and state.dp_rank == 0:
-        full = gather_full(dict(model.named_parameters()), maps, state.tp_group, progress)
-        if state.rank == 0:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(hf_dict, indent=2) + "\n")
-            save_file({k: v.contiguous() for k, v in full.items()}, out / "model.safetensors",
-                      metadata={"format": "pt"})
+        tensors = dict(model.named_parameters()) if local is None else local
+        full = gather_full(tensors, maps, state.tp_group, progress)
+    if extra is not None:
+        full.update(extra())
+    if state.rank == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(hf_dict, indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in full.items()}, out / "model.safetensors",
+                  metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mpcore.data.images import CLIP_MEAN, CLIP_STD
-from mpcore.data.videos import smart_resize_video
 from mpcore.models.common import counts
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
+from mpcore.models.common.resize import CLIP_MEAN, CLIP_STD, smart_resize_video
 from mpcore.models.common.section import given
 from mpcore.models.glm4v.config import (
     ARCH,

@@ -13,7 +13,8 @@ items' patch grids in stream order.
     vision_rows  [T]     tower output row of a placeholder (images first, then videos), else -1
     labels       [T]     ``LabelShifter`` with the placeholder id ignored
 
-The position rule is transformers 5.x ``Glm4vModel.get_rope_index``, per document: a text token
+The position rule (``mpcore.models.common.mrope``, videos split into frames) is transformers 5.x
+``Glm4vModel.get_rope_index``, per document: a text token
 takes the current position p on all three rows and advances p by 1; an image (or one video
 frame) with merged grid ``(t, h / m, w / m)`` starting at p takes ``p + i_t, p + i_h, p + i_w``
 over its grid, row-major, then p advances by ``max(h, w) / m``. Frames are separate items (the
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from mpcore.models.common.vl_split import check_grid, split_vl_stream
+from mpcore.models.common.mrope import mrope_positions, vision_items
+from mpcore.models.common.vl_split import split_vl_stream
 from mpcore.models.glm4v.config import Glm4vConfig
 from mpcore.parallel.context import ContextPlan
 from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
@@ -47,33 +49,6 @@ def mm_token_types(input_ids: torch.Tensor, cu: list[int], cfg: Glm4vConfig) -> 
     return placeholder.long() * torch.where(opened > 0, 2, 1)
 
 
-def _runs(kinds: torch.Tensor, cu: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs ``(start, stop, kind)`` of equal kinds, cut at every document start."""
-    cut = torch.ones(kinds.numel(), dtype=torch.bool)
-    cut[1:] = kinds[1:] != kinds[:-1]
-    cut[torch.tensor(cu[:-1], dtype=torch.int64)] = True
-    starts = cut.nonzero().view(-1).tolist()
-    return [(a, b, int(kinds[a])) for a, b in zip(starts, [*starts[1:], kinds.numel()],
-                                                  strict=True)]
-
-
-def _items(cfg: Glm4vConfig, image_grid_thw, video_grid_thw):
-    """Per kind, the items in stream order: ``(grid (t, h, w), first tower row, name)``; a
-    video's frames are items of their own, their rows after every image's."""
-    m = cfg.vision.spatial_merge_size
-    images = check_grid(image_grid_thw, "image_grid_thw", m)
-    videos = check_grid(video_grid_thw, "video_grid_thw", m)
-    row, out = 0, {1: [], 2: []}
-    for i, (t, h, w) in enumerate(images):
-        out[1].append(((t, h, w), row, f"image {i}"))
-        row += t * h * w // m ** 2
-    for i, (t, h, w) in enumerate(videos):
-        for f in range(t):
-            out[2].append(((1, h, w), row, f"video {i} frame {f}"))
-            row += h * w // m ** 2
-    return out
-
-
 def position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: Glm4vConfig, image_grid_thw=None,
                  video_grid_thw=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(position_ids [3, T], vision_rows [T])`` int64 of a packed stream (module docstring).
@@ -81,42 +56,12 @@ def position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: Glm4vConfig, image_gr
     Raises ``ValueError`` before any compute when a placeholder run's length is not its item's
     ``t * h * w / m^2`` (naming the item and both counts), or runs and grid rows differ in number.
     """
-    total = input_ids.numel()
-    cu = check_cu_seqlens(cu_seqlens, total).cpu().tolist()
+    cu = check_cu_seqlens(cu_seqlens, input_ids.numel()).cpu().tolist()
     m = cfg.vision.spatial_merge_size
     kinds = mm_token_types(input_ids, cu, cfg)
-    items = _items(cfg, image_grid_thw, video_grid_thw)
-    names, used = {1: "image", 2: "video frame"}, {1: 0, 2: 0}
-    positions = torch.empty(3, total, dtype=torch.int64)
-    rows = torch.full((total,), -1, dtype=torch.int64)
-    doc_starts, p = set(cu[:-1]), 0
-    for start, stop, kind in _runs(kinds, cu):
-        p = 0 if start in doc_starts else p  # positions restart in every document
-        if kind == 0:
-            positions[:, start:stop] = torch.arange(p, p + stop - start)
-            p += stop - start
-            continue
-        if used[kind] >= len(items[kind]):
-            raise ValueError(f"the stream has more {names[kind]} placeholder runs than its grid "
-                             f"rows give ({len(items[kind])}); the run at token {start} has none")
-        (t, h, w), first, name = items[kind][used[kind]]
-        expected = t * h * w // m ** 2
-        if stop - start != expected:
-            raise ValueError(f"{name} (grid {[t, h, w]}) needs {expected} placeholder tokens "
-                             f"(t*h*w / {m}^2) but its run at token {start} has {stop - start}; "
-                             f"give each item a run of its own, between image start/end tokens")
-        gt, gh, gw = torch.meshgrid(torch.arange(t), torch.arange(h // m), torch.arange(w // m),
-                                    indexing="ij")
-        positions[:, start:stop] = p + torch.stack([gt, gh, gw]).reshape(3, -1)
-        rows[start:stop] = first + torch.arange(expected)
-        used[kind] += 1
-        p += max(h, w) // m
-    for kind in (1, 2):
-        if used[kind] != len(items[kind]):
-            raise ValueError(f"the grids give {len(items[kind])} {names[kind]}s but the stream "
-                             f"has {used[kind]} {names[kind]} placeholder runs; give one grid row "
-                             f"per item, in stream order")
-    return positions.to(input_ids.device), rows.to(input_ids.device)
+    vision = vision_items(image_grid_thw, video_grid_thw, m, split_frames=True)
+    return mrope_positions(input_ids, cu, kinds, vision, m,
+                           "give each item a run of its own, between image start/end tokens")
 
 
 def glm4v_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: Glm4vConfig, *, image_grid_thw=None,

@@ -1,6 +1,6 @@
 """GLM-4V's image resize rule: the size its processor resizes an image to before patching.
 
-It differs from Qwen2-VL's (``mpcore.data.images.smart_resize``) in three ways: an image with a
+It differs from Qwen2-VL's (``mpcore.models.common.resize.smart_resize``) in three ways: an image with a
 side below ``factor = patch_size * merge_size`` is first scaled up (aspect kept, sides truncated
 to ints) until its smaller side reaches it; the pixel bounds count the ``temporal_patch_size``
 frames an image is repeated to (``2 * h * w`` is compared with them, and the shrink / grow
@@ -13,7 +13,7 @@ at rounding boundaries.
 
 from __future__ import annotations
 
-from mpcore.data.images import MAX_ASPECT_RATIO, fit_frames
+from mpcore.models.common.resize import MAX_ASPECT_RATIO, fit_frames
 
 MIN_PIXELS = 112 * 112
 MAX_PIXELS = 28 * 28 * 15000

@@ -7,9 +7,9 @@ from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.decoder import build_model
 from mpcore.models.common.decoder_hf import shard_map
 from mpcore.models.common.family import Family
+from mpcore.models.common.hf_config import SUPPORTED, config_from_hf, hf_config_dict
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.llama.hf import export_hf, load_hf_model
-from mpcore.models.llama.hf_config import SUPPORTED, config_from_hf, hf_config_dict
 
 
 def config_from_dict(d: dict) -> ModelConfig:

@@ -2,7 +2,7 @@
 
 The decoder is ``mpcore.models.common.decoder.Transformer``; its tensor names are the hub layout of
 ``mpcore.models.common.decoder_hf.shard_map`` (``model.*``, ``lm_head``), its ``config.json`` is read and
-written by ``mpcore.models.llama.hf_config``. Each rank reads only its slices; export gathers over the
+written by ``mpcore.models.common.hf_config``. Each rank reads only its slices; export gathers over the
 tp group of global rank 0, which writes ``config.json`` + ``model.safetensors``.
 """
 
@@ -17,8 +17,8 @@ from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.decoder import Transformer
 from mpcore.models.common.decoder_hf import shard_map
+from mpcore.models.common.hf_config import config_from_hf, hf_config_dict
 from mpcore.models.common.hf_io import Checkpoint, fill_from_table, write_hf
-from mpcore.models.llama.hf_config import config_from_hf, hf_config_dict
 from mpcore.parallel.state import ParallelState
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_config import config_from_hf, hf_config_dict
 from mpcore.models.common.hf_io import read_hf_config
 from mpcore.models.common.section import VLSection
-from mpcore.models.llama.hf_config import config_from_hf, hf_config_dict
 from mpcore.models.qwen2_vl.vision_config import (
     VisionConfig,
     VisionSection,

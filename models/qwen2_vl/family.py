@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mpcore.data.images import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 from mpcore.models.common import counts
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
+from mpcore.models.common.resize import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 from mpcore.models.common.section import given
 from mpcore.models.qwen2_vl.config import (
     VL_ARCHS,

@@ -15,7 +15,8 @@ tensors that ``mpcore.parallel.ContextPlan`` then splits together with the ids:
 Vision rows: the tower runs on ``cat(image pixels, video pixels)`` with
 ``cat(image_grid_thw, video_grid_thw)``, so image i's merged rows come first, then videos.
 
-The position rule, pinned to transformers 5.x (``Qwen2VLModel.get_rope_index``): a text token
+The position rule (the walker is ``mpcore.models.common.mrope``, shared with Qwen3-VL and GLM-4V),
+pinned to transformers 5.x (``Qwen2VLModel.get_rope_index``): a text token
 takes the current position p on all three rows and advances p by 1; a vision item with merged
 grid ``(t', h', w') = (t, h / m, w / m)`` starting at p takes rows
 ``p + floor(i_t * interval)``, ``p + i_h``, ``p + i_w`` over its ``t' x h' x w'`` grid (row-major),
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from mpcore.models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
+from mpcore.models.common.mrope import mrope_positions, vision_items
+from mpcore.models.common.vl_split import check_grid, split_vl_stream
 from mpcore.models.qwen2_vl.config import VLConfig
 from mpcore.parallel.context import ContextPlan
 from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
@@ -48,64 +50,22 @@ def vl_position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, image_gr
     ``t * h * w / merge^2`` (naming the item and both counts), when runs and grids differ in
     number, or when a run crosses a document boundary.
     """
-    total = input_ids.numel()
-    cu = check_cu_seqlens(cu_seqlens, total).cpu().tolist()
+    cu = check_cu_seqlens(cu_seqlens, input_ids.numel()).cpu().tolist()
     merge = cfg.vision.spatial_merge_size
-    grids = {1: check_grid(image_grid_thw, "image_grid_thw", merge),
-             2: check_grid(video_grid_thw, "video_grid_thw", merge)}
-    seconds = [1.0] * len(grids[2]) if second_per_grid is None else [
+    num_videos = len(check_grid(video_grid_thw, "video_grid_thw", merge))
+    seconds = [1.0] * num_videos if second_per_grid is None else [
         float(s) for s in (second_per_grid.tolist() if isinstance(second_per_grid, torch.Tensor)
                            else second_per_grid)]
-    if len(seconds) != len(grids[2]):
-        raise ValueError(f"second_per_grid has {len(seconds)} entries for {len(grids[2])} videos")
+    if len(seconds) != num_videos:
+        raise ValueError(f"second_per_grid has {len(seconds)} entries for {num_videos} videos")
+    step = cfg.tokens_per_second if cfg.arch == "qwen2_5_vl" else None  # Qwen2-VL: 1
+    vision = vision_items(image_grid_thw, video_grid_thw, merge, split_frames=False,
+                          video_intervals=[1.0 if step is None else step * s for s in seconds])
     ids = input_ids.detach().cpu().long()
     kinds = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
-    names = {1: "image", 2: "video"}
-    row_offset = {1: 0, 2: sum(t * h * w for t, h, w in grids[1]) // merge ** 2}
-    used = {1: 0, 2: 0}
-    positions = torch.empty(3, total, dtype=torch.int64)
-    vision_rows = torch.full((total,), -1, dtype=torch.int64)
-    doc_starts = set(cu[:-1])
-    p = 0
-    for start, stop, kind in placeholder_runs(ids, kinds, cu):
-        if start in doc_starts:
-            p = 0  # positions restart in every document
-        length = stop - start
-        if kind == 0:
-            positions[:, start:stop] = torch.arange(p, p + length)
-            p += length
-            continue
-        k = used[kind]
-        if k >= len(grids[kind]):
-            raise ValueError(f"the stream has more {names[kind]} placeholder runs than "
-                             f"{names[kind]}_grid_thw rows ({len(grids[kind])}); run "
-                             f"{k} starts at token {start}")
-        t, h, w = grids[kind][k]
-        expected = t * h * w // merge ** 2
-        if length != expected:
-            where = ("it is cut by a document boundary" if stop in doc_starts
-                     and stop < total and kinds[stop] == kind else
-                     "check the grid against the run (each item needs a run of its own, "
-                     "e.g. between vision start/end tokens)")
-            raise ValueError(f"{names[kind]} {k} (grid {[t, h, w]}) needs {expected} "
-                             f"placeholder tokens (t*h*w / {merge}^2) but its run at token "
-                             f"{start} has {length}; {where}")
-        interval = cfg.tokens_per_second * seconds[k] if kind == 2 and cfg.arch == "qwen2_5_vl" \
-            else 1.0
-        gt, gh, gw = torch.meshgrid((torch.arange(t) * interval).long(),
-                                    torch.arange(h // merge), torch.arange(w // merge),
-                                    indexing="ij")
-        positions[:, start:stop] = p + torch.stack([gt, gh, gw]).reshape(3, -1)
-        vision_rows[start:stop] = row_offset[kind] + torch.arange(length)
-        row_offset[kind] += length
-        used[kind] += 1
-        p += max(h, w) // merge
-    for kind in (1, 2):
-        if used[kind] != len(grids[kind]):
-            raise ValueError(f"{names[kind]}_grid_thw has {len(grids[kind])} rows but the "
-                             f"stream has {used[kind]} {names[kind]} placeholder runs; give one "
-                             f"grid row per run, in stream order")
-    return positions.to(input_ids.device), vision_rows.to(input_ids.device)
+    return mrope_positions(input_ids, cu, kinds, vision, merge,
+                           "check the grid against the run (each item needs a run of its own, "
+                           "e.g. between vision start/end tokens)")
 
 
 def vl_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: VLConfig, *, image_grid_thw=None,

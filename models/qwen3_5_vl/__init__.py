@@ -2,15 +2,15 @@
 without DeepStack feeding the Qwen3.5 hybrid decoder (Gated DeltaNet beside gated attention)
 with interleaved M-RoPE. The names below are the family's public surface (a registry entry)."""
 
-from mpcore.models.qwen3_5_vl.config import (
+from mpcore.models.common.hybrid.vl_config import (
     Qwen35VLConfig,
     config_from_dict,
     config_from_hf,
     hf_config_dict,
 )
+from mpcore.models.common.hybrid.vl_hf import export_hf, load_hf_model, shard_map
+from mpcore.models.common.hybrid.vl_model import Qwen35VLModel, build_model
 from mpcore.models.qwen3_5_vl.family import FAMILY, config_from_section, flops_per_token, num_params
-from mpcore.models.qwen3_5_vl.hf import export_hf, load_hf_model, shard_map
-from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, build_model
 
 __all__ = [
     "FAMILY",

@@ -1,17 +1,13 @@
 """The Qwen3.5 vision-language family: Qwen3-VL's tower without DeepStack, the Qwen3.5 hybrid
-decoder with interleaved M-RoPE, Qwen3-VL's position rule (``mpcore.models.qwen3_vl.inputs``)."""
+decoder with interleaved M-RoPE, Qwen3-VL's position rule (``mpcore.models.common.qwen3_vl.inputs``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mpcore.models.common.family import Family
-from mpcore.models.common.section import VLSection, given
-from mpcore.models.qwen3_5 import counts as text_counts
-from mpcore.models.qwen3_5.family import decoder_from_fields
-from mpcore.models.qwen3_5_vl.config import (
+from mpcore.models.common.hybrid.section import decoder_from_fields
+from mpcore.models.common.hybrid.vl_config import (
     ARCH,
     MODEL_TYPE,
     Qwen35VLConfig,
@@ -19,13 +15,14 @@ from mpcore.models.qwen3_5_vl.config import (
     config_from_hf,
     hf_config_dict,
 )
-from mpcore.models.qwen3_5_vl.hf import export_hf, load_hf_model, shard_map
-from mpcore.models.qwen3_5_vl.model import build_model
-from mpcore.models.qwen3_vl.config import Qwen3VisionSection
-from mpcore.models.qwen3_vl.family import IMAGE_PROCESSING
-from mpcore.models.qwen3_vl.inputs import local_inputs
-from mpcore.models.qwen3_vl.presets import vision_from_section
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
+from mpcore.models.common.hybrid.vl_counts import flops_per_token, num_params
+from mpcore.models.common.hybrid.vl_hf import export_hf, load_hf_model, shard_map
+from mpcore.models.common.hybrid.vl_model import build_model
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionSection
+from mpcore.models.common.qwen3_vl.inputs import local_inputs
+from mpcore.models.common.qwen3_vl.presets import vision_from_section
+from mpcore.models.common.qwen3_vl.processing import IMAGE_PROCESSING
+from mpcore.models.common.section import VLSection, given
 
 NAME = "qwen3_5_vl"
 
@@ -44,7 +41,7 @@ class Qwen35VLSection(VLSection):
 
 def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qwen35VLConfig:
     """The ``Qwen35VLConfig`` of our YAML model section: the decoder as the qwen3_5 family
-    derives it from the shape fields (``mpcore.models.qwen3_5.family.config_from_section``) with the
+    derives it from the shape fields (``mpcore.models.common.hybrid.section.config_from_section``) with the
     section's ``mrope_section`` (interleaved, summing to ``rotary_dim / 2``: a quarter of each
     head is rotated, so ``head_dim / 8``), ``vision`` (``Qwen3VisionConfig`` fields, no
     DeepStack), and the data tokenizer's four special ids; ``name``: the family the errors
@@ -60,28 +57,6 @@ def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qw
     return Qwen35VLConfig(text=text, vision=vision_from_section(given(section.vision),
                                                                 text.hidden_size),
                           **token_ids)
-
-
-def tower_params(cfg: Qwen35VLConfig) -> int:
-    """The tower's parameters, its merger included (counted on the meta device)."""
-    with torch.device("meta"):
-        tower = Qwen3VisionTower(cfg.vision)
-    return sum(p.numel() for p in tower.parameters())
-
-
-def num_params(cfg: Qwen35VLConfig) -> dict[str, int]:
-    """Logical parameter counts: the decoder's (``mpcore.models.qwen3_5.counts``) plus ``vision``
-    (the tower with its merger), included in ``total``."""
-    vision = tower_params(cfg)
-    text = text_counts.num_params(cfg.text)
-    return {**text, "total": text["total"] + vision, "vision": vision}
-
-
-def flops_per_token(cfg: Qwen35VLConfig, seq_len: int) -> float:
-    """The decoder's training FLOPs per token (``mpcore.models.qwen3_5.counts``); the tower's work
-    depends on each batch's share of visual tokens and is left out (TFLOP/s and MFU are lower
-    bounds, as for the other VL families)."""
-    return text_counts.flops_per_token(cfg.text, seq_len)
 
 
 FAMILY = Family(

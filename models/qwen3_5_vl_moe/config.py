@@ -1,9 +1,9 @@
 """Qwen3.5-MoE vision-language configuration and its HF ``config.json`` (transformers
 ``Qwen3_5MoeForConditionalGeneration``).
 
-``Qwen35VLMoeConfig`` is ``Qwen35VLConfig`` (``mpcore.models.qwen3_5_vl.config``: Qwen3-VL's tower
+``Qwen35VLMoeConfig`` is ``Qwen35VLConfig`` (``mpcore.models.common.hybrid.vl_config``: Qwen3-VL's tower
 without DeepStack, interleaved M-RoPE over the rotated dims) with ``text`` a
-``Qwen35MoeConfig`` (``mpcore.models.qwen3_5_moe.config``: top-k always renormalised, every layer
+``Qwen35MoeConfig`` (``mpcore.models.common.hybrid.moe_config``: top-k always renormalised, every layer
 sparse, ``intermediate_size`` the shared expert's width). ``config.json`` nests the MoE keys in
 ``text_config`` (model types ``qwen3_5_moe`` / ``qwen3_5_moe_text`` / ``qwen3_5_moe_vision``):
 the text part is read by the Qwen3.5-MoE text reader (its defaults where a key is absent), the
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpcore.models.common.hf_io import check_architecture, read_hf_config
-from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
-from mpcore.models.qwen3_5_moe.family import config_from_dict as text_config_from_dict
-from mpcore.models.qwen3_5_moe.hf import config_from_hf as text_config_from_hf
-from mpcore.models.qwen3_5_moe.hf import hf_config_dict as text_hf_config_dict
-from mpcore.models.qwen3_5_vl import config as dense
-from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig
+from mpcore.models.common.hybrid import vl_config as dense
+from mpcore.models.common.hybrid.moe_config import Qwen35MoeConfig
+from mpcore.models.common.hybrid.moe_config import config_from_dict as text_config_from_dict
+from mpcore.models.common.hybrid.moe_hf import config_from_hf as text_config_from_hf
+from mpcore.models.common.hybrid.moe_hf import hf_config_dict as text_hf_config_dict
+from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig
 
 ARCH, MODEL_TYPE = "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"
 

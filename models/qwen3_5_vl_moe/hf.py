@@ -1,30 +1,30 @@
 """Hugging Face ``Qwen3_5MoeForConditionalGeneration`` checkpoints <-> shards of
 ``Qwen35VLMoeModel``.
 
-Keys: Qwen3.5 VL's (``mpcore.models.qwen3_5_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
+Keys: Qwen3.5 VL's (``mpcore.models.common.hybrid.vl_hf``: ``model.language_model.*``, ``model.visual.*``,
 ``lm_head.weight`` when untied) with each layer's MLP the Qwen3.5-MoE one
-(``mpcore.models.qwen3_5_moe.hf.shard_map`` under ``model.language_model.``: router, shared expert and
+(``mpcore.models.common.hybrid.moe_hf.shard_map`` under ``model.language_model.``: router, shared expert and
 its gate, the experts). The released checkpoints (Qwen/Qwen3.5-35B-A3B) and transformers 5.x's
 ``save_pretrained`` store one tensor per expert; the fused ``experts.gate_up_proj`` /
 ``down_proj`` load too, found per layer by name, each ep rank reading only its experts
-(``mpcore.models.qwen3_moe.hf.load_moe_weights``). Tensors the model does not use (multi-token
+(``mpcore.models.common.moe_hf.load_moe_weights``). Tensors the model does not use (multi-token
 prediction ``mtp.*``) are skipped with one log line. Export writes the released per-expert
-layout (``mpcore.models.qwen3_moe.hf.export_moe``), ``config.json`` in the 5.x form.
+layout (``mpcore.models.common.moe_hf.export_moe``), ``config.json`` in the 5.x form.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from mpcore.models.common import moe_hf
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Piece
-from mpcore.models.qwen3_5_moe.hf import log_skipped
-from mpcore.models.qwen3_5_moe.hf import shard_map as text_shard_map
-from mpcore.models.qwen3_5_vl import hf as dense_hf
+from mpcore.models.common.hybrid import vl_hf as dense_hf
+from mpcore.models.common.hybrid.moe_hf import log_skipped
+from mpcore.models.common.hybrid.moe_hf import shard_map as text_shard_map
+from mpcore.models.common.qwen3_vl.hf import TEXT_PREFIX
 from mpcore.models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_5_vl_moe.model import Qwen35VLMoeModel, make_moe_model
-from mpcore.models.qwen3_moe import hf as moe_hf
-from mpcore.models.qwen3_vl.hf import TEXT_PREFIX
 from mpcore.parallel.state import ParallelState
 
 

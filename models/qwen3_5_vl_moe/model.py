@@ -4,7 +4,7 @@ without DeepStack, interleaved M-RoPE) whose decoder is ``mpcore.models.qwen3_5_
 experts split over ``state.ep_group``; sequence parallelism and an ep that does not divide the
 experts refused when it is built).
 
-Layout as ``mpcore.models.qwen3_5_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
+Layout as ``mpcore.models.common.hybrid.vl_model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
 padding; ``mpcore.models.common.moe_model``), so the routing statistics count real tokens only;
 ``router_stats()`` pools them for the load-balancing loss of the step (``mpcore.moe_step``).
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hybrid.moe_model import Qwen35MoeTransformer
+from mpcore.models.common.hybrid.vl_model import Qwen35VLModel, make_model
 from mpcore.models.common.moe_model import DecoderMoeRouting
-from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer
-from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, make_model
 from mpcore.models.qwen3_5_vl_moe.config import Qwen35VLMoeConfig
 from mpcore.parallel.state import ParallelState
 
@@ -28,7 +28,7 @@ class Qwen35VLMoeModel(DecoderMoeRouting, Qwen35VLModel):
 
 
 def make_moe_model(cfg: Qwen35VLMoeConfig, state: ParallelState, **options) -> Qwen35VLMoeModel:
-    """The model on the meta device (``mpcore.models.qwen3_5_vl.model.make_model``'s arguments)."""
+    """The model on the meta device (``mpcore.models.common.hybrid.vl_model.make_model``'s arguments)."""
     return make_model(cfg, state, model_cls=Qwen35VLMoeModel, **options)
 
 

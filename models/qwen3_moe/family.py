@@ -6,9 +6,7 @@ import torch
 
 from mpcore.models.common.family import Family
 from mpcore.models.common.inputs import local_text_inputs
-from mpcore.models.common.moe_model import idle_expert_params, moe_mask
-from mpcore.models.common.section import given
-from mpcore.models.qwen3_moe.config import (
+from mpcore.models.common.moe_config import (
     ARCH,
     MODEL_TYPE,
     Qwen3MoeConfig,
@@ -17,8 +15,11 @@ from mpcore.models.qwen3_moe.config import (
     config_from_hf,
     hf_config_dict,
 )
-from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
-from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer, build_model
+from mpcore.models.common.moe_decoder import Qwen3MoeTransformer, build_model
+from mpcore.models.common.moe_decoder_hf import export_hf, load_hf_model, shard_map
+from mpcore.models.common.moe_family import check_experts, with_moe_mask
+from mpcore.models.common.moe_model import idle_expert_params
+from mpcore.models.common.section import given
 from mpcore.parallel.state import ParallelState
 
 
@@ -31,16 +32,11 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3MoeConfig:
     try:
         return Qwen3MoeConfig(**fields)
     except TypeError as e:
-        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.qwen3_moe.config."
+        raise ValueError(f"model section: {e}; the MoE keys are mpcore.models.common.moe_config."
                          f"Qwen3MoeConfig's fields") from None
 
 
-def local_inputs(state, input_ids, cu_seqlens, cfg=None, **kwargs):
-    """``local_text_inputs`` plus ``moe_mask [L]``: true at real tokens (not cp padding), the
-    rows the routing statistics count."""
-    plan, inputs = local_text_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
-    inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
-    return plan, inputs
+local_inputs = with_moe_mask(local_text_inputs)
 
 
 def num_params(cfg: Qwen3MoeConfig) -> dict[str, int]:
@@ -64,10 +60,6 @@ def flops_per_token(cfg: Qwen3MoeConfig, seq_len: int) -> float:
 
 def _decoder(model):
     return model
-
-
-def check_experts(cfg: Qwen3MoeConfig, ep: int) -> None:
-    cfg.check_experts(ep)
 
 
 FAMILY = Family(

@@ -2,19 +2,24 @@
 tower with a learned, resampled position grid, and DeepStack features added after the first
 decoder layers. The names below are the family's whole public surface (a registry entry)."""
 
-from mpcore.models.qwen3_vl.config import (
+from mpcore.models.common.qwen3_vl.config import (
     Qwen3VisionConfig,
     Qwen3VLConfig,
     config_from_dict,
     config_from_hf,
     hf_config_dict,
 )
+from mpcore.models.common.qwen3_vl.hf import export_hf, load_hf_model, load_hf_weights, shard_map
+from mpcore.models.common.qwen3_vl.inputs import global_inputs, local_inputs, position_ids
+from mpcore.models.common.qwen3_vl.model import (
+    Qwen3VLModel,
+    build_model,
+    flops_per_token,
+    num_params,
+)
+from mpcore.models.common.qwen3_vl.presets import config_from_section
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.qwen3_vl.family import FAMILY
-from mpcore.models.qwen3_vl.hf import export_hf, load_hf_model, load_hf_weights, shard_map
-from mpcore.models.qwen3_vl.inputs import global_inputs, local_inputs, position_ids
-from mpcore.models.qwen3_vl.model import Qwen3VLModel, build_model, flops_per_token, num_params
-from mpcore.models.qwen3_vl.presets import config_from_section
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 
 __all__ = [
     "FAMILY",

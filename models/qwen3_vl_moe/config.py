@@ -16,12 +16,16 @@ from pathlib import Path
 
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.hf_io import check_architecture, read_hf_config
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
-from mpcore.models.qwen3_moe.config import config_from_dict as text_config_from_dict
-from mpcore.models.qwen3_vl.config import ARCH as DENSE_ARCH
-from mpcore.models.qwen3_vl.config import TOKEN_KEYS, Qwen3VLConfig, vision_and_tokens_from_dict
-from mpcore.models.qwen3_vl.config import config_from_hf as dense_config_from_hf
-from mpcore.models.qwen3_vl.config import hf_config_dict as dense_hf_config_dict
+from mpcore.models.common.moe_config import Qwen3MoeConfig
+from mpcore.models.common.moe_config import config_from_dict as text_config_from_dict
+from mpcore.models.common.qwen3_vl.config import ARCH as DENSE_ARCH
+from mpcore.models.common.qwen3_vl.config import (
+    TOKEN_KEYS,
+    Qwen3VLConfig,
+    vision_and_tokens_from_dict,
+)
+from mpcore.models.common.qwen3_vl.config import config_from_hf as dense_config_from_hf
+from mpcore.models.common.qwen3_vl.config import hf_config_dict as dense_hf_config_dict
 
 ARCH, MODEL_TYPE = "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",

@@ -5,16 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpcore.models.common.config import ModelConfig
-from mpcore.models.common.family import Family
-from mpcore.models.common.moe_model import moe_mask
+from mpcore.models.common.moe_family import moe_variant
 from mpcore.models.common.section import given, section_of
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
-from mpcore.models.qwen3_vl.config import Qwen3VLSection
 from mpcore.models.qwen3_vl.family import FAMILY as QWEN3_VL
-from mpcore.models.qwen3_vl.inputs import local_inputs as dense_local_inputs
 from mpcore.models.qwen3_vl_moe.config import (
     ARCH,
     MODEL_TYPE,
+    Qwen3MoeConfig,
     Qwen3VLMoeConfig,
     config_from_dict,
     config_from_hf,
@@ -32,7 +29,7 @@ Qwen3VLMoeExpertsSection = section_of(Qwen3MoeConfig, "Qwen3VLMoeExpertsSection"
 
 
 @dataclass(frozen=True)
-class Qwen3VLMoeSection(Qwen3VLSection):
+class Qwen3VLMoeSection(QWEN3_VL.section):
     """Our YAML model section of the qwen3_vl_moe family: Qwen3-VL's keys and ``moe``."""
 
     moe: Qwen3VLMoeExpertsSection | None = None
@@ -48,24 +45,9 @@ def config_from_section(section, token_ids: dict | None) -> Qwen3VLMoeConfig:
                         given(section.moe))
 
 
-def local_inputs(state, input_ids, cu_seqlens, cfg, **kwargs):
-    """``mpcore.models.qwen3_vl.inputs.local_inputs`` plus ``moe_mask [L]`` (real tokens)."""
-    plan, inputs = dense_local_inputs(state, input_ids, cu_seqlens, cfg, **kwargs)
-    inputs["moe_mask"] = moe_mask(plan, state, input_ids.device)
-    return plan, inputs
-
-
-def check_experts(cfg: Qwen3VLMoeConfig, ep: int) -> None:
-    cfg.text.check_experts(ep)
-
-
-FAMILY = Family(
-    name="qwen3_vl_moe", config_type=Qwen3VLMoeConfig, hf_architectures=(ARCH,),
+FAMILY = moe_variant(
+    QWEN3_VL, name="qwen3_vl_moe", config_type=Qwen3VLMoeConfig, hf_architectures=(ARCH,),
     hf_model_types=(MODEL_TYPE,), config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
-    local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=QWEN3_VL.decoder, vision=QWEN3_VL.vision, placeholder_ids=QWEN3_VL.placeholder_ids,
-    modality="image-text", options=QWEN3_VL.options, host_inputs=QWEN3_VL.host_inputs,
-    section=Qwen3VLMoeSection, image_processing=QWEN3_VL.image_processing,
-    check_experts=check_experts)
+    num_params=num_params, flops_per_token=flops_per_token, section=Qwen3VLMoeSection)

@@ -1,6 +1,6 @@
 """Hugging Face Qwen3-VL-MoE checkpoints <-> the shards of ``Qwen3VLMoeModel``.
 
-Keys: Qwen3-VL's (``mpcore.models.qwen3_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
+Keys: Qwen3-VL's (``mpcore.models.common.qwen3_vl.hf``: ``model.language_model.*``, ``model.visual.*``,
 ``lm_head.weight``) with, in each sparse layer (``mlp`` = ``model.language_model.layers.i.mlp.``):
 
     text.layers.i.feed_forward.gate.weight   [E, hidden]        {mlp}gate.weight (the router)
@@ -11,7 +11,7 @@ Released checkpoints store the fused experts as ``gate_up_proj [E, hidden, 2I]``
 ``down_proj [E, I, hidden]``; transformers transposes them on load (its ``conversion_mapping``
 for ``qwen3_vl_moe``) to the ``[E, 2I, H]`` / ``[E, H, I]`` it computes with, and its
 ``save_pretrained`` (5.24) writes the latter. Loading takes both (the stored shapes say which,
-``mpcore.models.qwen3_moe.hf``), each ep rank reading only its experts ``[r E / ep, (r + 1) E / ep)``;
+``mpcore.models.common.moe_hf``), each ep rank reading only its experts ``[r E / ep, (r + 1) E / ep)``;
 export writes what ``save_pretrained`` writes.
 """
 
@@ -23,9 +23,9 @@ import torch
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Piece
-from mpcore.models.qwen3_moe.hf import export_moe, load_moe_weights
-from mpcore.models.qwen3_moe.hf import shard_map as text_shard_map
-from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
+from mpcore.models.common.moe_decoder_hf import shard_map as text_shard_map
+from mpcore.models.common.moe_hf import export_moe, fused_experts, load_moe_weights
+from mpcore.models.common.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
 from mpcore.models.qwen3_vl_moe.config import Qwen3VLMoeConfig, config_from_hf, hf_config_dict
 from mpcore.models.qwen3_vl_moe.model import Qwen3VLMoeModel
 from mpcore.parallel.state import ParallelState
@@ -60,10 +60,6 @@ def load_hf_model(folder: str | Path, state: ParallelState, *, device="cpu",
     return model, cfg
 
 
-def _fused(w13: torch.Tensor, w2: torch.Tensor, mlp: str) -> dict[str, torch.Tensor]:
-    return {f"{mlp}experts.gate_up_proj": w13, f"{mlp}experts.down_proj": w2}
-
-
 def export_hf(model: Qwen3VLMoeModel, state: ParallelState, out_dir: str | Path,
               progress=None) -> None:
     """``config.json`` + ``model.safetensors`` (fused experts, as ``save_pretrained``) in
@@ -71,5 +67,5 @@ def export_hf(model: Qwen3VLMoeModel, state: ParallelState, out_dir: str | Path,
     Collective over the world; a barrier at the end."""
     cfg = model.cfg
     export_moe(model, state, out_dir, hf_config_dict(cfg), cfg.text,
-               [shard_map(cfg, state.tp, r) for r in range(state.tp)], _fused,
+               [shard_map(cfg, state.tp, r) for r in range(state.tp)], fused_experts,
                ours="text.", hf=TEXT_PREFIX, progress=progress)

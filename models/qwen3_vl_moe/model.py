@@ -1,8 +1,8 @@
 """The Qwen3-VL-MoE model: ``mpcore.models.qwen3_vl``'s model (tower, DeepStack, interleaved M-RoPE)
-whose decoder layers are Qwen3-MoE's (``mpcore.models.qwen3_moe.model.Qwen3MoeLayer``: a
+whose decoder layers are Qwen3-MoE's (``mpcore.models.common.moe_decoder.Qwen3MoeLayer``: a
 ``mpcore.models.common.moe.MoeBlock`` in each sparse layer, experts split over ``state.ep_group``).
 
-Layout as ``mpcore.models.qwen3_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
+Layout as ``mpcore.models.common.qwen3_vl.model`` plus ``moe_mask [L]`` (true at real tokens, false at cp
 padding; ``mpcore.models.common.moe_model``), so the routing statistics count real tokens only;
 ``router_stats()`` pools them for the load-balancing loss of the step (``mpcore.moe_step``).
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.moe_decoder import Qwen3MoeLayer
 from mpcore.models.common.moe_model import DecoderMoeRouting, check_moe_layout, idle_expert_params
-from mpcore.models.qwen3_moe.model import Qwen3MoeLayer
-from mpcore.models.qwen3_vl.model import Qwen3VLModel
-from mpcore.models.qwen3_vl.model import flops_per_token as dense_flops_per_token
-from mpcore.models.qwen3_vl.model import num_params as dense_num_params
+from mpcore.models.common.qwen3_vl.model import Qwen3VLModel
+from mpcore.models.common.qwen3_vl.model import flops_per_token as dense_flops_per_token
+from mpcore.models.common.qwen3_vl.model import num_params as dense_num_params
 from mpcore.models.qwen3_vl_moe.config import Qwen3VLMoeConfig
 from mpcore.parallel.state import ParallelState
 
@@ -44,12 +44,12 @@ def build_model(cfg: Qwen3VLMoeConfig, state: ParallelState, *, device="cpu",
 
 
 def num_params(cfg: Qwen3VLMoeConfig) -> dict[str, int]:
-    """``mpcore.models.qwen3_vl.model.num_params``' counts of this model plus ``active`` (k of the E
+    """``mpcore.models.common.qwen3_vl.model.num_params``' counts of this model plus ``active`` (k of the E
     experts of every sparse layer)."""
     counts = dense_num_params(cfg, Qwen3VLMoeModel)
     return {**counts, "active": counts["total"] - idle_expert_params(cfg.text)}
 
 
 def flops_per_token(cfg: Qwen3VLMoeConfig, seq_len: int) -> float:
-    """``mpcore.models.qwen3_vl.model.flops_per_token`` over the ACTIVE decoder weights."""
+    """``mpcore.models.common.qwen3_vl.model.flops_per_token`` over the ACTIVE decoder weights."""
     return dense_flops_per_token(cfg, seq_len, num_params(cfg))

@@ -3,6 +3,7 @@
     load_image(path)                 -> PIL RGB image (PNG or JPEG only), as transformers
                                         converts it (EXIF orientation, alpha, palette, CMYK)
     smart_resize(h, w, ...)          -> (h', w'): multiples of patch*merge, pixel count in range
+                                        (the rule itself: ``mpcore.models.common.resize``)
     process_image(image, ...)        -> (pixel_values [N, C*T*P*P] float32, (t, h, w))
     num_placeholders(grid_thw, m)    -> how many placeholder tokens the image takes in the text
 
@@ -19,83 +20,21 @@ transformers Qwen2-VL processor (PIL backend) produces; tests/unit/test_images.p
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-# OpenAI CLIP statistics (the Qwen2-VL vision tower was trained with them).
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 28 * 28 * 1280
-MAX_ASPECT_RATIO = 200  # the Qwen2-VL processor refuses thinner images
+from mpcore.models.common.resize import (
+    CLIP_MEAN,
+    CLIP_STD,
+    MAX_PIXELS,
+    MIN_PIXELS,
+    smart_resize,
+)
+
 FORMATS = ("PNG", "JPEG")
 logger = logging.getLogger(__name__)
-
-
-def fit_frames(height: int, width: int, factor: int, *, bound_frames: int, scale_frames: int,
-               min_pixels: int, max_pixels: int, what: str) -> tuple[int, int]:
-    """The resize rule GLM-4V's image processor and the Qwen3-VL / GLM-4V video processors share
-    (transformers 5.x, float expressions in its order): a side below ``factor`` first scaled
-    up (aspect kept, truncated), sides rounded to multiples of ``factor``, the pixel bounds
-    compared with ``bound_frames * h * w`` and the shrink / grow factor taken from
-    ``scale_frames * height * width`` (an image: both its ``temporal_patch_size`` copies; a
-    video: its frame count rounded to temporal patches, and as given). ``ValueError`` naming
-    ``what`` (e.g. "a 10x3000 image") for an aspect ratio over ``MAX_ASPECT_RATIO``."""
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(what.format(size=f"{height}x{width}"))
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if bound_frames * h * w > max_pixels:
-        beta = math.sqrt((scale_frames * height * width) / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif bound_frames * h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (scale_frames * height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
-    """The size Qwen2-VL resizes a ``height x width`` image to: both sides multiples of
-    ``factor`` (``patch_size * merge_size``), ``min_pixels <= h * w <= max_pixels`` where
-    the rounding allows, aspect ratio kept as far as the rounding allows.
-
-    Each side is first rounded to the nearest multiple (Python's ``round``: halves go to even,
-    as in transformers). Too many pixels: scale both sides by ``sqrt(max_pixels / (h*w))`` and
-    round DOWN to multiples (at least ``factor``). Too few: scale by ``sqrt(min_pixels /
-    (h*w))`` and round UP. The float expressions follow transformers' order of operations so
-    that sizes agree exactly, including at rounding boundaries.
-    """
-    if height <= 0 or width <= 0:
-        raise ValueError(f"images.smart_resize: image size {height}x{width} must be positive")
-    if factor <= 0 or not 0 < min_pixels <= max_pixels:
-        raise ValueError(f"images.smart_resize: need factor > 0 and 0 < min_pixels <= "
-                         f"max_pixels, got factor={factor}, min_pixels={min_pixels}, "
-                         f"max_pixels={max_pixels}")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(f"images.smart_resize: a {height}x{width} image has aspect ratio "
-                         f"{ratio:.1f}, over the {MAX_ASPECT_RATIO} Qwen2-VL accepts; crop it "
-                         f"or pad it closer to square")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / shrink / factor) * factor)
-        w = max(factor, math.floor(width / shrink / factor) * factor)
-    elif h * w < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * grow / factor) * factor
-        w = math.ceil(width * grow / factor) * factor
-    return h, w
 
 
 def resize_to(height: int, width: int, *, patch_size: int = 14, merge_size: int = 2,

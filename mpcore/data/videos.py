@@ -32,32 +32,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mpcore.data.images import MAX_ASPECT_RATIO, check_image_size, fit_frames, smart_resize, to_rgb
+from mpcore.data.images import check_image_size, to_rgb
+from mpcore.models.common.resize import smart_resize
+from mpcore.models.registry import FAMILIES
 
 DEFAULT_FPS = 24.0  # transformers' Qwen3-VL / GLM-4V processors assume it without metadata
-
-
-def smart_resize_video(num_frames: int, height: int, width: int, *, patch_size: int = 14,
-                       merge_size: int = 2, temporal_patch_size: int = 2,
-                       min_pixels: int = 112 * 112, max_pixels: int = 28 * 28 * 2 * 30000
-                       ) -> tuple[int, int]:
-    """The size GLM-4V's and Qwen3-VL's video processors resize ``num_frames`` frames of
-    ``height x width`` to (the same function in both, transformers 5.x): a side below
-    ``factor = patch_size * merge_size`` first scaled up (aspect kept, truncated), sides
-    rounded to multiples of ``factor``, and the bounds compared with ``t_bar * h * w`` (the
-    frame count rounded to a multiple of ``temporal_patch_size``), the shrink / grow factor
-    from ``num_frames * height * width``. Float expressions in transformers' order.
-    ``ValueError`` for fewer than ``temporal_patch_size`` frames (the processors refuse them)
-    or an aspect ratio over 200."""
-    if num_frames < temporal_patch_size:
-        raise ValueError(f"a video of {num_frames} frame(s) is shorter than one temporal patch "
-                         f"({temporal_patch_size} frames), which this family's video processor "
-                         f"refuses; give at least {temporal_patch_size} frames (or repeat it)")
-    t = round(num_frames / temporal_patch_size) * temporal_patch_size
-    return fit_frames(height, width, patch_size * merge_size, bound_frames=t,
-                      scale_frames=num_frames, min_pixels=min_pixels, max_pixels=max_pixels,
-                      what=f"frames of {{size}} have an aspect ratio over {MAX_ASPECT_RATIO}; "
-                           f"crop them closer to square")
 
 
 @dataclass(frozen=True)
@@ -91,8 +70,6 @@ class VideoSettings:
         ``ValueError`` for a family whose prepared data takes no videos."""
         proc = family.image_processing.video if family.image_processing else None
         if proc is None:
-            from mpcore.models.registry import FAMILIES
-
             takes = sorted(f.name for f in FAMILIES.values()
                            if f.image_processing is not None and f.image_processing.video)
             raise ValueError(f"the {family.name} family takes no videos from prepared data; "

@@ -21,8 +21,8 @@ from mpcore.models.common.hf_io import gather_full
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.qwen3_5 import Qwen35Config
 from mpcore.models.qwen3_5.family import FAMILY, config_from_dict
-from mpcore.models.qwen3_5.hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
-from mpcore.models.qwen3_5.model import make_model
+from mpcore.models.common.hybrid.hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
+from mpcore.models.common.hybrid.model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
 from tests.dist.qwen35_tiny import (
@@ -92,7 +92,7 @@ def test_export_round_trip_and_mtp_keys_skipped(checkpoint, tmp_path, caplog):
     save_file({**original, "mtp.fc.weight": torch.zeros(4, 4),
                "mtp.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
               with_mtp / "model.safetensors")
-    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.common.hybrid.hf"):
         again, _ = load_hf(with_mtp, state)
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "2 tensors" in lines[0] and "mtp.*: 2" in lines[0]
@@ -130,7 +130,7 @@ def test_config_errors():
         config_from_hf(base).check_parallel(2, 4, "ring")
     with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
         config_from_hf(base | {"linear_num_value_heads": 3})
-    from mpcore.models.llama.hf_config import config_from_hf as llama_config
+    from mpcore.models.common.hf_config import config_from_hf as llama_config
 
     with pytest.raises(ValueError, match="unsupported architecture"):
         llama_config(base)
@@ -164,7 +164,7 @@ def test_released_layout_conditional_generation_text_decoder(tmp_path, caplog):
     hf = conditional_generation(HF_CONFIG, "Qwen3_5")
     hf.save_pretrained(tmp_path)
     assert family_of_hf(tmp_path).name == "qwen3_5_vl"
-    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.common.hybrid.hf"):
         model, _ = load_hf(tmp_path, ParallelState())
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "model.visual.*" in lines[0], lines

@@ -19,7 +19,7 @@ import torch
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
-from mpcore.models.qwen3_5_moe.hf import load_hf, shard_map
+from mpcore.models.common.hybrid.moe_hf import load_hf, shard_map
 from mpcore.parallel.state import ParallelState
 from tests.dist.harness import run_distributed
 from tests.dist.qwen35_moe_tiny import save_hf_model

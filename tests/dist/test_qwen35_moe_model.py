@@ -29,18 +29,12 @@ from safetensors.torch import load_file, save_file
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
-from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf
-from mpcore.models.qwen3_5.hf import load_hf as dense_load_hf
+from mpcore.models.common.hybrid.hf import config_from_hf as dense_config_from_hf
+from mpcore.models.common.hybrid.hf import load_hf as dense_load_hf
 from mpcore.models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.family import config_from_dict
-from mpcore.models.qwen3_5_moe.hf import (
-    config_from_hf,
-    export_hf,
-    hf_config_dict,
-    load_hf,
-    shard_map,
-)
-from mpcore.models.qwen3_5_moe.model import make_model
+from mpcore.models.common.hybrid.moe_hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
+from mpcore.models.common.hybrid.moe_model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
 from tests.dist.hf_moe_tiny import backward_loss_with_aux, reference
@@ -127,7 +121,7 @@ def test_released_conditional_generation_folder_loads_its_text_decoder(tmp_path,
                      "mtp.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(2, 2)})
     save_file(released, tmp_path / "vl" / "model.safetensors", metadata={"format": "pt"})
     assert family_of_hf(tmp_path / "vl").name == "qwen3_5_vl_moe"  # read whole there
-    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.common.hybrid.hf"):
         model, _ = load_hf(tmp_path / "vl", ParallelState())
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "mtp.*: 2" in lines[0] and "model.visual.*" in lines[0], lines

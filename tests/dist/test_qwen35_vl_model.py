@@ -92,7 +92,7 @@ def test_mtp_tensors_skipped_with_one_log_line(checkpoint, tmp_path, caplog):
     save_file({**original, "mtp.fc.weight": torch.zeros(4, 4),
                "mtp.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
               tmp_path / "model.safetensors")
-    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.common.hybrid.hf"):
         model, _ = load_hf_model(tmp_path, ParallelState())
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "2 tensors" in lines[0] and "mtp.*: 2" in lines[0], lines

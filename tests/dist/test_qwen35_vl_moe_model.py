@@ -83,7 +83,7 @@ def test_fused_experts_load_and_mtp_is_skipped_with_one_log_line(checkpoint, tmp
                   "mtp.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(2, 2)})
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     save_file(fused, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with caplog.at_level(logging.INFO, logger="mpcore.models.qwen3_5.hf"):
+    with caplog.at_level(logging.INFO, logger="mpcore.models.common.hybrid.hf"):
         model, _ = load_hf_model(tmp_path, ParallelState())
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(lines) == 1 and "2 tensors" in lines[0] and "mtp.*: 2" in lines[0], lines

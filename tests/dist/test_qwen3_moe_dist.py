@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss
 from mpcore.models.qwen3_moe.family import local_inputs
-from mpcore.models.qwen3_moe.hf import load_hf_model, shard_map
-from mpcore.models.qwen3_moe.model import is_expert_param
+from mpcore.models.common.moe_decoder_hf import load_hf_model, shard_map
+from mpcore.models.common.moe_hf import is_expert_param
 from mpcore.parallel.state import ParallelState
 from tests.dist.harness import run_distributed
 from tests.dist.hf_moe_tiny import packed_docs, reference, save_hf_model
@@ -238,7 +238,7 @@ def test_ep4_with_an_expert_and_a_rank_that_get_no_token(tmp_path):
 def _export_worker(rank, world, folder, out):
     state = ParallelState.build(tp=2, ep=2)  # dp = 2: each ep rank reads half the experts
     model, _ = load_hf_model(folder, state)
-    from mpcore.models.qwen3_moe.hf import export_hf
+    from mpcore.models.common.moe_decoder_hf import export_hf
 
     export_hf(model, state, out)
     return state.ep_rank

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mpcore.models.llama.hf_config import config_from_hf as dense_config_from_hf
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig, config_from_dict, config_from_hf
+from mpcore.models.common.hf_config import config_from_hf as dense_config_from_hf
+from mpcore.models.common.moe_config import Qwen3MoeConfig, config_from_dict, config_from_hf
 from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
-from mpcore.models.qwen3_moe.hf import export_hf, load_hf_model, shard_map
+from mpcore.models.common.moe_decoder_hf import export_hf, load_hf_model, shard_map
 from mpcore.models.registry import family_of_hf
 from mpcore.parallel.state import ParallelState
 from tests.dist.hf_moe_tiny import (
@@ -147,7 +147,7 @@ def test_bad_inputs_raise_before_compute(tmp_path):
     with pytest.raises(ValueError, match="is not a Qwen3-MoE checkpoint"):
         config_from_hf({**moe, "architectures": ["Qwen3ForCausalLM"]})  # and the reverse
     with pytest.raises(ValueError, match="sequence parallelism is not supported"):
-        from mpcore.models.qwen3_moe.model import Qwen3MoeTransformer
+        from mpcore.models.common.moe_decoder import Qwen3MoeTransformer
 
         Qwen3MoeTransformer(Qwen3MoeConfig(**base), ParallelState(tp=2),
                             sequence_parallel=True)

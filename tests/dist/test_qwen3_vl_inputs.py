@@ -94,7 +94,7 @@ def _one_image(extra_run: int = 0):
 @pytest.mark.parametrize(("case", "message"), [
     ("short_run", "needs 6 placeholder tokens but its run at token 2 has 7"),
     ("missing_grid", "more image placeholder runs"),
-    ("extra_grid", "implies 2 placeholder runs"),
+    ("extra_grid", "the grids give 2 images"),
     ("frames_in_one_run", "video 0 frame 0 .* needs 4 placeholder tokens .* has 8"),
     ("type_ids", "mm_token_type_ids disagrees"),
 ])

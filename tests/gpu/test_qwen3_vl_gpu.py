@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionConfig
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.qwen3_vl import load_hf_model, local_inputs
-from mpcore.models.qwen3_vl.config import Qwen3VisionConfig
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.parallel.state import ParallelState
 from tests.dist.hf_qwen3_vl_tiny import (
     IMAGE,

@@ -7,7 +7,7 @@ Usage (one GPU; fla-core installed so both sides take its kernels):
 ``--config``: a Qwen3.5 ``config.json`` (default: the Qwen3.5-0.8B shape,
 tests/dist/qwen35_0p8b_config.json; its text decoder is what runs). Both sides: fp32 parameters,
 bf16 autocast on CUDA (fp32 on CPU), one document of ``--seq`` random tokens per step, AdamW
-(fused on CUDA) with lr 1e-4, gradient clipping at 1.0. mpcore: ``mpcore.models.qwen3_5.model.build``
+(fused on CUDA) with lr 1e-4, gradient clipping at 1.0. mpcore: ``mpcore.models.common.hybrid.model.build``
 (``gdn_kernel=auto``: fla when installed), the training head's ``loss_sum`` output over the
 valid tokens. transformers: ``Qwen3_5ForCausalLM`` of the same config (SDPA attention; its own
 fla path when fla is installed), ``labels`` loss.
@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hybrid import kernels
+from mpcore.models.common.hybrid.hf import config_from_hf, text_fields
+from mpcore.models.common.hybrid.layers import GatedDeltaNet
+from mpcore.models.common.hybrid.model import build
 from mpcore.models.common.inputs import local_text_inputs
-from mpcore.models.qwen3_5 import kernels
-from mpcore.models.qwen3_5.hf import config_from_hf, text_fields
-from mpcore.models.qwen3_5.layers import GatedDeltaNet
-from mpcore.models.qwen3_5.model import build
 from mpcore.parallel.attention import AttentionPlan
 from mpcore.parallel.state import ParallelState
 from tests.perf.step_timing import adamw, autocast, timed

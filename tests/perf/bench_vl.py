@@ -17,7 +17,7 @@ Model (``--family qwen2_vl --config 2b``, the default): Qwen2-VL-2B's shape, bui
 download): vision depth 32, width 1280, 16 heads, MLP 5120 (mlp_ratio 4), 2x2 patch merger into
 1536; text hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, vocab 151936, tied
 embeddings, QKV biases, M-RoPE sections [16, 24, 24], rope theta 1e6. ``--family qwen3_vl``:
-Qwen3-VL-2B's config.json (``mpcore.models.qwen3_vl.presets.QWEN3_VL_2B``: vision depth 24, width
+Qwen3-VL-2B's config.json (``mpcore.models.common.qwen3_vl.presets.QWEN3_VL_2B``: vision depth 24, width
 1024, patch 16, DeepStack after blocks 5, 11, 17; text hidden 2048, 28 layers, 16 heads, 8 KV
 heads, head_dim 128, q/k norm, interleaved M-RoPE [24, 20, 20]). ``--family glm4v`` (``--config
 9b``): GLM-4.1V-9B's shape with 12 of its 40 decoder layers (``GLM4V_LAYERS``: fp32 master
@@ -100,9 +100,9 @@ import torch.distributed as dist
 from mpcore.batches import place
 from mpcore.config import load_config
 from mpcore.models import ModelConfig, VisionConfig, VLConfig, family_named, family_of
+from mpcore.models.common.qwen3_vl.presets import QWEN3_VL_2B, TINY
 from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf
 from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section
-from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import init_distributed
 from tests.perf.bench_train import _sync, _timed  # (one timing for every benchmark)

@@ -72,9 +72,9 @@ def test_model_section_is_the_family_section_plus_run_keys():
     """No mirror: the decoder keys are ModelConfig's fields (derived), each family's section
     adds its own nested sections (derived from its configs), mpcore adds only run-level keys."""
     from mpcore.models import FAMILIES
+    from mpcore.models.common.moe_config import Qwen3MoeConfig
     from mpcore.models.common.section import DecoderSection
     from mpcore.models.qwen2_vl import VisionConfig
-    from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
 
     run = {f.name for f in dataclasses.fields(ModelSection)}
     assert run == {"family", "init_from", "attention_backend", "linear_backend", "fp8",

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet reference ops (models/qwen3_5/deltanet.py) against a naive per-token
+"""The Gated DeltaNet reference ops (models/common/hybrid/deltanet.py) against a naive per-token
 recurrence in float64 and against transformers' own torch functions, on packed documents of
 lengths 1, 2, 3 (shorter than the conv window), odd and long (several chunks)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpcore.models.qwen3_5.deltanet import (
+from mpcore.models.common.hybrid.deltanet import (
     causal_conv1d,
     chunk_gated_delta_rule,
     l2norm,
@@ -118,7 +118,7 @@ def test_dtypes_and_empty():
 
 
 def test_kernel_choice_on_cpu():
-    from mpcore.models.qwen3_5 import kernels
+    from mpcore.models.common.hybrid import kernels
 
     x = torch.zeros(2, 3, dtype=torch.bfloat16)
     assert kernels.resolve("auto", x) == "reference"

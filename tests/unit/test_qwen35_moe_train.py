@@ -19,8 +19,8 @@ import pytest
 from mpcore.build import run_family
 from mpcore.config import load_config
 from mpcore.data import prepare_default
+from mpcore.models.common.hybrid.moe_hf import hf_config_dict
 from mpcore.models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
-from mpcore.models.qwen3_5_moe.hf import hf_config_dict
 from tests.unit.test_moe_train import trains_and_resumes_bit_identically
 
 YAML = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen35_moe_tiny.yaml"

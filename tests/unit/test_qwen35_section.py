@@ -15,7 +15,7 @@ import torch
 from mpcore import config as mpcore_config
 from mpcore.build import build, resolve_device, resolve_model_config, setup
 from mpcore.config import load_config
-from mpcore.models.qwen3_5.kernels import GDN_KERNELS
+from mpcore.models.common.hybrid.kernels import GDN_KERNELS
 from mpcore.models.registry import family_named
 
 REPO = Path(__file__).resolve().parents[2]

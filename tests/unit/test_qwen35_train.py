@@ -13,9 +13,9 @@ import torch
 from mpcore.config import load_config
 from mpcore.data import prepare_default
 from mpcore.launch.export_hf import main
+from mpcore.models.common.hybrid.hf import load_hf
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.qwen3_5 import FAMILY, Qwen35Config
-from mpcore.models.qwen3_5.hf import load_hf
 from mpcore.parallel.state import ParallelState
 from mpcore.train import train
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
+from mpcore.models.common.qwen3_vl.presets import QWEN3_VL_2B, TINY, config_from_section
 from mpcore.models.qwen3_vl import build_model, config_from_hf, local_inputs, num_params
-from mpcore.models.qwen3_vl.presets import QWEN3_VL_2B, TINY, config_from_section
 from mpcore.parallel.state import ParallelState
 
 IDS = dict(image_token_id=2048, video_token_id=2049, vision_start_token_id=2050,

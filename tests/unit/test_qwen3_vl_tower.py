@@ -15,9 +15,9 @@ import transformers
 from safetensors.torch import save_file
 
 from mpcore.models.common.hf_io import Checkpoint, _scatter_back, fill_from_table
-from mpcore.models.qwen3_vl.config import Qwen3VisionConfig, vision_config_from_hf
-from mpcore.models.qwen3_vl.hf import vision_shard_map
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionConfig, vision_config_from_hf
+from mpcore.models.common.qwen3_vl.hf import vision_shard_map
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 
 VISION = dict(depth=3, hidden_size=16, num_heads=2, intermediate_size=24, out_hidden_size=32,
               patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,

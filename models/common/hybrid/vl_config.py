@@ -9,7 +9,7 @@ and the tower is Qwen3-VL's without DeepStack (``mpcore.models.qwen3_vl.Qwen3Vis
 ``deepstack_visual_indexes = ()``; transformers deletes the DeepStack mergers and the key).
 
 ``config.json``: ``text_config`` is read by the text family's reader
-(``mpcore.models.qwen3_5.hf.config_from_hf``), its ``rope_parameters`` (or v4 ``rope_scaling``) giving
+(``mpcore.models.common.hybrid.hf.config_from_hf``), its ``rope_parameters`` (or v4 ``rope_scaling``) giving
 the M-RoPE section; ``vision_config`` by Qwen3-VL's; 5.x is written. Every check raises
 ``ValueError`` naming the field, before any compute.
 """
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpcore.models.common.hf_io import check_architecture, read_hf_config
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_5.family import config_from_dict as text_config_from_dict
-from mpcore.models.qwen3_5.hf import config_from_hf as text_config_from_hf
-from mpcore.models.qwen3_5.hf import hf_config_dict as text_hf_config_dict
-from mpcore.models.qwen3_5.hf import text_fields
-from mpcore.models.qwen3_vl.config import (
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.hybrid.hf import config_from_hf as text_config_from_hf
+from mpcore.models.common.hybrid.hf import hf_config_dict as text_hf_config_dict
+from mpcore.models.common.hybrid.hf import text_fields
+from mpcore.models.common.hybrid.section import config_from_dict as text_config_from_dict
+from mpcore.models.common.qwen3_vl.config import (
     TOKEN_KEYS,
     Qwen3VLConfig,
     interleaved_mrope,

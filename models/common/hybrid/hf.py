@@ -42,8 +42,8 @@ from mpcore.models.common.hf_io import (
     whole,
     write_hf,
 )
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_5.model import Qwen35Transformer, make_model, materialise
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.hybrid.model import Qwen35Transformer, make_model, materialise
 from mpcore.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)

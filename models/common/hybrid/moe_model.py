@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hybrid.model import Qwen35Transformer, materialise
+from mpcore.models.common.hybrid.moe_config import Qwen35MoeConfig
 from mpcore.models.common.moe import MoeBlock
 from mpcore.models.common.moe_model import MoeRouting, check_moe_layout
-from mpcore.models.qwen3_5.model import Qwen35Transformer, materialise
-from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
 from mpcore.parallel.state import ParallelState
 
 
@@ -57,7 +57,7 @@ def build(cfg: Qwen35MoeConfig, state: ParallelState, *, seed: int = 0,
           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
           fp8: str = "none", **options) -> Qwen35MoeTransformer:
     """Create on meta, materialise this rank's shards (tp, and ep for the experts) on
-    ``device``, initialise from ``seed`` (``mpcore.models.qwen3_5.model.build``'s arguments)."""
+    ``device``, initialise from ``seed`` (``mpcore.models.common.hybrid.model.build``'s arguments)."""
     model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     init_weights(model, seed)
     return model

@@ -6,11 +6,11 @@ decoder of a released ``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A
 ``text_config``, keys ``model.language_model.*``; the tower ``model.visual.*`` and the
 multi-token-prediction ``mtp.*`` tensors are skipped with one log line; the registry gives that
 architecture to ``mpcore.models.qwen3_5_vl_moe``, which reads it whole). The text fields are read as Qwen3.5's
-(``mpcore.models.qwen3_5.hf.config_from_hf``: the same keys, both transformers forms), the shared
+(``mpcore.models.common.hybrid.hf.config_from_hf``: the same keys, both transformers forms), the shared
 expert's width standing in for the dense MLP's; the MoE keys are transformers'
 ``Qwen3_5MoeTextConfig``'s (its defaults where absent).
 
-Shard map: Qwen3.5's (``mpcore.models.qwen3_5.hf.shard_map``) with each layer's MLP replaced by
+Shard map: Qwen3.5's (``mpcore.models.common.hybrid.hf.shard_map``) with each layer's MLP replaced by
 (``M`` = ``{prefix}layers.i.mlp.``; every tensor whole on each tp rank):
 
     feed_forward.gate.weight                [E, hidden]       M gate.weight (the router)
@@ -26,8 +26,8 @@ Shard map: Qwen3.5's (``mpcore.models.qwen3_5.hf.shard_map``) with each layer's 
 Released Qwen3.5-MoE checkpoints store one tensor per expert (transformers 5.x fuses them on
 load and splits them again on save: its conversion mapping for ``qwen3_5_moe_text``); both
 layouts load, found per layer by name, each ep rank reading only its experts' slices
-(``mpcore.models.qwen3_moe.hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
-released per-expert layout (``mpcore.models.qwen3_moe.hf.export_moe``).
+(``mpcore.models.common.moe_hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
+released per-expert layout (``mpcore.models.common.moe_hf.export_moe``).
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ from pathlib import Path
 
 import torch
 
+from mpcore.models.common import moe_hf
 from mpcore.models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_5.hf import config_from_hf as dense_config_from_hf
-from mpcore.models.qwen3_5.hf import hf_config_dict as dense_hf_config_dict
-from mpcore.models.qwen3_5.hf import log_unused, text_fields
-from mpcore.models.qwen3_5.hf import shard_map as dense_shard_map
-from mpcore.models.qwen3_5.model import materialise
-from mpcore.models.qwen3_5_moe.config import Qwen35MoeConfig
-from mpcore.models.qwen3_5_moe.model import Qwen35MoeTransformer, make_model
-from mpcore.models.qwen3_moe import hf as moe_hf
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.hybrid.hf import config_from_hf as dense_config_from_hf
+from mpcore.models.common.hybrid.hf import hf_config_dict as dense_hf_config_dict
+from mpcore.models.common.hybrid.hf import log_unused, text_fields
+from mpcore.models.common.hybrid.hf import shard_map as dense_shard_map
+from mpcore.models.common.hybrid.model import materialise
+from mpcore.models.common.hybrid.moe_config import Qwen35MoeConfig
+from mpcore.models.common.hybrid.moe_model import Qwen35MoeTransformer, make_model
 from mpcore.parallel.state import ParallelState
 
 TEXT_ARCH = "Qwen3_5MoeForCausalLM"  # the family's; the registry gives the VL one to qwen3_5_vl_moe
@@ -106,14 +106,10 @@ def shard_map(cfg: Qwen35MoeConfig, tp: int, rank: int, prefix: str = "model."
     """Our parameter name -> the HF pieces of tp rank ``rank`` (experts: fused names, all E;
     module docstring)."""
     out = dense_shard_map(cfg, tp, rank, prefix)
-    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    s = cfg.intermediate_size
+    h, s = cfg.hidden_size, cfg.intermediate_size
     for i in range(cfg.num_layers):
         ours, mlp = f"layers.{i}.feed_forward.", f"{prefix}layers.{i}.mlp."
-        del out[ours + "w13.weight"], out[ours + "w2.weight"]
-        out[ours + "gate.weight"] = whole(mlp + "gate.weight", (e, h))
-        out[ours + "experts.w13"] = whole(mlp + "experts.gate_up_proj", (e, 2 * inter, h))
-        out[ours + "experts.w2"] = whole(mlp + "experts.down_proj", (e, h, inter))
+        moe_hf.expert_pieces(out, cfg, ours, mlp)
         out[ours + "shared_expert.w13"] = [
             *whole(mlp + "shared_expert.gate_proj.weight", (s, h)),
             *whole(mlp + "shared_expert.up_proj.weight", (s, h))]

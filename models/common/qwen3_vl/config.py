@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpcore.models.common.config import ModelConfig
+from mpcore.models.common.hf_config import config_from_hf as text_config_from_hf
+from mpcore.models.common.hf_config import hf_config_dict as text_hf_config_dict
 from mpcore.models.common.hf_io import check_architecture, read_hf_config
 from mpcore.models.common.section import VLSection, section_of
 from mpcore.models.common.vision_geometry import VisionGeometry, check_tp_widths
-from mpcore.models.llama.hf_config import config_from_hf as text_config_from_hf
-from mpcore.models.llama.hf_config import hf_config_dict as text_hf_config_dict
 
 ARCH = "Qwen3VLForConditionalGeneration"
 MODEL_TYPE = "qwen3_vl"

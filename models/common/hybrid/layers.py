@@ -15,7 +15,7 @@ Gated DeltaNet (``GatedDeltaNet``, transformers' ``Qwen3_5GatedDeltaNet``): ``w_
 split over tp: rank r holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads grouped on
 them); ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32 (``A_log``
 and ``dt_bias`` sliced with the value heads); the short conv + SiLU over ``[q | k | v]`` and the
-delta rule per document (``mpcore.models.qwen3_5.cp``: run order and, under cp, the head all-to-all);
+delta rule per document (``mpcore.models.common.hybrid.cp``: run order and, under cp, the head all-to-all);
 an RMSNorm per value head times ``silu(z)`` (fp32), ``out_proj``.
 """
 
@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpcore.models.common.attention import QKVProjection
+from mpcore.models.common.hybrid import cp as deltanet_cp
+from mpcore.models.common.hybrid import kernels
+from mpcore.models.common.hybrid.config import Qwen35Config
 from mpcore.models.common.mlp import FeedForward
 from mpcore.models.common.norm import RMSNorm, matmul_dtype
 from mpcore.models.common.rope import apply_rope
-from mpcore.models.qwen3_5 import cp as deltanet_cp
-from mpcore.models.qwen3_5 import kernels
-from mpcore.models.qwen3_5.config import Qwen35Config
 from mpcore.parallel.attention import AttentionPlan, context_attention
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.random import init_shard_
@@ -94,7 +94,7 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """The linear-attention mixer (module docstring); group: tp; ``gdn_kernel``:
-    ``mpcore.models.qwen3_5.kernels``."""
+    ``mpcore.models.common.hybrid.kernels``."""
 
     def __init__(self, cfg: Qwen35Config, *, tp_group: ProcessGroup | None,
                  sequence_parallel: bool, fp8: str = "none", dtype=None,

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.moe_config import Qwen3MoeConfig
+from mpcore.models.common.moe_family import with_moe_fields
+from mpcore.models.common.section import section_of
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,22 @@ class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
             if getattr(self, name) != fixed:
                 raise ValueError(f"Qwen3.5-MoE has {name}={fixed!r} (every layer sparse, top-k "
                                  f"renormalised), got {getattr(self, name)!r}; remove it")
+
+
+Qwen35MoeExpertsSection = section_of(Qwen35MoeConfig, "Qwen35MoeExpertsSection",
+                                     skip=Qwen35Config)
+"""The YAML ``model.moe`` keys of the qwen3_5_moe family: ``Qwen35MoeConfig``'s MoE fields."""
+
+
+def config_from_dict(d: dict) -> Qwen35MoeConfig:
+    """``Qwen35MoeConfig`` of ``dataclasses.asdict(cfg)`` (a checkpoint's meta.json; the config
+    turns its lists back into tuples)."""
+    return Qwen35MoeConfig(**d)
+
+
+def with_experts(dense, moe: dict) -> Qwen35MoeConfig:
+    """``dense``'s decoder (a ``Qwen35Config``) with every feed-forward a MoE block of ``moe``
+    (``Qwen35MoeConfig``'s MoE fields; ``dense.intermediate_size``: the shared expert's
+    width)."""
+    return with_moe_fields(Qwen35MoeConfig, dense, moe,
+                           "mpcore.models.common.hybrid.moe_config.Qwen35MoeConfig")

@@ -15,7 +15,7 @@ and twice that backward).
 
 from __future__ import annotations
 
-from mpcore.models.qwen3_5.config import Qwen35Config
+from mpcore.models.common.hybrid.config import Qwen35Config
 
 CHUNK = 64
 

@@ -1,11 +1,12 @@
-"""The Qwen3-MoE decoder: the shared ``Transformer`` with a MoE block in its sparse layers.
+"""The Qwen3-MoE decoder: the shared ``Transformer`` with a MoE block in its sparse layers
+(a part of the qwen3_moe and qwen3_vl_moe families).
 
 Layers are ``mpcore.models.common.decoder.DecoderLayer`` (attention on tp / cp as for the dense
 models) whose feed-forward is, in the sparse layers (``Qwen3MoeConfig.moe_layers``), a
 ``mpcore.models.common.moe.MoeBlock`` with its experts split over ``state.ep_group``. The MoE block
 runs on the full local tokens of every tp rank (the same on each: experts are not tp-sharded),
 so sequence parallelism is refused. ``forward`` takes ``moe_mask [L]`` (true at real tokens,
-false at the cp padding; ``mpcore.models.qwen3_moe.inputs``) so the routing statistics count real
+false at the cp padding; ``mpcore.models.common.moe_family.with_moe_mask``) so the routing statistics count real
 tokens only; ``router_stats()`` pools the layers' statistics of the last forward
 (``mpcore.models.common.moe_loss``).
 """
@@ -17,8 +18,8 @@ import torch
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import DecoderLayer, Transformer, init_weights
 from mpcore.models.common.moe import MoeBlock
+from mpcore.models.common.moe_config import Qwen3MoeConfig
 from mpcore.models.common.moe_model import MoeRouting, check_moe_layout
-from mpcore.models.qwen3_moe.config import Qwen3MoeConfig
 from mpcore.parallel.state import ParallelState
 
 
@@ -48,11 +49,6 @@ class Qwen3MoeTransformer(MoeRouting, Transformer):
         count (None: all)."""
         self.set_moe_mask(moe_mask, input_ids)
         return super().forward(input_ids, position_ids, **kwargs)
-
-
-def is_expert_param(name: str) -> bool:
-    """Parameters split over ep (their gradients reduce over the edp group, not dp x cp)."""
-    return ".feed_forward.experts." in f".{name}"
 
 
 def build_model(cfg: Qwen3MoeConfig, state: ParallelState, *, seed: int = 0,

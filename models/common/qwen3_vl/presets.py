@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 
 from mpcore.models.common.config import ModelConfig
-from mpcore.models.qwen3_vl.config import Qwen3VisionConfig, Qwen3VLConfig
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionConfig, Qwen3VLConfig
 
 QWEN3_VL_2B = {
     "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",

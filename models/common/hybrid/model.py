@@ -16,15 +16,15 @@ import torch
 
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import Transformer, init_weights
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.hybrid.kernels import check_available, check_kernel
+from mpcore.models.common.hybrid.layers import Qwen35Block
 from mpcore.models.common.norm import RMSNorm
-from mpcore.models.qwen3_5.config import Qwen35Config
-from mpcore.models.qwen3_5.kernels import check_available, check_kernel
-from mpcore.models.qwen3_5.layers import Qwen35Block
 from mpcore.parallel.state import ParallelState
 
 
 class Qwen35Transformer(Transformer):
-    """The decoder (module docstring); ``gdn_kernel``: ``mpcore.models.qwen3_5.kernels``."""
+    """The decoder (module docstring); ``gdn_kernel``: ``mpcore.models.common.hybrid.kernels``."""
 
     def __init__(self, cfg: Qwen35Config, state: ParallelState, *, gdn_kernel: str = "auto",
                  **kwargs):

@@ -14,7 +14,7 @@ heads: value head h reads key head ``h // (Hv / Hk)``), a depthwise causal conv 
 
 Parallel layout (``check_parallel``): DeltaNet key and value heads split over tp (each rank a
 contiguous run of key heads and the value heads grouped on them), then again over cp (the
-DeltaNet all-to-all, ``mpcore.models.qwen3_5.cp``): both counts must divide by tp * cp.
+DeltaNet all-to-all, ``mpcore.models.common.hybrid.cp``): both counts must divide by tp * cp.
 """
 
 from __future__ import annotations

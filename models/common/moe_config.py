@@ -1,4 +1,5 @@
-"""Qwen3-MoE: the Qwen3 decoder (QK-norm) whose MLPs are sparse mixture-of-experts blocks.
+"""Qwen3-MoE: the Qwen3 decoder (QK-norm) whose MLPs are sparse mixture-of-experts blocks (the
+decoder config of the qwen3_moe and qwen3_vl_moe families; Qwen3.5-MoE takes its MoE fields).
 
 ``Qwen3MoeConfig`` is ``ModelConfig`` plus the MoE fields of transformers' ``Qwen3MoeConfig``:
 layer i is sparse iff ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``

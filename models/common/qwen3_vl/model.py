@@ -1,7 +1,7 @@
 """Qwen3-VL: a vision tower feeding an interleaved M-RoPE Qwen3 decoder, with DeepStack.
 
 Layout, per rank: the L local tokens of this cp rank's share of one packed stream, the per-token
-tensors made on the GLOBAL stream by ``mpcore.models.qwen3_vl.inputs`` and split together by one
+tensors made on the GLOBAL stream by ``mpcore.models.common.qwen3_vl.inputs`` and split together by one
 ``ContextPlan``: ``input_ids [L]``, ``position_ids [3, L]``, ``labels [L]``, ``vision_rows
 [L]`` (tower row of each placeholder, -1 for text). The vision input is the whole micro-batch's
 on every cp rank: ``pixel_values [N, patch_dim]``, ``grid_thw [I, 3]`` (images, then videos).
@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.qwen3_vl.config import Qwen3VLConfig
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.common.vl_model import VisionLanguageModel
-from mpcore.models.qwen3_vl.config import Qwen3VLConfig
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.parallel.state import ParallelState
 
 

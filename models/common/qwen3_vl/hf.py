@@ -36,13 +36,13 @@ from mpcore.models.common.hf_io import (
     whole,
     write_hf,
 )
-from mpcore.models.qwen3_vl.config import (
+from mpcore.models.common.qwen3_vl.config import (
     Qwen3VisionConfig,
     Qwen3VLConfig,
     config_from_hf,
     hf_config_dict,
 )
-from mpcore.models.qwen3_vl.model import Qwen3VLModel
+from mpcore.models.common.qwen3_vl.model import Qwen3VLModel
 from mpcore.parallel.state import ParallelState
 
 TEXT_PREFIX, VISION_PREFIX = "model.language_model.", "model.visual."

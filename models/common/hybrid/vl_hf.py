@@ -1,10 +1,10 @@
 """Hugging Face ``Qwen3_5ForConditionalGeneration`` checkpoints <-> shards of ``Qwen35VLModel``.
 
 Key layout (the released checkpoints' and transformers' ``save_pretrained``):
-``model.language_model.*`` (the Qwen3.5 decoder, ``mpcore.models.qwen3_5.hf.shard_map`` under that
+``model.language_model.*`` (the Qwen3.5 decoder, ``mpcore.models.common.hybrid.hf.shard_map`` under that
 prefix: ``linear_attn.*``, ``self_attn.q_proj`` with query and gate rows per head),
 ``lm_head.weight`` (untied only) and ``model.visual.*`` (Qwen3-VL's tower keys,
-``mpcore.models.qwen3_vl.hf.vision_shard_map``, without ``deepstack_merger_list``). Tensors the model
+``mpcore.models.common.qwen3_vl.hf.vision_shard_map``, without ``deepstack_merger_list``). Tensors the model
 does not use (multi-token prediction ``mtp.*`` of the released checkpoints) are skipped with one
 log line. Each rank reads only its slices (``mpcore.models.common.hf_io.Checkpoint``); export gathers
 every parameter over the tp group of global rank 0, which writes ``config.json`` (5.x form) and
@@ -19,11 +19,11 @@ import torch
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
-from mpcore.models.qwen3_5.hf import log_unused
-from mpcore.models.qwen3_5.hf import shard_map as text_shard_map
-from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig, config_from_hf, hf_config_dict
-from mpcore.models.qwen3_5_vl.model import Qwen35VLModel, make_model
-from mpcore.models.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
+from mpcore.models.common.hybrid.hf import log_unused
+from mpcore.models.common.hybrid.hf import shard_map as text_shard_map
+from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig, config_from_hf, hf_config_dict
+from mpcore.models.common.hybrid.vl_model import Qwen35VLModel, make_model
+from mpcore.models.common.qwen3_vl.hf import TEXT_PREFIX, vision_shard_map
 from mpcore.parallel.state import ParallelState
 
 

@@ -32,10 +32,10 @@ from torch.utils.checkpoint import checkpoint
 
 from mpcore.kernels.host_checked import copy_to
 from mpcore.models.common.norm import LayerNorm, matmul_dtype
+from mpcore.models.common.qwen3_vl.config import Qwen3VisionConfig
 from mpcore.models.common.tower import TowerBase
 from mpcore.models.common.vision_attention import Segments, VisionAttention, rotary_tables
 from mpcore.models.common.vision_plan import VisionPlan, plan_vision
-from mpcore.models.qwen3_vl.config import Qwen3VisionConfig
 from mpcore.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mpcore.parallel.random import init_shard_, normal_init
 from mpcore.parallel.state import ParallelState, ProcessGroup

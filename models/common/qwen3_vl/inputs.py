@@ -8,7 +8,8 @@ A video is laid out frame by frame, as the Qwen3-VL processor writes it: each te
 each item's patch grid in stream order. ``mm_token_type_ids`` (0 text, 1 image, 2 video) is what
 transformers groups runs by; here it follows from the ids, and when given it must agree.
 
-Positions (transformers' ``Qwen3VLModel.get_rope_index``, per document, restarting at 0): a
+Positions (``mpcore.models.common.mrope``, videos split into frames; transformers'
+``Qwen3VLModel.get_rope_index``, per document, restarting at 0): a
 text token takes the current position p on all three rows and advances p by 1; a placeholder
 run starting at p with merged grid ``(t', h', w')`` (a video frame: ``t' = 1``) takes rows
 ``p + i_t``, ``p + i_h``, ``p + i_w`` over its grid (row-major), then p advances by
@@ -26,13 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from mpcore.models.common.vl_split import check_grid, placeholder_runs, split_vl_stream
-from mpcore.models.qwen3_vl.config import Qwen3VLConfig
+from mpcore.models.common.mrope import mrope_positions, vision_items
+from mpcore.models.common.qwen3_vl.config import Qwen3VLConfig
+from mpcore.models.common.vl_split import split_vl_stream
 from mpcore.parallel.context import ContextPlan
 from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter, check_cu_seqlens
 from mpcore.parallel.state import ParallelState
-
-NAMES = {1: "image", 2: "video"}
 
 
 def _kinds(ids: torch.Tensor, cfg: Qwen3VLConfig, mm_token_type_ids) -> torch.Tensor:
@@ -48,23 +48,6 @@ def _kinds(ids: torch.Tensor, cfg: Qwen3VLConfig, mm_token_type_ids) -> torch.Te
     return kinds
 
 
-def _items(cfg: Qwen3VLConfig, image_grid_thw, video_grid_thw):
-    """Runs the stream must hold, per kind: ``(name, (t, h, w))`` with videos split into their
-    frames, and the first vision row of each."""
-    merge = cfg.vision.spatial_merge_size
-    images = check_grid(image_grid_thw, "image_grid_thw", merge)
-    videos = check_grid(video_grid_thw, "video_grid_thw", merge)
-    items, row = {1: [], 2: []}, 0
-    for k, (t, h, w) in enumerate(images):
-        items[1].append((f"image {k} (grid {[t, h, w]})", (t, h, w), row))
-        row += t * h * w // merge ** 2
-    for k, (t, h, w) in enumerate(videos):
-        for f in range(t):
-            items[2].append((f"video {k} frame {f} (grid {[t, h, w]})", (1, h, w), row))
-            row += h * w // merge ** 2
-    return items
-
-
 def position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig, image_grid_thw=None,
                  video_grid_thw=None, mm_token_type_ids=None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,45 +57,13 @@ def position_ids(input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig, image_
     ``t*h*w / m^2``, a video frame's ``h*w / m^2``), when runs and grids differ in number, or
     when ``mm_token_type_ids`` disagrees with the ids.
     """
-    total = input_ids.numel()
-    cu = check_cu_seqlens(cu_seqlens, total).cpu().tolist()
+    cu = check_cu_seqlens(cu_seqlens, input_ids.numel()).cpu().tolist()
     merge = cfg.vision.spatial_merge_size
-    ids = input_ids.detach().cpu().long()
-    kinds = _kinds(ids, cfg, mm_token_type_ids)
-    items, used = _items(cfg, image_grid_thw, video_grid_thw), {1: 0, 2: 0}
-    positions = torch.empty(3, total, dtype=torch.int64)
-    vision_rows = torch.full((total,), -1, dtype=torch.int64)
-    doc_starts, p = set(cu[:-1]), 0
-    for start, stop, kind in placeholder_runs(ids, kinds, cu) if total else []:
-        if start in doc_starts:
-            p = 0  # positions restart in every document
-        length = stop - start
-        if kind == 0:
-            positions[:, start:stop] = torch.arange(p, p + length)
-            p += length
-            continue
-        if used[kind] >= len(items[kind]):
-            raise ValueError(f"the stream has more {NAMES[kind]} placeholder runs than "
-                             f"{NAMES[kind]}_grid_thw provides (videos count one run per "
-                             f"frame); the extra run starts at token {start}")
-        name, (t, h, w), row = items[kind][used[kind]]
-        expected = t * h * w // merge ** 2
-        if length != expected:
-            raise ValueError(f"{name} needs {expected} placeholder tokens but its run at token "
-                             f"{start} has {length}; each image, and each video frame, is one "
-                             f"run of its own (between vision start/end tokens)")
-        gt, gh, gw = torch.meshgrid(torch.arange(t), torch.arange(h // merge),
-                                    torch.arange(w // merge), indexing="ij")
-        positions[:, start:stop] = p + torch.stack([gt, gh, gw]).reshape(3, -1)
-        vision_rows[start:stop] = row + torch.arange(length)
-        used[kind] += 1
-        p += max(h, w) // merge
-    for kind in (1, 2):
-        if used[kind] != len(items[kind]):
-            raise ValueError(f"{NAMES[kind]}_grid_thw implies {len(items[kind])} placeholder "
-                             f"runs (one per image, one per video frame) but the stream has "
-                             f"{used[kind]}; give one grid row per item, in stream order")
-    return positions.to(input_ids.device), vision_rows.to(input_ids.device)
+    kinds = _kinds(input_ids.detach().cpu().long(), cfg, mm_token_type_ids)
+    vision = vision_items(image_grid_thw, video_grid_thw, merge, split_frames=True)
+    return mrope_positions(input_ids, cu, kinds, vision, merge,
+                           "each image, and each video frame, is one run of its own (between "
+                           "vision start/end tokens)")
 
 
 def global_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig, *,

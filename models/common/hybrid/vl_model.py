@@ -2,7 +2,7 @@
 
 Layout and forward are ``mpcore.models.common.vl_model.VisionLanguageModel``'s: the per-token tensors
 of the GLOBAL stream (``input_ids [L]``, M-RoPE ``position_ids [3, L]``, ``labels [L]``,
-``vision_rows [L]``, by Qwen3-VL's position rule, ``mpcore.models.qwen3_vl.inputs``) split by one
+``vision_rows [L]``, by Qwen3-VL's position rule, ``mpcore.models.common.qwen3_vl.inputs``) split by one
 ``ContextPlan``; the micro-batch's ``pixel_values [N, patch_dim]`` and ``grid_thw [I, 3]`` whole
 on every cp rank.
 
@@ -10,9 +10,9 @@ on every cp rank.
     h[slots] = visual(pixel_values, grid_thw)[vision_rows[slots]]   # the merged rows, over cp
     out = text.decode(h, ...)                    # Gated DeltaNet / gated attention layers
 
-The decoder is ``mpcore.models.qwen3_5.model.Qwen35Transformer`` with interleaved M-RoPE over each
+The decoder is ``mpcore.models.common.hybrid.model.Qwen35Transformer`` with interleaved M-RoPE over each
 head's rotated dims: under cp its full-attention layers run ring or Ulysses attention on the
-zigzag layout and its DeltaNet layers the head all-to-all (``mpcore.models.qwen3_5.cp``), both on the
+zigzag layout and its DeltaNet layers the head all-to-all (``mpcore.models.common.hybrid.cp``), both on the
 same local tokens whose rows the tower's cp split delivered. No rows are added after decoder
 layers (the tower has no DeepStack), so ``rows`` is one ``hidden`` wide.
 """
@@ -23,17 +23,17 @@ import torch
 
 from mpcore.kernels.fp8_linear import check_fp8
 from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.hybrid.kernels import check_available
+from mpcore.models.common.hybrid.model import Qwen35Transformer
+from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig
+from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.common.vl_model import VisionLanguageModel
-from mpcore.models.qwen3_5.kernels import check_available
-from mpcore.models.qwen3_5.model import Qwen35Transformer
-from mpcore.models.qwen3_5_vl.config import Qwen35VLConfig
-from mpcore.models.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.parallel.state import ParallelState
 
 
 class Qwen35VLModel(VisionLanguageModel):
     """The model (module docstring); ``decoder_options`` may name ``gdn_kernel``
-    (``mpcore.models.qwen3_5.kernels``). Build it with :func:`build_model`."""
+    (``mpcore.models.common.hybrid.kernels``). Build it with :func:`build_model`."""
 
     tower_cls = Qwen3VisionTower
     decoder_cls = Qwen35Transformer

@@ -1,7 +1,7 @@
 """The Gated DeltaNet kernels: fla-core on CUDA (optional), our PyTorch reference everywhere.
 
 ``gdn_kernel`` names what runs the short convolution and the chunked gated delta rule:
-    "reference"  ``mpcore.models.qwen3_5.deltanet`` (any device, any float dtype; what CPU tests use)
+    "reference"  ``mpcore.models.common.hybrid.deltanet`` (any device, any float dtype; what CPU tests use)
     "fla"        fla-core's Triton ops with ``cu_seqlens`` (CUDA, bf16/fp16 operands); a
                  ``ValueError`` with the install line when fla-core is missing or off CUDA
     "auto"       fla where it can run (CUDA, half-precision operands, fla installed, and a
@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from mpcore.models.qwen3_5 import deltanet
+from mpcore.models.common.hybrid import deltanet
 
 GDN_KERNELS = ("auto", "fla", "reference")
 INSTALL_HINT = "pip install fla-core  (pure-Python Triton kernels: flash-linear-attention)"
