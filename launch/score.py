@@ -45,6 +45,7 @@ from mpcore.checkpoint import from_rank0
 from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, family_of, family_of_hf, read_hf_config
+from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -231,8 +232,10 @@ def setup() -> torch.device:
 
 def load_model(args: argparse.Namespace, state: ParallelState, device: torch.device):
     """The checkpoint's model (its family's loader), tp-sharded, in eval mode."""
-    load = family_of_hf(args.hf_checkpoint).load_hf
-    model, _ = load(args.hf_checkpoint, state, cp_mode=args.cp_mode,
+    family = family_of_hf(args.hf_checkpoint)
+    check_tensor_names(args.hf_checkpoint, family,
+                       family.config_from_hf(read_hf_config(args.hf_checkpoint)))
+    model, _ = family.load_hf(args.hf_checkpoint, state, cp_mode=args.cp_mode,
                     sequence_parallel=args.sequence_parallel, device=device,
                     dtype=DTYPES[args.dtype])
     return model.eval()

@@ -40,6 +40,7 @@ from mpcore.models import (
     family_of_hf,
     read_hf_config,
 )
+from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.moe import MoeBlock, expert_param_names
 from mpcore.optim import GradNorm, build_optimizer
 from mpcore.parallel.random import RNGTracker, model_parallel_seed
@@ -237,6 +238,7 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
     tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
     if cfg.model.init_from:
         try:
+            check_tensor_names(cfg.model.init_from, family, model_cfg)
             model, _ = family.load_hf(cfg.model.init_from, state, **kwargs)
         except ValueError as e:
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
