@@ -6,7 +6,7 @@ checkpoint is declared in tests/families.py (``TINY``), and a registered family 
 fails here. Per family, on a checkpoint written once per module (fresh random weights):
   - round trip: transformers' checkpoint -> ``family.load_hf`` -> ``family.export_hf`` gives
     the same tensor names and values (cast to the load dtype: equal, not close), a config.json
-    that reads back to the same config and family, and transformers loads the export with no
+    that reads back to the same config and family (and meta.json's form too), and transformers loads the export with no
     missing, unexpected or mismatched weight and the original's logits, bit for bit;
   - score.py: ``mpcore.launch.score.main`` (the function torchrun runs) on one packed input
     file of documents of odd lengths (one of a single token) and, for an image-text family,
@@ -34,6 +34,7 @@ bfloat16 run must also differ from the float32 one (it ran in bfloat16 at all).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import json
@@ -233,6 +234,7 @@ def test_hf_round_trip(case, dtype, tmp_path):
         assert got[key].dtype == DTYPES[dtype], (key, got[key].dtype)
         assert torch.equal(got[key], value.to(DTYPES[dtype])), key
     assert family_of_hf(out) is family and family.config_from_hf(read_hf_config(out)) == cfg
+    assert family.config_from_dict(dataclasses.asdict(cfg)) == cfg  # a checkpoint's meta.json
     hf, info = getattr(transformers, tiny.auto).from_pretrained(
         out, dtype=DTYPES[dtype], output_loading_info=True, **tiny.load_options)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
