@@ -14,8 +14,8 @@ fails here. Per family, on a checkpoint written once per module (fresh random we
     and entropy vs transformers run on that document alone (float32);
   - the fast default runs one cheap layout (tp 1 x cp 2 ring, 2 ranks); the slow set runs
     tp 2 x cp 2 ring and Ulysses (4 ranks): tp and both cp modes at once, for CI's time
-    (tp 2 alone and cp 2 Ulysses alone added ~35 s over the ten families and caught nothing
-    these do not; the per-family tests/dist/test_*_dist.py run the whole matrix with grads).
+    (tp 2 alone and cp 2 Ulysses alone cost ~35 s more over the ten families; the per-family
+    tests/dist/test_*_dist.py run the whole matrix, with gradients, in float32).
 score.py's ``main`` runs in the harness's ranks, not under a torchrun subprocess (~10-20 s of
 process start per launch on CI's 2 cores, x 10 families x 2 dtypes); the command itself under
 torchrun is tests/dist/test_models_dist.py's and test_score_vl.py's.
