@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import yaml
 
 from mpcore import atomic
+from mpcore.data.hf_folder import has_tokenizer
 from mpcore.models.common.family import Family
 from mpcore.models.registry import FAMILIES as REGISTRY
 from mpcore.models.registry import family_named, family_of_hf
@@ -252,8 +253,10 @@ class DataSection:
     weights: list[float] = field(default_factory=list)
     """Blend weights, one per path; empty means equal weights."""
     tokenizer: str | None = None
-    """The SentencePiece .model that wrote the datasets (its eos id ends each document);
-    required with paths, refused without them (the default corpus uses its own)."""
+    """What wrote the datasets: a tokenizer folder (tokenizer.json + tokenizer_config.json,
+    as released; its eos ends each text document) or a SentencePiece .model. Default with
+    paths: model.init_from's folder when it holds a tokenizer.json; refused without paths
+    (the default corpus uses its own)."""
     cache_dir: str = "runs/data"
     """Where the default corpus is prepared (tokenizer + dataset) on first use."""
     default_vocab_size: int = 2048
@@ -273,6 +276,9 @@ class DataSection:
     """Vision-language runs: image-text dataset folders (launch/prepare_vl_data.py); empty
     means the image set shipped with the repo, prepared on first use. Text datasets of paths
     blend in; weights then list the VL datasets first, then the text ones."""
+    sft_truncate: bool = False
+    """Chat (SFT) data: cut a conversation longer than seq_len to its first seq_len tokens
+    (counted) instead of stopping with an error that names its source line."""
     vl_drop_long: bool = False
     """VL runs: drop (and count) samples longer than seq_len instead of stopping with an
     error (samples are never cut: an image never crosses a micro-batch)."""
@@ -286,9 +292,6 @@ class DataSection:
                              f"{len(self.paths)}; give one weight per path or none")
         if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
             raise ValueError(f"data.weights must be >= 0 with a positive sum, got {self.weights}")
-        if self.paths and not self.tokenizer and not self.vl_paths:
-            raise ValueError("data.paths is set but data.tokenizer is not; set data.tokenizer to "
-                             "the SentencePiece .model that wrote the datasets")
         if self.tokenizer and not self.paths and self.vl_paths:
             raise ValueError(f"data.tokenizer={self.tokenizer} is set with data.vl_paths only; a "
                              f"VL run uses the tokenizer its datasets were prepared with "
@@ -477,6 +480,11 @@ class Config:
                              f"positions would reach {seq - 1}, beyond what the model is meant "
                              f"for; lower data.seq_len to <= {most} or raise "
                              f"model.max_position_embeddings")
+        d, init_from = self.data, self.model.init_from
+        if d.paths and not d.tokenizer and not d.vl_paths and not has_tokenizer(init_from):
+            raise ValueError("data.paths is set but data.tokenizer is not (and model.init_from "
+                             "has no tokenizer.json); set data.tokenizer to the tokenizer folder "
+                             "or SentencePiece .model that wrote the datasets")
         if self.training.eval_every and not self.data.valid_fraction:
             raise ValueError(f"training.eval_every={self.training.eval_every} needs held-out "
                              f"documents; set data.valid_fraction (e.g. 0.05) or "
