@@ -146,15 +146,15 @@ def check_dataset(ds: IndexedDataset, tok, tokenizer_path: Path, release: str | 
     recorded = (ds.meta or {}).get("tokenizer")
     if recorded is None:
         return
+    if release is not None:
+        check_same_tokenizer(recorded, TokenizerFolder(release).fingerprint,
+                             f"{ds.idx_path} (prepared with {recorded.get('folder')})", release)
     if isinstance(tok, TokenizerFolder):
         problem = fingerprint_problem(recorded, tok.fingerprint, f"{ds.idx_path}'s tokenizer "
                                       f"({recorded.get('folder')})", f"data.tokenizer {tok.folder}")
         if problem:
             raise ValueError(f"{problem}; re-tokenize with launch/prepare_data.py --tokenizer "
                              f"{tok.folder}, or set data.tokenizer to the folder that wrote it")
-    if release is not None:
-        check_same_tokenizer(recorded, TokenizerFolder(release).fingerprint,
-                             f"{ds.idx_path} (prepared with {recorded.get('folder')})", release)
 
 
 def _packed(ds: IndexedDataset, tok, cfg: Config, docs: tuple[int, int]):

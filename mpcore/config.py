@@ -307,12 +307,18 @@ class DataSection:
                 f"{self.tokenizer}, then set data.paths=[runs/data/mine]; or drop data.tokenizer")
 
 
+SCRATCH_LR, FINE_TUNE_LR, SCRATCH_WARMUP = 3e-3, 1e-5, 20
+
+
 @dataclass(frozen=True)
 class OptimizerSection:
     """AdamW (decoupled weight decay on matrices, none on norms and biases)."""
 
-    lr: float = 3e-3
-    """Peak learning rate (after warmup)."""
+    lr: float | None = None
+    """Peak learning rate (after warmup). Default (null): 3e-3 for a model trained from
+    scratch (the tiny default), 1e-5 with model.init_from (fine-tuning a release: a
+    from-scratch rate would wreck its weights in a few steps); the run's config.yaml records
+    the value used."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam beta1, beta2."""
     eps: float = 1e-8
@@ -327,7 +333,7 @@ class OptimizerSection:
     apex) or auto (on CUDA apex when installed, else triton; torch on other devices)."""
 
     def __post_init__(self):
-        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+        if (self.lr is not None and self.lr <= 0) or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("optimizer.lr and eps must be > 0, weight_decay and grad_clip >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
@@ -338,8 +344,9 @@ class OptimizerSection:
 class ScheduleSection:
     """Linear warmup from 0 to optimizer.lr, then decay to min_lr_ratio * lr at total_steps."""
 
-    warmup_steps: int = 20
-    """Steps of linear warmup (at most the schedule's length: a 5-step run warms up in 5)."""
+    warmup_steps: int | None = None
+    """Steps of linear warmup (at most the schedule's length: a 5-step run warms up in 5).
+    Default (null): 20 from scratch; with model.init_from 3% of the schedule (at least 1)."""
     total_steps: int | None = None
     """Step at which the decay ends; null means training.max_steps. Keep it fixed across a
     resumed run, or the schedule changes."""
@@ -349,7 +356,7 @@ class ScheduleSection:
     """Final learning rate as a fraction of optimizer.lr."""
 
     def __post_init__(self):
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
         _positive("schedule", self, "total_steps")
         _choice("schedule", "decay", self.decay, ("cosine", "linear"))
@@ -481,6 +488,15 @@ class Config:
                              f"for; lower data.seq_len to <= {most} or raise "
                              f"model.max_position_embeddings")
         d, init_from = self.data, self.model.init_from
+        # Defaults that depend on whether a release is fine-tuned (their docstrings say why).
+        if self.optimizer.lr is None:
+            lr = FINE_TUNE_LR if init_from else SCRATCH_LR
+            object.__setattr__(self, "optimizer", dataclasses.replace(self.optimizer, lr=lr))
+        if self.schedule.warmup_steps is None:
+            total = self.schedule.total_steps or self.training.max_steps
+            warmup = max(1, round(0.03 * total)) if init_from else SCRATCH_WARMUP
+            object.__setattr__(self, "schedule",
+                               dataclasses.replace(self.schedule, warmup_steps=warmup))
         if d.paths and not d.tokenizer and not d.vl_paths and not has_tokenizer(init_from):
             raise ValueError("data.paths is set but data.tokenizer is not (and model.init_from "
                              "has no tokenizer.json); set data.tokenizer to the tokenizer folder "

@@ -57,13 +57,14 @@ def _added(content: str, i: int) -> dict:
             "single_word": False, "special": True}
 
 
-def make_chatml(folder: str | Path, vocab_size: int = 400, template: str = CHATML_TEMPLATE
-                ) -> Path:
-    """A Qwen-style tokenizer folder; returns it."""
+def make_chatml(folder: str | Path, vocab_size: int = 400, template: str = CHATML_TEMPLATE,
+                corpus: list[str] = CORPUS) -> Path:
+    """A Qwen-style tokenizer folder trained on ``corpus``; returns it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(
             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
@@ -73,7 +74,7 @@ def make_chatml(folder: str | Path, vocab_size: int = 400, template: str = CHATM
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     tok.save(str(folder / "tokenizer.json"))
     ids = {s: tok.token_to_id(s) for s in specials}
     config = {

@@ -1,0 +1,136 @@
+"""Chat SFT from a released checkpoint (a tiny Qwen3 with a ChatML tokenizer, made here): the
+first step's loss equals transformers' masked loss on the same batch and weights (the mean
+over every assistant token of the step, micro-batches of unequal counts included, so a
+per-micro-batch mean fails), and data of another tokenizer is refused before the model is
+built."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from release_tokenizers import make_chatml, make_llama
+from test_release_data import CHAT, write_jsonl
+
+from mpcore.config import load_config
+from mpcore.data.hf_folder import TokenizerFolder
+from mpcore.data.indexed import IndexedDataset
+from mpcore.data.loader import DataLoader
+from mpcore.data.sft_packing import SFTPackedDataset
+from mpcore.launch import prepare_data
+from mpcore.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ_LEN = 192
+ROWS = [CHAT[1], CHAT[2], CHAT[0], CHAT[1], CHAT[2], CHAT[2], CHAT[1], CHAT[0]]
+
+
+def make_release(folder, vocab_size: int = 400):
+    """A ChatML tokenizer folder that is also a tiny Qwen3 checkpoint."""
+    import transformers
+
+    make_chatml(folder, vocab_size)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, max_position_embeddings=256, initializer_range=0.3)
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft")
+    folder = make_release(tmp / "release")
+    source = write_jsonl(tmp / "chat.jsonl", ROWS)
+    assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
+                              str(tmp / "sft"), "--tokenizer", str(folder)]) == 0
+    return tmp, folder
+
+
+def sft_config(tmp, folder, run: str, *overrides: str):
+    return load_config(None, [
+        f"model.init_from={folder}", f"data.paths=[{tmp}/sft]", f"data.seq_len={SEQ_LEN}",
+        "data.micro_batch=1", "data.grad_accum=2", "training.max_steps=1",
+        "training.device=cpu", f"logging.run_dir={tmp}/{run}", "checkpoint.every=0",
+        "optimizer.lr=1e-5", "schedule.warmup_steps=0", *overrides])
+
+
+def reference_loss(folder, batches) -> float:
+    """transformers' loss: every document alone, labels of masked tokens ignored, summed over
+    the step's micro-batches and divided by the step's assistant-token count."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).double().eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        ids, cu, mask = batch["input_ids"], batch["cu_seqlens"].tolist(), batch["loss_mask"]
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            labels = ids[a:b].clone()
+            labels[~mask[a:b]] = -100
+            with torch.no_grad():
+                logits = model(ids[a:b][None]).logits[0]
+            total += float(F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100,
+                                           reduction="sum"))
+            count += int((labels[1:] != -100).sum())
+    return total / count
+
+
+def test_first_sft_step_equals_transformers_masked_loss(release):
+    tmp, folder = release
+    cfg = sft_config(tmp, folder, "run")
+    result = train(cfg)
+    ds = IndexedDataset(tmp / "sft")
+    samples = SFTPackedDataset(ds, SEQ_LEN, TokenizerFolder(folder).pad_fill_id)
+    batches = DataLoader(samples, 1, 2, 1, 0, cfg.data.seed).next_step()
+    counts = [int(b["loss_mask"].sum()) for b in batches]
+    assert counts[0] != counts[1]  # a per-micro-batch mean would differ from the step's mean
+    want = reference_loss(folder, batches)
+    assert abs(result.losses[0] - want) < 1e-4, (result.losses[0], want)
+    per_micro = sum(reference_loss(folder, [b]) for b in batches) / 2
+    assert abs(per_micro - want) > 1e-2  # the check above can fail for the common bug
+
+
+def test_data_of_another_tokenizer_is_refused_before_the_model(release, tmp_path):
+    tmp, folder = release
+    other = make_llama(tmp_path / "llama")
+    source = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}] * 50)
+    assert prepare_data.main(["--input", str(source), "--output-prefix", str(tmp_path / "txt"),
+                              "--tokenizer", str(other)]) == 0
+    base = [f"data.paths=[{tmp_path}/txt]", "data.seq_len=16"]
+    with pytest.raises(ValueError, match=r"map tokens to other ids.*prepare the data with the "
+                                         r"checkpoint's tokenizer"):
+        train(sft_config(tmp_path, folder, "a", *base))  # data.tokenizer = init_from's
+    with pytest.raises(ValueError, match=rf"data.tokenizer {other}.*model.init_from {folder}"):
+        train(sft_config(tmp_path, folder, "b", *base, f"data.tokenizer={other}"))
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    meta = json.loads((tmp_path / "txt.meta.json").read_text())
+    assert meta["tokenizer"]["folder"] == str(other)
+
+
+def test_fine_tuning_defaults_are_not_the_from_scratch_ones(release):
+    _, folder = release
+    scratch = load_config(None, ["training.max_steps=1000"])
+    assert (scratch.optimizer.lr, scratch.schedule.warmup_steps) == (3e-3, 20)
+    tuned = load_config(None, [f"model.init_from={folder}", "training.max_steps=1000"])
+    assert (tuned.optimizer.lr, tuned.schedule.warmup_steps) == (1e-5, 30)
+    tiny_yaml = REPO / "launch" / "configs" / "tiny.yaml"
+    assert load_config(tiny_yaml, [f"model.init_from={folder}"]).optimizer.lr == 1e-5
+    assert load_config(tiny_yaml).optimizer.lr == 3e-3
+
+
+def test_shipped_tiny_sft_config_trains_on_cpu(release):
+    tmp, folder = release
+    cfg = load_config(REPO / "launch" / "configs" / "sft_qwen3_tiny.yaml", [
+        f"model.init_from={folder}", f"data.paths=[{tmp}/sft]", f"data.tokenizer={folder}",
+        "data.micro_batch=1", "training.max_steps=2", "training.device=cpu",
+        f"logging.run_dir={tmp}/shipped",
+        "checkpoint.every=0"])
+    result = train(cfg)
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
