@@ -1,0 +1,85 @@
+"""Chat SFT from a release is the same function at every layout: tp=2, cp=2 (ring and
+Ulysses), dp=2 (FSDP2) against one process, 4 steps from a tiny Qwen3 checkpoint with a ChatML
+tokenizer (made here), 2 micro-batches per step of unequal assistant-token counts, with an
+assistant span crossing the cp split of the first micro-batch. A mask shifted after the split
+or a loss averaged per micro-batch or per rank would change the losses."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from harness import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the release helpers
+
+from test_sft_train import ROWS, make_release  # noqa: E402
+
+from mpcore.config import load_config  # noqa: E402
+from mpcore.data.hf_folder import TokenizerFolder  # noqa: E402
+from mpcore.data.indexed import IndexedDataset  # noqa: E402
+from mpcore.data.loader import DataLoader  # noqa: E402
+from mpcore.data.sft_packing import SFTPackedDataset  # noqa: E402
+from mpcore.launch import prepare_data  # noqa: E402
+from mpcore.train import train  # noqa: E402
+
+pytestmark = pytest.mark.slow  # five training runs of 4 steps, 2 ranks
+
+STEPS, SEQ_LEN = 4, 160
+# A long assistant answer, so that one crosses the middle of a sample (the cp=2 split).
+LONG = {"prompt": "Describe the fox.",
+        "completion": " ".join(["The quick brown fox jumps over the lazy dog."] * 8)}
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "cp2_ring": ["parallel.cp=2", "parallel.cp_mode=ring"],
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses",
+                    "parallel.cp_layout=contiguous"],
+    "dp2_fsdp": ["parallel.data_parallel=fsdp", "data.grad_accum=1"],
+}
+
+
+def sft(tmp: str, run: str, *overrides: str):
+    return load_config(None, [
+        f"model.init_from={tmp}/release", f"data.paths=[{tmp}/sft]", f"data.seq_len={SEQ_LEN}",
+        "data.micro_batch=1", "data.grad_accum=2", f"training.max_steps={STEPS}",
+        "training.device=cpu", f"logging.run_dir={tmp}/{run}", "checkpoint.every=0",
+        "optimizer.lr=1e-3", "schedule.warmup_steps=1", *overrides])
+
+
+def _layouts(rank, world, tmp):
+    return {name: train(sft(tmp, name, *overrides)).losses for name, overrides in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft_layouts")
+    make_release(tmp / "release")
+    source = tmp / "chat.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [LONG, *ROWS, LONG, *ROWS]))
+    assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
+                              str(tmp / "sft"), "--tokenizer", str(tmp / "release")]) == 0
+    reference = train(sft(str(tmp), "ref")).losses
+    return tmp, reference, run_distributed(_layouts, 2, str(tmp), timeout=500)
+
+
+def test_an_assistant_span_crosses_the_cp_split(runs):
+    tmp, _, _ = runs
+    ds = IndexedDataset(tmp / "sft")
+    samples = SFTPackedDataset(ds, SEQ_LEN, TokenizerFolder(tmp / "release").pad_fill_id)
+    first = DataLoader(samples, 1, 2, 1, 0, sft(str(tmp), "x").data.seed).next_step()
+    mask = first[0]["loss_mask"]
+    half = SEQ_LEN // 2  # the contiguous cp=2 split of one sample (Ulysses here)
+    assert bool(mask[half - 1]) and bool(mask[half])
+    assert int(first[0]["loss_mask"].sum()) != int(first[1]["loss_mask"].sum())
+
+
+def test_every_sft_layout_matches_one_process(runs):
+    _, reference, by_rank = runs
+    assert len(reference) == STEPS and reference[-1] < reference[0], reference
+    for name in LAYOUTS:
+        assert by_rank[0][name] == by_rank[1][name], name
+        for step, (got, want) in enumerate(zip(by_rank[0][name], reference, strict=True)):
+            assert math.isclose(got, want, rel_tol=1e-5), (name, step + 1, got, want)
