@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true",
                         help="inputs are conversations (messages, or prompt + completion)")
     parser.add_argument("--seq-len", type=int, help="--chat: refuse longer conversations here")
+    parser.add_argument("--chat-split-rewritten", action="store_true",
+                        help="--chat: a conversation whose template rewrites earlier turns "
+                             "(Qwen3 <think>) becomes one document per assistant turn")
     parser.add_argument("--show", type=Path, metavar="PREFIX", help="print prepared documents")
     parser.add_argument("--limit", type=int, default=5, help="--show: how many documents")
     parser.add_argument("--text", action="store_true", help="--show: decoded, spans marked")
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tok = HFTokenizer(args.tokenizer)
         if args.chat:
-            num_docs = prepare_chat(tok, args.input, args.output_prefix, args.seq_len)
+            num_docs = prepare_chat(tok, args.input, args.output_prefix, args.seq_len,
+                                    split_rewritten=args.chat_split_rewritten)
         elif isinstance(tok, HFTokenizer):
             num_docs = prepare_text(tok, args.input, args.output_prefix, args.text_key)
         else:

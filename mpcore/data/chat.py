@@ -18,9 +18,13 @@ special token in it: the turn's content and its end-of-turn token (``<|im_end|>`
 ``<|eot_id|>``), not the role header, not the newline a template writes after the end token,
 not any system, user or tool token. Refused, by line:
 - a template that rewrites earlier turns once later ones follow (Qwen3 drops the ``<think>``
-  blocks of earlier assistant turns): the prefix renderings are then not prefixes of the
-  whole, so a turn's trained text is not the text the model sees; keep such conversations to
-  one assistant turn per line (a line per prefix) or remove the reasoning of earlier turns;
+  blocks of earlier assistant turns, and renders the last turn with a ``<think>`` block that
+  earlier ones lose): the prefix renderings are then not prefixes of the whole, so a turn's
+  trained text is not the text the model sees. With ``split_rewritten`` (``prepare_data.py
+  --chat-split-rewritten``) such a conversation becomes one document per assistant turn
+  ``i``: ``messages[:i + 1]`` rendered whole, only turn ``i`` trained (earlier turns are
+  context, as the template shows them when turn ``i`` is generated); conversations the
+  template does not rewrite stay one document;
 - a turn without a special token at its end (nothing marks where the turn stops);
 - a token that straddles a turn's edge (the template glued the header to the content).
 """
@@ -37,6 +41,10 @@ from mpcore.data.jsonl import json_lines
 from mpcore.progress import ProgressBar
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+class RewrittenTurn(ValueError):
+    """The template renders an earlier turn differently once later turns follow."""
 
 
 def _message(m, where: str, k: int) -> dict:
@@ -92,12 +100,12 @@ class ChatRenderer:
     """Renders and masks conversations with ``tok``'s chat template (module docstring).
     ``ValueError`` when the folder has no chat template."""
 
-    def __init__(self, tok: HFTokenizer):
+    def __init__(self, tok: HFTokenizer, split_rewritten: bool = False):
         if not tok.info.chat_template:
             raise ValueError(f"{tok.folder} has no chat template (tokenizer_config.json "
                              f"chat_template or chat_template.jinja); use the instruct "
                              f"release's tokenizer folder, or prepare plain text instead")
-        self.tok, self.hf = tok, tok.hf
+        self.tok, self.hf, self.split_rewritten = tok, tok.hf, split_rewritten
         added = tok.backend.get_added_tokens_decoder()
         self.special = {i for i, t in added.items() if t.special}
 
@@ -119,17 +127,44 @@ class ChatRenderer:
             head = self._render(messages[:i], where, prompt=True) if i else ""
             upto = self._render(messages[: i + 1], where)
             if not (text.startswith(upto) and upto.startswith(head)):
-                raise ValueError(
+                raise RewrittenTurn(
                     f"{where}: the chat template of {self.tok.folder} renders assistant turn "
                     f"{i} differently once later turns follow (Qwen3 drops earlier <think> "
-                    f"blocks), so its trained tokens cannot be marked; put one assistant turn "
-                    f"per line (a line per conversation prefix) or drop the earlier reasoning")
+                    f"blocks), so its trained tokens cannot be marked; pass "
+                    f"--chat-split-rewritten (one document per assistant turn), put one "
+                    f"assistant turn per line, or drop the earlier reasoning")
             spans.append((len(head), len(upto)))
         return text, spans
 
-    def encode(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
-        """``(ids int64 [n], mask uint8 [n])`` of one conversation (module docstring)."""
-        text, spans = self.spans(messages, where)
+    def documents(self, messages: list[dict], where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The ``(ids, mask)`` documents of one conversation: one, or with ``split_rewritten``
+        one per assistant turn when the template rewrites earlier turns (module docstring)."""
+        try:
+            return [self.encode(messages, where)]
+        except RewrittenTurn:
+            if not self.split_rewritten:
+                raise
+        out = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                ids, mask = self.encode(messages[: i + 1], where, last_only=True)
+                out.append((ids, mask))
+        return out
+
+    def encode(self, messages: list[dict], where: str, last_only: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [n], mask uint8 [n])`` of one conversation (module docstring);
+        ``last_only``: only the last assistant turn is trained (its span alone is checked)."""
+        if last_only:
+            text = self._render(messages, where)
+            head = self._render(messages[:-1], where, prompt=True) if len(messages) > 1 else ""
+            if not text.startswith(head):
+                raise ValueError(f"{where}: the chat template of {self.tok.folder} does not "
+                                 f"render the last assistant turn after its generation prompt; "
+                                 f"this template cannot be masked")
+            spans = [(len(head), len(text))]
+        else:
+            text, spans = self.spans(messages, where)
         enc = self.tok.backend.encode(text, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)
         starts = np.asarray([s for s, _ in enc.offsets], dtype=np.int64)
@@ -160,12 +195,12 @@ def chat_meta(tok: HFTokenizer, paths: list[Path]) -> dict:
 
 
 def prepare_chat(tok: HFTokenizer, paths: list[Path], prefix: Path, seq_len: int | None = None,
-                 progress: bool = True) -> int:
+                 progress: bool = True, split_rewritten: bool = False) -> int:
     """Every line of the JSONL ``paths`` as one masked document in ``<prefix>.bin/.idx/.mask/
     .meta.json`` (``doc_sources``: ``[file index, line]`` per document); returns the number
     of documents. ``seq_len``: refuse a conversation longer than it here, by line. Any bad
     line stops with ``path:line`` and leaves nothing at ``prefix``."""
-    renderer = ChatRenderer(tok)
+    renderer = ChatRenderer(tok, split_rewritten)
     meta = chat_meta(tok, paths)
     size = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
     bar = ProgressBar(f"rendering chats -> {prefix}", size, "MB") if progress else None
@@ -178,12 +213,13 @@ def prepare_chat(tok: HFTokenizer, paths: list[Path], prefix: Path, seq_len: int
                 if line.problem:
                     raise ValueError(f"{line.where}: {line.problem}")
                 messages = messages_of(line.value, line.where)
-                ids, mask = renderer.encode(messages, line.where)
-                if seq_len is not None and len(ids) > seq_len:
-                    raise ValueError(f"{line.where}: the conversation has {len(ids)} tokens, "
-                                     f"more than --seq-len {seq_len}; shorten or drop it")
-                writer.add(ids, mask)
-                meta["doc_sources"].append([file_index, line.number])
+                for ids, mask in renderer.documents(messages, line.where):
+                    if seq_len is not None and len(ids) > seq_len:
+                        raise ValueError(f"{line.where}: the conversation has {len(ids)} "
+                                         f"tokens, more than --seq-len {seq_len}; shorten or "
+                                         f"drop it")
+                    writer.add(ids, mask)
+                    meta["doc_sources"].append([file_index, line.number])
                 # About the line's bytes (the bar is over the files' sizes).
                 done += sum(len(m.get("content") or "") + 32 for m in messages)
                 if bar is not None:

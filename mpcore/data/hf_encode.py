@@ -50,7 +50,12 @@ class HFTokenizer:
             raise ValueError(f"transformers cannot load the tokenizer in {self.folder} ({e}); "
                              f"restore the release's tokenizer files there") from None
         self.backend = self.hf.backend_tokenizer
-        self.vocab_size = max(self.info.vocab_size, len(self.hf))
+        if len(self.hf) > self.info.vocab_size:
+            raise ValueError(f"transformers loads {len(self.hf)} tokens from {self.folder} but "
+                             f"its tokenizer.json holds {self.info.vocab_size} ids (tokens added "
+                             f"by tokenizer_config.json only); add them to tokenizer.json "
+                             f"(tokenizer.save_pretrained does) so training sees the same ids")
+        self.vocab_size = self.info.vocab_size
         self.bos_id, self.eos_id, self.pad_id = self.info.bos_id, self.info.eos_id, self.info.pad_id
         self.separator_id = self.info.separator_id
 

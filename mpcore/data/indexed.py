@@ -223,7 +223,7 @@ class IndexedDataset:
                 raise ValueError(
                     f"dataset file {path} does not exist; create it with: python "
                     f"launch/prepare_data.py --input CORPUS.jsonl --output-prefix {self.prefix} "
-                    "--tokenizer TOKENIZER.model"
+                    "--tokenizer CKPT_FOLDER (or TOKENIZER.model)"
                 )
         self._read_header()
         self.offsets = np.memmap(
@@ -331,5 +331,5 @@ class IndexedDataset:
                 f"{self.bin_path} holds token id {max_id}, but the model's vocab_size is "
                 f"{model_vocab_size} (ids must be < vocab_size); set model.vocab_size >= "
                 f"{max_id + 1} or re-tokenize the corpus with the model's tokenizer "
-                "(launch/prepare_data.py --tokenizer MODEL.model)"
+                "(launch/prepare_data.py --tokenizer CKPT_FOLDER, or MODEL.model)"
             )

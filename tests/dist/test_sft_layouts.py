@@ -1,5 +1,5 @@
 """Chat SFT from a release is the same function at every layout: tp=2, cp=2 (ring and
-Ulysses), dp=2 (FSDP2) against one process, 4 steps from a tiny Qwen3 checkpoint with a ChatML
+Ulysses), dp=2 (FSDP2), tp=2 x cp=2 (ring) and cp=4 (Ulysses, zigzag) against one process, 4 steps from a tiny Qwen3 checkpoint with a ChatML
 tokenizer (made here), 2 micro-batches per step of unequal assistant-token counts, with an
 assistant span crossing the cp split of the first micro-batch. A mask shifted after the split
 or a loss averaged per micro-batch or per rank would change the losses."""
@@ -26,7 +26,7 @@ from mpcore.data.sft_packing import SFTPackedDataset  # noqa: E402
 from mpcore.launch import prepare_data  # noqa: E402
 from mpcore.train import train  # noqa: E402
 
-pytestmark = pytest.mark.slow  # five training runs of 4 steps, 2 ranks
+pytestmark = pytest.mark.slow  # seven training runs of 4 steps on 2 and 4 ranks
 
 STEPS, SEQ_LEN = 4, 160
 # A long assistant answer, so that one crosses the middle of a sample (the cp=2 split).
@@ -39,6 +39,10 @@ LAYOUTS = {
                     "parallel.cp_layout=contiguous"],
     "dp2_fsdp": ["parallel.data_parallel=fsdp", "data.grad_accum=1"],
 }
+LAYOUTS_4 = {
+    "tp2_cp2_ring": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ring"],
+    "cp4_ulysses": ["parallel.cp=4", "parallel.cp_mode=ulysses"],
+}
 
 
 def sft(tmp: str, run: str, *overrides: str):
@@ -50,7 +54,8 @@ def sft(tmp: str, run: str, *overrides: str):
 
 
 def _layouts(rank, world, tmp):
-    return {name: train(sft(tmp, name, *overrides)).losses for name, overrides in LAYOUTS.items()}
+    layouts = LAYOUTS if world == 2 else LAYOUTS_4
+    return {name: train(sft(tmp, name, *overrides)).losses for name, overrides in layouts.items()}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,9 @@ def runs(tmp_path_factory):
     assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
                               str(tmp / "sft"), "--tokenizer", str(tmp / "release")]) == 0
     reference = train(sft(str(tmp), "ref")).losses
-    return tmp, reference, run_distributed(_layouts, 2, str(tmp), timeout=500)
+    by_rank = run_distributed(_layouts, 2, str(tmp), timeout=500)
+    four = run_distributed(_layouts, 4, str(tmp), timeout=500)
+    return tmp, reference, [{**a, **b} for a, b in zip(by_rank, four, strict=False)]
 
 
 def test_an_assistant_span_crosses_the_cp_split(runs):
@@ -79,7 +86,7 @@ def test_an_assistant_span_crosses_the_cp_split(runs):
 def test_every_sft_layout_matches_one_process(runs):
     _, reference, by_rank = runs
     assert len(reference) == STEPS and reference[-1] < reference[0], reference
-    for name in LAYOUTS:
+    for name in [*LAYOUTS, *LAYOUTS_4]:
         assert by_rank[0][name] == by_rank[1][name], name
         for step, (got, want) in enumerate(zip(by_rank[0][name], reference, strict=True)):
             assert math.isclose(got, want, rel_tol=1e-5), (name, step + 1, got, want)

@@ -236,3 +236,24 @@ def test_renderer_agrees_with_transformers_on_generation_prompt(tmp_path):
     assert [text[a:b] for a, b in spans] == [
         m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
     assert np.all(np.diff([a for a, _ in spans]) > 0)
+
+
+def test_split_rewritten_gives_one_document_per_assistant_turn(tmp_path):
+    folder = make_chatml(tmp_path / "release", template=DROPS_THINK)
+    hf = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+                {"role": "user", "content": "and 3+3?"},
+                {"role": "assistant", "content": "<think>\nadd\n</think>\n\n6"}]
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])
+    assert prepare_data.main(["--chat", "--chat-split-rewritten", "--input", str(source),
+                              "--output-prefix", str(tmp_path / "out"), "--tokenizer",
+                              str(folder)]) == 0
+    ds = IndexedDataset(tmp_path / "out")
+    assert len(ds) == 2 and ds.meta["doc_sources"] == [[0, 1], [0, 1]]
+    for d, upto in enumerate((2, 4)):
+        ids = ds[d].tolist()
+        assert ids == hf.apply_chat_template(messages[:upto], tokenize=True)["input_ids"]
+        trained = hf.decode([i for i, m in zip(ids, ds.mask(d), strict=True) if m])
+        assert trained == messages[upto - 1]["content"] + "<|im_end|>"
+    assert "<think>" not in hf.decode(ds[1].tolist()).split("and 3+3?")[0]  # as generated
