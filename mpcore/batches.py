@@ -144,7 +144,14 @@ def check_dataset(ds: IndexedDataset, tok, tokenizer_path: Path, release: str | 
                          f"data.tokenizer to the one that wrote it, or re-tokenize with "
                          f"launch/prepare_data.py --tokenizer {tokenizer_path}")
     recorded = (ds.meta or {}).get("tokenizer")
-    if recorded is None:
+    if recorded is None:  # SentencePiece data: no fingerprint, but the vocabulary must fit
+        theirs = TokenizerFolder(release).vocab_size if release is not None else None
+        if theirs is not None and theirs != ds.vocab_size:
+            raise ValueError(f"{ds.idx_path} was written by a tokenizer of {ds.vocab_size} "
+                             f"ids but model.init_from {release} has a tokenizer of {theirs}: "
+                             f"the checkpoint would read the data's ids as other tokens; "
+                             f"prepare the data with the checkpoint's tokenizer: python "
+                             f"launch/prepare_data.py --tokenizer {release} ...")
         return
     if release is not None:
         check_same_tokenizer(recorded, TokenizerFolder(release).fingerprint,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from release_tokenizers import make_chatml, make_llama
+from release_tokenizers import CORPUS, make_chatml, make_llama
 from test_release_data import CHAT, write_jsonl
 
 from mpcore.config import load_config
@@ -134,3 +134,15 @@ def test_shipped_tiny_sft_config_trains_on_cpu(release):
         "checkpoint.every=0"])
     result = train(cfg)
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+
+
+def test_sentencepiece_data_of_another_vocabulary_is_refused(release, tmp_path):
+    _, folder = release
+    source = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in CORPUS])
+    assert prepare_data.main(["--input", str(source), "--output-prefix", str(tmp_path / "sp"),
+                              "--train-tokenizer", str(tmp_path / "t.model"),
+                              "--vocab-size", "340"]) == 0
+    with pytest.raises(ValueError, match=r"sp\.idx was written by a tokenizer of 340 ids but "
+                                         r"model\.init_from .* has a tokenizer of 400"):
+        train(sft_config(tmp_path, folder, "sp", f"data.paths=[{tmp_path}/sp]",
+                         f"data.tokenizer={tmp_path}/t.model", "data.seq_len=16"))
