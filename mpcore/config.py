@@ -315,10 +315,8 @@ class OptimizerSection:
     """AdamW (decoupled weight decay on matrices, none on norms and biases)."""
 
     lr: float | None = None
-    """Peak learning rate (after warmup). Default (null): 3e-3 for a model trained from
-    scratch (the tiny default), 1e-5 with model.init_from (fine-tuning a release: a
-    from-scratch rate would wreck its weights in a few steps); the run's config.yaml records
-    the value used."""
+    """Peak learning rate (after warmup). Default (null): 3e-3 from scratch, 1e-5 with
+    model.init_from (a from-scratch rate wrecks a release's weights in a few steps)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam beta1, beta2."""
     eps: float = 1e-8
@@ -488,8 +486,7 @@ class Config:
                              f"for; lower data.seq_len to <= {most} or raise "
                              f"model.max_position_embeddings")
         d, init_from = self.data, self.model.init_from
-        # Defaults that depend on whether a release is fine-tuned (their docstrings say why).
-        if self.optimizer.lr is None:
+        if self.optimizer.lr is None:  # defaults that depend on init_from (docstrings: why)
             lr = FINE_TUNE_LR if init_from else SCRATCH_LR
             object.__setattr__(self, "optimizer", dataclasses.replace(self.optimizer, lr=lr))
         if self.schedule.warmup_steps is None:
