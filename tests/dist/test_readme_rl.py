@@ -15,7 +15,7 @@ from harness import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the release helpers
 
-from test_sft_train import make_release  # noqa: E402
+from release_tokenizers import make_release  # noqa: E402
 
 from mpcore.parallel.loss import sum_over_group  # noqa: E402
 

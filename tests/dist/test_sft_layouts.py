@@ -16,7 +16,7 @@ from harness import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the release helpers
 
-from test_sft_train import ROWS, make_release  # noqa: E402
+from release_tokenizers import ROWS, make_release  # noqa: E402
 
 from mpcore.config import load_config  # noqa: E402
 from mpcore.data.hf_folder import TokenizerFolder  # noqa: E402

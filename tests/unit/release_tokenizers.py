@@ -7,6 +7,9 @@ ChatML chat template with system, user, assistant and tool turns (Qwen2.5's layo
 with ``<s>`` (bos, added in front by the post-processor) and ``</s>`` (eos), and a Llama-2
 style ``[INST]`` template. Both write ``tokenizer.json`` and ``tokenizer_config.json`` as a
 release does; the vocabularies are trained on a few hundred lines, deterministically.
+``make_release(folder)``: the ChatML folder that is also a tiny Qwen3 checkpoint (random
+weights, transformers). ``CHAT`` / ``ROWS``: chat lines (system, user, assistant, tool;
+multi-turn; prompt + completion); ``write_jsonl(path, rows)``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
@@ -114,4 +118,41 @@ def make_llama(folder: str | Path, vocab_size: int = 400) -> Path:
         "added_tokens_decoder": {str(i): _added(s, i) for s, i in ids.items()},
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+CHAT = [
+    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is the weather in Paris?"},
+                  {"role": "assistant", "content": "Let me check the weather."},
+                  {"role": "tool", "content": "{\"temperature\": 21.5}"},
+                  {"role": "assistant", "content": "It is 21.5 C in Paris today."},
+                  {"role": "user", "content": "Thanks!"},
+                  {"role": "assistant", "content": "You are welcome."}]},
+    {"prompt": "def add(a, b):", "completion": "    return a + b"},
+    {"messages": [{"role": "user", "content": "caf\u00e9 na\u00efve \u4f60\u597d"},
+                  {"role": "assistant", "content": "\u4e16\u754c 12345"}]},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [CHAT[1], CHAT[2], CHAT[0], CHAT[1], CHAT[2], CHAT[2], CHAT[1], CHAT[0]]
+
+
+def make_release(folder, vocab_size: int = 400):
+    """A ChatML tokenizer folder that is also a tiny Qwen3 checkpoint."""
+    import transformers  # here: the gloo ranks import this module and need not load it
+
+    make_chatml(folder, vocab_size)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, max_position_embeddings=256, initializer_range=0.3)
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder)
     return folder

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from release_tokenizers import make_chatml, make_llama
+from release_tokenizers import CHAT, make_chatml, make_llama, write_jsonl
 from transformers import AutoTokenizer
 
 from mpcore.data.chat import ChatRenderer
@@ -23,29 +23,11 @@ from mpcore.data.sft_packing import SFTPackedDataset
 from mpcore.launch import prepare_data
 from mpcore.parallel.labels import IGNORE_INDEX, LabelShifter
 
-CHAT = [
-    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                  {"role": "user", "content": "What is the weather in Paris?"},
-                  {"role": "assistant", "content": "Let me check the weather."},
-                  {"role": "tool", "content": "{\"temperature\": 21.5}"},
-                  {"role": "assistant", "content": "It is 21.5 C in Paris today."},
-                  {"role": "user", "content": "Thanks!"},
-                  {"role": "assistant", "content": "You are welcome."}]},
-    {"prompt": "def add(a, b):", "completion": "    return a + b"},
-    {"messages": [{"role": "user", "content": "caf\u00e9 na\u00efve \u4f60\u597d"},
-                  {"role": "assistant", "content": "\u4e16\u754c 12345"}]},
-]
-
 
 @pytest.fixture(scope="module", params=["chatml", "llama"])
 def folder(request, tmp_path_factory):
     make = make_chatml if request.param == "chatml" else make_llama
     return make(tmp_path_factory.mktemp(request.param) / "release")
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def random_texts(n: int, seed: int) -> list[str]:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_release_data import CHAT, write_jsonl
-from test_sft_train import ROWS, make_release
+from release_tokenizers import CHAT, ROWS, make_release, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mpcore.config import load_config

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from release_tokenizers import CORPUS, make_chatml, make_llama
-from test_release_data import CHAT, write_jsonl
+from release_tokenizers import CORPUS, ROWS, make_llama, make_release, write_jsonl
 
 from mpcore.config import load_config
 from mpcore.data.hf_folder import TokenizerFolder
@@ -26,24 +25,6 @@ from mpcore.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 192
-ROWS = [CHAT[1], CHAT[2], CHAT[0], CHAT[1], CHAT[2], CHAT[2], CHAT[1], CHAT[0]]
-
-
-def make_release(folder, vocab_size: int = 400):
-    """A ChatML tokenizer folder that is also a tiny Qwen3 checkpoint."""
-    import transformers
-
-    make_chatml(folder, vocab_size)
-    config = transformers.Qwen3Config(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, max_position_embeddings=256, initializer_range=0.3)
-    torch.manual_seed(3)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft")
