@@ -11,6 +11,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from release_tokenizers import CHAT, make_chatml, make_llama, write_jsonl
 from transformers import AutoTokenizer
 
@@ -239,3 +241,22 @@ def test_split_rewritten_gives_one_document_per_assistant_turn(tmp_path):
         trained = hf.decode([i for i, m in zip(ids, ds.mask(d), strict=True) if m])
         assert trained == messages[upto - 1]["content"] + "<|im_end|>"
     assert "<think>" not in hf.decode(ds[1].tolist()).split("and 3+3?")[0]  # as generated
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=60))
+def test_any_text_encodes_as_autotokenizer(folder, text):
+    tok, hf = hf_pair(folder)
+    assert tok.encode(text) == hf(text)["input_ids"]
+    assert tok.encode_batch([text, text + " x"]) == [hf(text)["input_ids"],
+                                                     hf(text + " x")["input_ids"]]
+
+
+_LOADED: dict = {}
+
+
+def hf_pair(folder):
+    """``(HFTokenizer, AutoTokenizer)`` of ``folder``, loaded once per folder."""
+    if folder not in _LOADED:
+        _LOADED[folder] = (HFTokenizer(folder), AutoTokenizer.from_pretrained(folder))
+    return _LOADED[folder]
