@@ -5,7 +5,8 @@ Input, one JSON object per line (``path:line`` in every error):
     {"prompt": "...", "completion": "..."}      = one user turn, one assistant turn
     {"prompt": [messages], "completion": [messages]}   (both parts as message lists)
 An assistant message may carry ``tool_calls`` (then its content may be empty); any other key
-of a message is passed to the template as it is. Every line needs an assistant turn.
+of a message is passed to the template as it is, and a line's ``"tools"`` (a list of function
+schemas) goes to the template as ``apply_chat_template(..., tools=...)``. Every line needs an assistant turn.
 
 Ids: ``apply_chat_template(messages)`` of transformers' ``AutoTokenizer`` on the folder (the
 template's own text, then its tokens without added specials), i.e. exactly
@@ -109,23 +110,25 @@ class ChatRenderer:
         added = tok.backend.get_added_tokens_decoder()
         self.special = {i for i, t in added.items() if t.special}
 
-    def _render(self, messages: list[dict], where: str, prompt: bool = False) -> str:
+    def _render(self, messages: list[dict], where: str, prompt: bool = False,
+                tools: list | None = None) -> str:
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False,
+            return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
                                                add_generation_prompt=prompt)
         except Exception as e:  # jinja2 errors, raise_exception() of the template itself
             raise ValueError(f"{where}: the chat template of {self.tok.folder} refuses this "
                              f"conversation ({type(e).__name__}: {e})") from None
 
-    def spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    def spans(self, messages: list[dict], where: str, tools: list | None = None
+              ) -> tuple[str, list[tuple[int, int]]]:
         """``(text, [(start, end) character span of each assistant turn])``."""
-        text = self._render(messages, where)
+        text = self._render(messages, where, tools=tools)
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            head = self._render(messages[:i], where, prompt=True) if i else ""
-            upto = self._render(messages[: i + 1], where)
+            head = self._render(messages[:i], where, True, tools) if i else ""
+            upto = self._render(messages[: i + 1], where, tools=tools)
             if not (text.startswith(upto) and upto.startswith(head)):
                 raise RewrittenTurn(
                     f"{where}: the chat template of {self.tok.folder} renders assistant turn "
@@ -136,35 +139,36 @@ class ChatRenderer:
             spans.append((len(head), len(upto)))
         return text, spans
 
-    def documents(self, messages: list[dict], where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    def documents(self, messages: list[dict], where: str, tools: list | None = None
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
         """The ``(ids, mask)`` documents of one conversation: one, or with ``split_rewritten``
         one per assistant turn when the template rewrites earlier turns (module docstring)."""
         try:
-            return [self.encode(messages, where)]
+            return [self.encode(messages, where, tools=tools)]
         except RewrittenTurn:
             if not self.split_rewritten:
                 raise
         out = []
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                ids, mask = self.encode(messages[: i + 1], where, last_only=True)
+                ids, mask = self.encode(messages[: i + 1], where, True, tools)
                 out.append((ids, mask))
         return out
 
-    def encode(self, messages: list[dict], where: str, last_only: bool = False
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, messages: list[dict], where: str, last_only: bool = False,
+               tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(ids int64 [n], mask uint8 [n])`` of one conversation (module docstring);
         ``last_only``: only the last assistant turn is trained (its span alone is checked)."""
         if last_only:
-            text = self._render(messages, where)
-            head = self._render(messages[:-1], where, prompt=True) if len(messages) > 1 else ""
+            text = self._render(messages, where, tools=tools)
+            head = self._render(messages[:-1], where, True, tools) if len(messages) > 1 else ""
             if not text.startswith(head):
                 raise ValueError(f"{where}: the chat template of {self.tok.folder} does not "
                                  f"render the last assistant turn after its generation prompt; "
                                  f"this template cannot be masked")
             spans = [(len(head), len(text))]
         else:
-            text, spans = self.spans(messages, where)
+            text, spans = self.spans(messages, where, tools)
         enc = self.tok.backend.encode(text, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)
         starts = np.asarray([s for s, _ in enc.offsets], dtype=np.int64)
@@ -185,6 +189,14 @@ class ChatRenderer:
             first = int(np.flatnonzero(inside)[0])
             mask[first : where_special[-1] + 1] = 1
         return ids, mask
+
+
+def tools_of(line) -> list | None:
+    """A line's ``tools`` (function schemas the template renders), or None."""
+    tools = line.value.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"{line.where}: tools must be a list of function schemas")
+    return tools
 
 
 def chat_meta(tok: HFTokenizer, paths: list[Path]) -> dict:
@@ -213,7 +225,7 @@ def prepare_chat(tok: HFTokenizer, paths: list[Path], prefix: Path, seq_len: int
                 if line.problem:
                     raise ValueError(f"{line.where}: {line.problem}")
                 messages = messages_of(line.value, line.where)
-                for ids, mask in renderer.documents(messages, line.where):
+                for ids, mask in renderer.documents(messages, line.where, tools_of(line)):
                     if seq_len is not None and len(ids) > seq_len:
                         raise ValueError(f"{line.where}: the conversation has {len(ids)} "
                                          f"tokens, more than --seq-len {seq_len}; shorten or "

@@ -30,6 +30,8 @@ CORPUS = [
 ] * 40
 
 CHATML_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' + (tools | tojson) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}"
     "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"

@@ -260,3 +260,28 @@ def hf_pair(folder):
     if folder not in _LOADED:
         _LOADED[folder] = (HFTokenizer(folder), AutoTokenizer.from_pretrained(folder))
     return _LOADED[folder]
+
+
+def test_tools_and_tool_calls_render_as_apply_chat_template(tmp_path):
+    folder = make_chatml(tmp_path / "release")
+    hf = AutoTokenizer.from_pretrained(folder)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Checking.",
+                 "tool_calls": [{"type": "function", "function": {
+                     "name": "weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": "21 C"},
+                {"role": "assistant", "content": "It is 21 C."}]
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": messages, "tools": tools}])
+    assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
+                              str(tmp_path / "out"), "--tokenizer", str(folder)]) == 0
+    ds = IndexedDataset(tmp_path / "out")
+    want = hf.apply_chat_template(messages, tools=tools, tokenize=True)["input_ids"]
+    assert ds[0].tolist() == want and "# Tools" in hf.decode(want)
+    trained = hf.decode([i for i, m in zip(ds[0].tolist(), ds.mask(0), strict=True) if m])
+    assert trained == "Checking.<|im_end|>It is 21 C.<|im_end|>"
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"messages": messages, "tools": "weather"}])
+    assert prepare_data.main(["--chat", "--input", str(bad), "--output-prefix",
+                              str(tmp_path / "bad"), "--tokenizer", str(folder)]) == 2
+    assert not list(tmp_path.glob("bad*"))
