@@ -27,6 +27,8 @@ not any system, user or tool token. Refused, by line:
   context, as the template shows them when turn ``i`` is generated); conversations the
   template does not rewrite stay one document;
 - a turn without a special token at its end (nothing marks where the turn stops);
+- a conversation opening with an assistant turn (transformers renders no empty conversation,
+  so what precedes the turn, e.g. a default system prompt, cannot be found);
 - a token that straddles a turn's edge (the template glued the header to the content).
 """
 
@@ -119,6 +121,18 @@ class ChatRenderer:
             raise ValueError(f"{where}: the chat template of {self.tok.folder} refuses this "
                              f"conversation ({type(e).__name__}: {e})") from None
 
+    def _head(self, before: list[dict], where: str, tools: list | None) -> str:
+        """What precedes an assistant turn: ``before`` with the generation prompt (also when
+        empty: a template may open with a default system prompt)."""
+        try:
+            return self._render(before, where, True, tools)
+        except ValueError:
+            if before:
+                raise
+            raise ValueError(f"{where}: the conversation opens with an assistant turn, which "
+                             f"the chat template of {self.tok.folder} cannot render alone; "
+                             f"start it with a user (or system) turn") from None
+
     def spans(self, messages: list[dict], where: str, tools: list | None = None
               ) -> tuple[str, list[tuple[int, int]]]:
         """``(text, [(start, end) character span of each assistant turn])``."""
@@ -127,7 +141,7 @@ class ChatRenderer:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            head = self._render(messages[:i], where, True, tools) if i else ""
+            head = self._head(messages[:i], where, tools)
             upto = self._render(messages[: i + 1], where, tools=tools)
             if not (text.startswith(upto) and upto.startswith(head)):
                 raise RewrittenTurn(
@@ -161,7 +175,7 @@ class ChatRenderer:
         ``last_only``: only the last assistant turn is trained (its span alone is checked)."""
         if last_only:
             text = self._render(messages, where, tools=tools)
-            head = self._render(messages[:-1], where, True, tools) if len(messages) > 1 else ""
+            head = self._head(messages[:-1], where, tools)
             if not text.startswith(head):
                 raise ValueError(f"{where}: the chat template of {self.tok.folder} does not "
                                  f"render the last assistant turn after its generation prompt; "

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from release_tokenizers import CHAT, make_chatml, make_llama, write_jsonl
+from release_tokenizers import CHAT, CHATML_TEMPLATE, make_chatml, make_llama, write_jsonl
 from transformers import AutoTokenizer
 
 from mpcore.data.chat import ChatRenderer
@@ -285,3 +285,26 @@ def test_tools_and_tool_calls_render_as_apply_chat_template(tmp_path):
     assert prepare_data.main(["--chat", "--input", str(bad), "--output-prefix",
                               str(tmp_path / "bad"), "--tokenizer", str(folder)]) == 2
     assert not list(tmp_path.glob("bad*"))
+
+
+def test_a_default_system_prompt_is_never_trained(tmp_path, capsys):
+    """A template that adds a system prompt (Qwen2.5's): only the assistant turns train, not
+    the prompt the template wrote; a conversation opening with the assistant is refused
+    (transformers renders no empty conversation, so its head cannot be found)."""
+    default = ("{%- if not messages or messages[0].role != 'system' %}"
+               "{{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}{%- endif %}")
+    folder = make_chatml(tmp_path / "release", template=default + CHATML_TEMPLATE)
+    hf = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])
+    assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
+                              str(tmp_path / "out"), "--tokenizer", str(folder)]) == 0
+    ds = IndexedDataset(tmp_path / "out")
+    assert ds[0].tolist() == hf.apply_chat_template(messages, tokenize=True)["input_ids"]
+    assert "You are Qwen." in hf.decode(ds[0].tolist())
+    trained = hf.decode([i for i, m in zip(ds[0].tolist(), ds.mask(0), strict=True) if m])
+    assert trained == "Hi!<|im_end|>"
+    opening = write_jsonl(tmp_path / "o.jsonl", [{"messages": messages[1:] + messages}])
+    assert prepare_data.main(["--chat", "--input", str(opening), "--output-prefix",
+                              str(tmp_path / "o"), "--tokenizer", str(folder)]) == 2
+    assert "o.jsonl:1: the conversation opens with an assistant turn" in capsys.readouterr().err
