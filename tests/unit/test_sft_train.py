@@ -127,3 +127,12 @@ def test_sentencepiece_data_of_another_vocabulary_is_refused(release, tmp_path):
                                          r"model\.init_from .* has a tokenizer of 400"):
         train(sft_config(tmp_path, folder, "sp", f"data.paths=[{tmp_path}/sp]",
                          f"data.tokenizer={tmp_path}/t.model", "data.seq_len=16"))
+
+
+def test_the_data_is_checked_against_the_checkpoints_vocabulary(release):
+    """ids >= the model section's vocab_size (here 100) but below the release's (400) train:
+    the data check reads init_from's config.json, as the model does."""
+    tmp, folder = release
+    result = train(sft_config(tmp, folder, "vocab", "model.vocab_size=100",
+                              "data.grad_accum=1", "training.max_steps=1"))
+    assert len(result.losses) == 1 and math.isfinite(result.losses[0])
