@@ -1,5 +1,6 @@
 """Chat SFT from a release is the same function at every layout: tp=2, cp=2 (ring and
-Ulysses), dp=2 (FSDP2), tp=2 x cp=2 (ring) and cp=4 (Ulysses, zigzag) against one process, 4 steps from a tiny Qwen3 checkpoint with a ChatML
+Ulysses), dp=2 (FSDP2), tp=2 x cp=2 (ring, Ulysses), cp=4 (ring, Ulysses; zigzag) and
+cp=2 x dp=2 (ring, DDP) against one process, 4 steps from a tiny Qwen3 checkpoint with a ChatML
 tokenizer (made here), 2 micro-batches per step of unequal assistant-token counts, with an
 assistant span crossing the cp split of the first micro-batch. A mask shifted after the split
 or a loss averaged per micro-batch or per rank would change the losses."""
@@ -26,7 +27,7 @@ from mpcore.data.sft_packing import SFTPackedDataset  # noqa: E402
 from mpcore.launch import prepare_data  # noqa: E402
 from mpcore.train import train  # noqa: E402
 
-pytestmark = pytest.mark.slow  # seven training runs of 4 steps on 2 and 4 ranks
+pytestmark = pytest.mark.slow  # ten training runs of 4 steps on 2 and 4 ranks
 
 STEPS, SEQ_LEN = 4, 160
 # A long assistant answer, so that one crosses the middle of a sample (the cp=2 split).
@@ -42,6 +43,10 @@ LAYOUTS = {
 LAYOUTS_4 = {
     "tp2_cp2_ring": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ring"],
     "cp4_ulysses": ["parallel.cp=4", "parallel.cp_mode=ulysses"],
+    "tp2_cp2_ulysses": ["parallel.tp=2", "parallel.cp=2", "parallel.cp_mode=ulysses"],
+    "cp4_ring": ["parallel.cp=4", "parallel.cp_mode=ring"],
+    "cp2_dp2_ring_ddp": ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.data_parallel=ddp",
+                         "data.grad_accum=1"],
 }
 
 
