@@ -224,7 +224,9 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
     family = run_family(cfg)
     valid_loader = summary = token_ids = None
     if loader is None:
-        loader, valid_loader, summary, token_ids = data_loaders(cfg, state, family)
+        # The data is checked against the model's vocabulary: init_from's, not the section's.
+        loader, valid_loader, summary, token_ids = data_loaders(resolved_section(cfg), state,
+                                                                family)
     cfg, model_cfg = resolve_model_config(cfg, family, token_ids)
     check_tower(summary, family, model_cfg)  # before a large model is built, or any batch
     p = cfg.parallel

@@ -7,6 +7,12 @@ blend.py      weighted blend of several sample datasets
 loader.py     seeded shuffle, dp-rank split, micro-batches as one packed stream, resumable
 corpus.py     the default corpus shipped with the repo, prepared on first use
 
+Released tokenizers (a checkpoint's tokenizer.json folder) and chat SFT:
+hf_folder.py     read a tokenizer folder (special ids, fingerprint) with ``tokenizers`` only
+hf_encode.py     encode as transformers' AutoTokenizer; stream text into a dataset
+chat.py          render conversations with the chat template; the assistant-only mask
+sft_packing.py   whole conversations into seq_len samples with their loss masks
+
 Vision-language (image-text) data:
 vl_tokenizer.py  a SentencePiece model plus the four VL special ids after its vocab
 vl_manifest.py   the JSONL manifest schema, checked with file:line errors; image settings
