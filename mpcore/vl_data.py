@@ -9,9 +9,11 @@ with ``loss_mask`` (targets), the images' ``pixel_values`` / ``image_grid_thw`` 
 samples hold videos, ``pixel_values_videos`` / ``video_grid_thw`` (the family's input builder
 places them: ``mpcore.batches.local_inputs``).
 
-Token ids: the datasets' VL tokenizer (a SentencePiece model with the placeholder and vision
-start/end ids after its vocab) names them; the model takes them from it (or, from a checkpoint,
-must agree: ``mpcore.build``).
+Token ids: the datasets' VL tokenizer names them: a SentencePiece model with the placeholder and
+vision start/end ids after its vocab, or a released checkpoint's tokenizer with its own vision
+ids (``mpcore.data.vl_release``: VL conversations); the model takes them from it (or, from a
+checkpoint, must agree: ``mpcore.build``; released data must also be ``model.init_from``'s
+tokenizer by content: :func:`check_release`).
 
 Images: every VL dataset must have been prepared for the run's model family (its meta.json's
 ``image_settings.family``: that family's image processor, resize rule and patch size; the
@@ -41,7 +43,9 @@ from mpcore.data import (
     VLTokenizer,
     prepare_vl_default,
 )
+from mpcore.data.hf_folder import TokenizerFolder, fingerprint_problem, has_tokenizer
 from mpcore.data.vl_default import default_settings
+from mpcore.data.vl_release import ReleaseVLTokenizer
 from mpcore.models.common.family import Family
 from mpcore.parallel.state import ParallelState
 
@@ -63,10 +67,27 @@ def vl_sources(cfg: Config, family: Family) -> tuple[list[Path], list[Path], VLT
 
 
 def _check_tokenizer(tok: VLTokenizer, other: VLTokenizer, where: Path) -> None:
-    if tok.token_ids() != other.token_ids() or tok.vocab_size != other.vocab_size:
+    if (tok.token_ids() != other.token_ids() or tok.vocab_size != other.vocab_size
+            or getattr(tok, "fingerprint", None) != getattr(other, "fingerprint", None)):
         raise ValueError(f"{where} was prepared with another VL tokenizer ({other.token_ids()}, "
                          f"vocab {other.vocab_size}) than the first dataset ({tok.token_ids()}, "
                          f"vocab {tok.vocab_size}); prepare every dataset with one tokenizer")
+
+
+def check_release(tok, init_from: str | None, where: Path) -> None:
+    """Data prepared with a released tokenizer (``ReleaseVLTokenizer``) and a run from a
+    release with a tokenizer.json: the same tokenizer by content, or ``ValueError`` naming
+    both and the prepare command, before the model is built (the vision ids are compared
+    with the release's config by ``mpcore.build``)."""
+    if not isinstance(tok, ReleaseVLTokenizer) or not has_tokenizer(init_from):
+        return
+    problem = fingerprint_problem(tok.fingerprint, TokenizerFolder(init_from).fingerprint,
+                                  f"{where} (prepared with {tok.to_json()['folder']})",
+                                  f"model.init_from {init_from}")
+    if problem:
+        raise ValueError(f"{problem}; prepare the data with the checkpoint's tokenizer: python "
+                         f"launch/prepare_vl_data.py --tokenizer {init_from} --manifest M.jsonl "
+                         f"--out NEW_DIR")
 
 
 def check_family(ds: VLDataset, family: Family) -> None:
@@ -129,6 +150,7 @@ def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
     model vocabulary (from scratch) too small for the tokenizer's ids."""
     d = cfg.data
     folders, text, tok = vl_sources(cfg, family)
+    check_release(tok, cfg.model.init_from, folders[0])
     if not cfg.model.init_from and cfg.model.vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the VL "
                          f"tokenizer's {tok.vocab_size} ids (text vocab + 4 vision ids); raise "

@@ -154,15 +154,16 @@ def _image_processor(arch: str):
                                     size=size, **kwargs)
 
 
-def make_release(arch: str, folder, seed: int = 5) -> Path:
-    """A tiny release of ``arch`` (module docstring) in ``folder``; returns it."""
+def make_release(arch: str, folder, seed: int = 5, pieces: int = 400) -> Path:
+    """A tiny release of ``arch`` (module docstring) in ``folder``, its BPE trained to
+    ``pieces`` tokens before the added ones; returns it."""
     import transformers
 
     folder = Path(folder)
     if arch == "glm4v":
-        return _make_glm4v(folder, seed)
+        return _make_glm4v(folder, seed, pieces)
     template = QWEN2_VL_TEMPLATE if arch in ("qwen2_vl", "qwen2_5_vl") else QWEN3_VL_TEMPLATE
-    make_chatml(folder, template=template, corpus=CORPUS)
+    make_chatml(folder, pieces, template=template, corpus=CORPUS)
     ids = _add_tokens(folder, QWEN_TOKENS)
     tokens = dict(vision_start_token_id=ids["<|vision_start|>"],
                   vision_end_token_id=ids["<|vision_end|>"],
@@ -196,10 +197,10 @@ GLM_TEMPLATE = (
     "{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}")
 
 
-def _make_glm4v(folder: Path, seed: int) -> Path:
+def _make_glm4v(folder: Path, seed: int, pieces: int) -> Path:
     import transformers
 
-    make_chatml(folder, template=GLM_TEMPLATE, corpus=CORPUS)
+    make_chatml(folder, pieces, template=GLM_TEMPLATE, corpus=CORPUS)
     ids = _add_tokens(folder, GLM_TOKENS)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(eos_token="<|endoftext|>", pad_token="<|endoftext|>",

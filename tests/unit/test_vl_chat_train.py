@@ -1,0 +1,92 @@
+"""VL chat SFT from a released VL checkpoint (tiny releases made here, ``vl_releases``), for
+each VL family: the first training step's loss on prepared VL conversations equals transformers'
+model's masked loss on the same conversations (processor outputs) and weights: the sum of the
+next-token losses of every assistant token over the step, divided by their count. Data of
+another release's tokenizer is refused before the model is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_vl_chat import CONVERSATIONS, absolute, write_images, write_jsonl
+from vl_releases import ARCHES, hf_processor, make_release
+
+from mpcore.config import load_config
+from mpcore.data.hf_folder import TokenizerFolder
+from mpcore.launch import prepare_vl_data
+from mpcore.train import train
+
+SEQ_LEN = 512  # every conversation in one budget: the step is the whole file
+
+
+def prepare(arch: str, tmp, release):
+    write_images(tmp)
+    source = write_jsonl(tmp / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
+                                 "--out", str(tmp / "data")]) == 0
+    return tmp / "data"
+
+
+def sft_config(tmp, release, data, run: str):
+    return load_config(None, [
+        f"model.init_from={release}", f"data.vl_paths=[{data}]", f"data.seq_len={SEQ_LEN}",
+        "data.micro_batch=1", "data.grad_accum=1", "training.max_steps=1",
+        "training.device=cpu", f"logging.run_dir={tmp}/{run}", "checkpoint.every=0",
+        "optimizer.lr=1e-5", "schedule.warmup_steps=0"])
+
+
+def reference_loss(arch: str, release, tmp) -> float:
+    """transformers: each conversation alone through the release's processor and model,
+    labels outside the assistant mask ignored, summed and divided by the total count."""
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(
+        release, dtype=torch.float64).eval()
+    processor = hf_processor(arch, release)
+    eos = TokenizerFolder(release).eos_id
+    from test_vl_chat import assistant_mask
+
+    tok = TokenizerFolder(release).rust
+    total, count = 0.0, 0
+    for messages in CONVERSATIONS:
+        inputs = processor.apply_chat_template(absolute(messages, tmp), tokenize=True,
+                                               return_dict=True, return_tensors="pt")
+        ids = inputs["input_ids"]
+        if arch == "glm4v":
+            ids = torch.cat([ids, torch.tensor([[eos]])], 1)
+            inputs["mm_token_type_ids"] = torch.cat(
+                [inputs["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.long)], 1)
+            inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["input_ids"] = ids
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].double()
+        mask = torch.tensor(assistant_mask(ids[0].tolist(), tok, arch), dtype=torch.bool)
+        labels = torch.where(mask, ids[0], -100)
+        with torch.no_grad():
+            logits = model(**inputs).logits[0]
+        total += float(F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100,
+                                       reduction="sum"))
+        count += int((labels[1:] != -100).sum())
+    return total / count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHES)
+def test_first_step_equals_transformers_masked_loss(arch, tmp_path):
+    release = make_release(arch, tmp_path / "release")
+    data = prepare(arch, tmp_path, release)
+    result = train(sft_config(tmp_path, release, data, "run"))
+    want = reference_loss(arch, release, tmp_path)
+    assert abs(result.losses[0] - want) < 1e-4, (arch, result.losses[0], want)
+
+
+@pytest.mark.slow
+def test_data_of_another_release_is_refused_before_the_model(tmp_path):
+    ours = make_release("qwen2_vl", tmp_path / "ours")
+    other = make_release("qwen2_vl", tmp_path / "other", pieces=390)
+    data = prepare("qwen2_vl", tmp_path, other)
+    with pytest.raises(ValueError, match=r"has 394 token ids, model.init_from .* 404; prepare "
+                                         r"the data with the checkpoint's tokenizer"):
+        train(sft_config(tmp_path, ours, data, "refused"))
+    assert not (tmp_path / "refused" / "checkpoints").exists()
