@@ -22,7 +22,12 @@ specials, then each image's ONE placeholder id (the release's ``image_token_id``
 
 Mask (1 = the token is a target): the text chat path's (each assistant turn's content and its
 end-of-turn token; not its role header, nor any system, user or tool token), computed on the
-rendered text before the expansion; image placeholders are never targets.
+rendered text before the expansion; image placeholders are never targets. A template that
+writes NO end token for an assistant turn (GLM-4V: ``<|assistant|>\n`` then the content, then
+the next turn's role token; GLM's generation stops at ``<|user|>`` or at eos): the turn's end
+token is the next turn's first token when it is special (``<|user|>``), and after the LAST
+turn the tokenizer's eos is appended to the conversation and trained (else the model would
+never learn to stop), so there the ids are the processor's plus that one eos.
 """
 
 from __future__ import annotations
@@ -189,8 +194,10 @@ def scan_conversations(path: str | Path, settings: ImageSettings, extra: dict,
 
 
 class _Renderer(ChatRenderer):
-    """The text chat renderer with the folder's chat template passed explicitly (a VL release
-    may keep it in chat_template.json, which only its processor reads)."""
+    """The text chat renderer (``mpcore.data.chat``) with the folder's chat template passed
+    explicitly (a VL release may keep it in chat_template.json, which only its processor
+    reads), and the end-of-turn rule for templates that write no end token (module
+    docstring: GLM-4V)."""
 
     def _render(self, messages: list[dict], where: str, prompt: bool = False) -> str:
         try:
@@ -200,6 +207,40 @@ class _Renderer(ChatRenderer):
         except Exception as e:  # jinja2 errors, raise_exception() of the template itself
             raise ValueError(f"{where}: the chat template of {self.tok.folder} refuses this "
                              f"conversation ({type(e).__name__}: {e})") from None
+
+    def encode(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [n], mask uint8 [n])`` of one conversation (module docstring)."""
+        text, spans = self.spans(messages, where)
+        enc = self.tok.backend.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        starts = np.asarray([a for a, _ in enc.offsets], dtype=np.int64)
+        ends = np.asarray([b for _, b in enc.offsets], dtype=np.int64)
+        special = np.isin(ids, list(self.special))
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        append_eos = False
+        for turn, (lo, hi) in enumerate(spans):
+            inside = (starts >= lo) & (ends <= hi) & (ends > starts)
+            if (((starts < lo) & (ends > lo)) | ((starts < hi) & (ends > hi))).any():
+                raise ValueError(f"{where}: a token straddles the edge of assistant turn {turn} "
+                                 f"(the template glues its header or end to the content), so "
+                                 f"the turn cannot be masked exactly")
+            first = int(np.flatnonzero(inside)[0])
+            ending = np.flatnonzero(inside & special)
+            after = int(np.searchsorted(starts, hi))  # the first token after the turn
+            if len(ending):
+                mask[first : ending[-1] + 1] = 1
+            elif after < len(ids) and special[after]:
+                mask[first : after + 1] = 1  # the next turn's role token ends this one
+            elif after == len(ids):
+                mask[first:] = 1
+                append_eos = True  # the last turn: the eos the model stops at
+            else:
+                raise ValueError(f"{where}: assistant turn {turn} ends neither with a special "
+                                 f"token nor before one, so nothing marks where it stops; "
+                                 f"this template cannot be masked")
+        if append_eos:
+            ids, mask = np.append(ids, self.tok.eos_id), np.append(mask, np.uint8(1))
+        return ids, mask
 
 
 class Encoded(NamedTuple):

@@ -183,18 +183,20 @@ def make_release(arch: str, folder, seed: int = 5, pieces: int = 400) -> Path:
 GLM_TEMPLATE = (
     "[gMASK]<sop>"
     "{%- for msg in messages %}"
-    "{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}"
-    "{%- elif msg.role == 'user' %}<|user|>\n"
-    "{%- if msg.content is string %}{{ msg.content }}{%- else %}"
+    "{%- if msg.role == 'system' %}{{- '<|system|>\\n' + msg.content }}"
+    "{%- elif msg.role == 'user' %}{{- '<|user|>\\n' }}"
+    "{%- if msg.content is string %}{{- msg.content }}{%- else %}"
     "{%- for item in msg.content %}"
-    "{%- if item.type == 'video' or 'video' in item %}<|begin_of_video|><|video|><|end_of_video|>"
-    "{%- elif item.type == 'image' or 'image' in item %}<|begin_of_image|><|image|><|end_of_image|>"
-    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}"
+    "{%- if item.type == 'video' or 'video' in item %}"
+    "{{- '<|begin_of_video|><|video|><|end_of_video|>' }}"
+    "{%- elif item.type == 'image' or 'image' in item %}"
+    "{{- '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{%- elif item.type == 'text' %}{{- item.text }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
-    "{%- elif msg.role == 'assistant' %}<|assistant|>\n{{ msg.content }}"
+    "{%- elif msg.role == 'assistant' %}{{- '<|assistant|>\\n' + msg.content }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}")
 
 
 def _make_glm4v(folder: Path, seed: int, pieces: int) -> Path:
