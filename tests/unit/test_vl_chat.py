@@ -120,3 +120,97 @@ def test_ids_rows_and_mask_equal_the_release_processor(prepared):
     meta = ds.meta["tokenizer"]
     assert meta["vocab_sha256"] == TokenizerFolder(release).fingerprint["vocab_sha256"]
     assert meta["folder"] == str(release)
+
+
+@pytest.fixture(scope="module")
+def qwen_release(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    write_images(tmp)
+    return tmp, make_release("qwen2_vl", tmp / "release")
+
+
+GOOD = {"messages": CONVERSATIONS[0]}
+
+
+@pytest.mark.parametrize("row, error", [
+    ({"messages": [{"role": "user", "content": [image("missing.png"), text("hi")]},
+                   {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: image .*missing.png does not exist"),
+    ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: message 0 has role 'robot'; use one of system, user, assistant, tool"),
+    ({"messages": [{"role": "user", "content": [image("a.png")]}]},
+     r"chat.jsonl:2: no assistant turn"),
+    ({"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: message 0 \(user\) has an empty content list"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]},
+                   {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: message 0 part 0 is an image part without a path"),
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": ["a.png"]}]},
+                   {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: message 0 part 0 is a video; videos in conversations are not supported"),
+    ({"image": "a.png", "caption": "x"}, r"chat.jsonl:2: expected \{\"messages\": \[...\]\}"),
+])
+def test_bad_lines_name_file_and_line_and_write_nothing(qwen_release, row, error, capsys):
+    tmp, release = qwen_release
+    source = write_jsonl(tmp / "chat.jsonl", [GOOD, row, GOOD])
+    out = tmp / "out"
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
+                                 "--out", str(out)]) == 2
+    assert __import__("re").search(error, capsys.readouterr().err)
+    assert not out.exists() and not list(tmp.glob(".out.tmp-*"))
+
+
+def test_tokenizer_json_path_is_the_release_and_text_families_are_refused(qwen_release, tmp_path,
+                                                                          capsys):
+    tmp, release = qwen_release
+    source = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
+    for name in ("a.png",):
+        (tmp_path / name).write_bytes((tmp / name).read_bytes())
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer",
+                                 str(release / "tokenizer.json"), "--out",
+                                 str(tmp_path / "ok")]) == 0
+    assert VLDataset(tmp_path / "ok").tokenizer.token_ids()["image_token_id"] < 416
+    # a text release (Qwen3, no vision tower) given VL conversations
+    from test_sft_train import make_release as make_text_release
+
+    text_release = make_text_release(tmp_path / "qwen3")
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(text_release),
+                                 "--out", str(tmp_path / "no")]) == 2
+    assert "a text family without a vision tower" in capsys.readouterr().err
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
+                                 "--family", "llama", "--out", str(tmp_path / "no")]) == 2
+    assert "a text family without a vision tower" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
+def test_vl_conversation_for_text_chat_is_refused_by_line(qwen_release, tmp_path, capsys):
+    from mpcore.launch import prepare_data
+
+    tmp, release = qwen_release
+    source = write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+        GOOD])
+    assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
+                              str(tmp_path / "sft"), "--tokenizer", str(release)]) != 0
+    err = capsys.readouterr().err
+    assert "chat.jsonl:2: message 0 has a list as content" in err
+    assert "prepare image conversations for a VL family" in err
+    assert not list(tmp_path.glob("sft*"))
+
+
+def test_conversations_need_a_release_and_captions_need_sentencepiece(qwen_release, tmp_path,
+                                                                     capsys):
+    tmp, release = qwen_release
+    (tmp_path / "a.png").write_bytes((tmp / "a.png").read_bytes())
+    chat = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
+    sp = tmp_path / "any.model"  # refused before the model is read
+    assert prepare_vl_data.main(["--manifest", str(chat), "--tokenizer", str(sp),
+                                 "--out", str(tmp_path / "no")]) == 2
+    assert "chat.jsonl:1: VL conversations need a released tokenizer folder" in (
+        capsys.readouterr().err)
+    captions = write_jsonl(tmp_path / "cap.jsonl", [{"image": "a.png", "caption": "x"}])
+    assert prepare_vl_data.main(["--manifest", str(captions), "--tokenizer", str(release),
+                                 "--out", str(tmp_path / "no")]) == 2
+    assert "cap.jsonl:1: with a released tokenizer the manifest holds VL conversations" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "no").exists()
