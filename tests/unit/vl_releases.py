@@ -230,7 +230,8 @@ def _make_glm4v(folder: Path, seed: int, pieces: int) -> Path:
 
 
 def hf_processor(arch: str, folder):
-    """transformers' processor of the release at ``folder`` (module docstring)."""
+    """transformers' processor of the release at ``folder`` (module docstring): its tokenizer
+    and its preprocessor_config.json through the family's image processor class."""
     import transformers
 
     name = "Glm4vProcessor" if arch == "glm4v" else CLASSES[arch][2]
@@ -240,5 +241,6 @@ def hf_processor(arch: str, folder):
             return type(argument)  # the video processor is None (no torchvision)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    return Processor(image_processor=_image_processor(arch), tokenizer=tokenizer,
+    images = type(_image_processor(arch)).from_pretrained(str(folder))  # preprocessor_config
+    return Processor(image_processor=images, tokenizer=tokenizer,
                      video_processor=None, chat_template=tokenizer.chat_template)
