@@ -11,7 +11,11 @@ Folder layout (sample ``i`` = manifest sample ``i``, in manifest order; ``V`` th
                        json, the manifest path, fingerprint (sha256 of settings (family
                        included), tokenizer, every image's and every video frame's bytes,
                        manifest)
-    tokenizer.json     the VLTokenizer (mpcore/data/vl_tokenizer.py), with tokenizer.model
+    tokenizer.json     the VLTokenizer (mpcore/data/vl_tokenizer.py), with tokenizer.model;
+                       or, for VL conversations prepared with a released checkpoint's folder
+                       (mpcore/data/vl_chat.py), the release's own tokenizer files, copied
+                       (meta.json's ``tokenizer``: format "hf_release", fingerprint, vision
+                       ids; ``ReleaseVLTokenizer``, mpcore/data/vl_release.py)
     tokens.bin/.idx    indexed dataset (mpcore/data/indexed.py), vocab V + 4: document i is
                        sample i's ids, placeholder runs expanded and the final EOS included
     mask.bin/.idx      indexed dataset, vocab 2: document i is sample i's loss mask (1 = the
@@ -445,7 +449,8 @@ class VLDataset:
 
     ``len(ds)`` samples; ``ds[i]`` is a :class:`VLSample` (pixels read from the memory map and
     returned as float32; a version 1 folder's videos are empty). ``lengths`` int64 [n]: tokens
-    per sample. ``tokenizer`` (VLTokenizer), ``settings`` (ImageSettings; ``settings.family``:
+    per sample. ``tokenizer`` (VLTokenizer, or ReleaseVLTokenizer for release-prepared
+    conversations), ``settings`` (ImageSettings; ``settings.family``:
     the model family whose image processor the data follows), ``video_settings``
     (VideoSettings or None), ``patch_dim``, ``geometry`` (:func:`pixel_geometry`), ``meta``
     (meta.json). A missing, foreign or truncated file raises ``ValueError`` naming it.
