@@ -44,6 +44,7 @@ from mpcore.data import (
     prepare_vl_default,
 )
 from mpcore.data.hf_folder import TokenizerFolder, fingerprint_problem, has_tokenizer
+from mpcore.data.sft_packing import SFTPackedDataset
 from mpcore.data.vl_default import default_settings
 from mpcore.data.vl_release import ReleaseVLTokenizer
 from mpcore.models.common.family import Family
@@ -88,6 +89,24 @@ def check_release(tok, init_from: str | None, where: Path) -> None:
         raise ValueError(f"{problem}; prepare the data with the checkpoint's tokenizer: python "
                          f"launch/prepare_vl_data.py --tokenizer {init_from} --manifest M.jsonl "
                          f"--out NEW_DIR")
+
+
+def check_text(ds: IndexedDataset, tok) -> None:
+    """A text dataset blended into a VL run was written by the VL data's tokenizer: the same
+    vocabulary size, and for release-prepared VL data the same tokenizer by content (its
+    ``.meta.json``); ``ValueError`` naming the file and the fix."""
+    if ds.vocab_size != tok.text_vocab_size:
+        raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} but the "
+                         f"VL tokenizer's text vocabulary has {tok.text_vocab_size}; tokenize "
+                         f"text with the tokenizer the VL data was prepared with")
+    if not isinstance(tok, ReleaseVLTokenizer):
+        return
+    recorded = (ds.meta or {}).get("tokenizer")
+    problem = fingerprint_problem(recorded or {}, tok.fingerprint, f"{ds.idx_path}'s tokenizer",
+                                  f"the VL data's ({tok.folder})")
+    if recorded is None or problem:
+        raise ValueError(f"{problem or f'{ds.idx_path} records no tokenizer'}; prepare the text "
+                         f"with launch/prepare_data.py --tokenizer {tok.to_json()['folder']}")
 
 
 def check_family(ds: VLDataset, family: Family) -> None:
@@ -174,11 +193,13 @@ def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
                                          samples=(len(ds) - held, len(ds))))
     for prefix in text:
         ds = IndexedDataset(prefix)
-        if ds.vocab_size != tok.text_vocab_size:
-            raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} "
-                             f"but the VL tokenizer's SentencePiece model has "
-                             f"{tok.text_vocab_size}; tokenize text with that model")
-        train.append(TextAsVL(PackedDataset(ds, d.seq_len, tok.eos_id), patch_dim))
+        check_text(ds, tok)
+        if ds.loss_mask is not None:  # chat data: whole conversations, their masks kept
+            packed = SFTPackedDataset(ds, d.seq_len, getattr(tok, "pad_fill_id", tok.eos_id),
+                                      truncate=d.sft_truncate)
+        else:
+            packed = PackedDataset(ds, d.seq_len, tok.eos_id)
+        train.append(TextAsVL(packed, patch_dim))
     weights = d.weights or [1.0] * len(train)
     if len(weights) != len(train):
         raise ValueError(f"data.weights has {len(weights)} entries for {len(train)} datasets "

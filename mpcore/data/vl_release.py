@@ -71,6 +71,7 @@ class ReleaseVLTokenizer:
         self._ids = dict(token_ids)
         self.vocab_size = self.text_vocab_size = self.info.vocab_size
         self.bos_id, self.eos_id, self.pad_id = self.info.bos_id, self.info.eos_id, self.info.pad_id
+        self.pad_fill_id = self.info.pad_fill_id  # fills the tail of a chat sample
 
     @property
     def image_pad_id(self) -> int:

@@ -6,6 +6,7 @@ another release's tokenizer is refused before the model is built."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,3 +91,40 @@ def test_data_of_another_release_is_refused_before_the_model(tmp_path):
                                          r"the data with the checkpoint's tokenizer"):
         train(sft_config(tmp_path, ours, data, "refused"))
     assert not (tmp_path / "refused" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_text_chat_of_the_release_blends_with_its_mask_other_text_is_refused(tmp_path):
+    from mpcore.data.indexed import IndexedDataset
+    from mpcore.data.sft_packing import SFTPackedDataset
+    from mpcore.data.vl_packing import TextAsVL
+    from mpcore.launch import prepare_data
+    from mpcore.models import family_named
+    from mpcore.parallel.state import ParallelState
+    from mpcore.vl_data import build_vl_loaders
+
+    release = make_release("qwen2_vl", tmp_path / "release")
+    data = prepare("qwen2_vl", tmp_path, release)
+    rows = [{"messages": [{"role": "user", "content": f"Question {k}?"},
+                          {"role": "assistant", "content": f"Answer {k}."}]} for k in range(6)]
+    chat = write_jsonl(tmp_path / "text.jsonl", rows)
+    assert prepare_data.main(["--chat", "--input", str(chat), "--output-prefix",
+                              str(tmp_path / "sft"), "--tokenizer", str(release)]) == 0
+    ds = IndexedDataset(tmp_path / "sft")
+    packed = SFTPackedDataset(ds, SEQ_LEN, TokenizerFolder(release).pad_fill_id)
+    sample = TextAsVL(packed, 24)[0]
+    assert np.array_equal(sample.loss_mask, packed[0].loss_mask.astype(bool))
+    assert 0 < sample.loss_mask.sum() < len(sample.loss_mask)  # user tokens are not targets
+    cfg = load_config(None, [f"model.init_from={release}", f"data.vl_paths=[{data}]",
+                             f"data.paths=[{tmp_path}/sft]", f"data.seq_len={SEQ_LEN}",
+                             "data.weights=[1.0,1.0]", "data.micro_batch=1"])
+    family = family_named("qwen2_vl")
+    build_vl_loaders(cfg, ParallelState(), family)  # the same tokenizer: accepted
+    other = make_release("qwen2_vl", tmp_path / "other", pieces=390)
+    assert prepare_data.main(["--chat", "--input", str(chat), "--output-prefix",
+                              str(tmp_path / "other_sft"), "--tokenizer", str(other)]) == 0
+    cfg = load_config(None, [f"model.init_from={release}", f"data.vl_paths=[{data}]",
+                             f"data.paths=[{tmp_path}/other_sft]", f"data.seq_len={SEQ_LEN}"])
+    with pytest.raises(ValueError, match=r"other_sft.idx was written for a vocabulary of 394 "
+                                         r"but the VL tokenizer's text vocabulary has 404"):
+        build_vl_loaders(cfg, ParallelState(), family)
