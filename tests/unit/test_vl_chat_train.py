@@ -128,3 +128,21 @@ def test_text_chat_of_the_release_blends_with_its_mask_other_text_is_refused(tmp
     with pytest.raises(ValueError, match=r"other_sft.idx was written for a vocabulary of 394 "
                                          r"but the VL tokenizer's text vocabulary has 404"):
         build_vl_loaders(cfg, ParallelState(), family)
+
+
+@pytest.mark.slow
+def test_shipped_vl_sft_config_trains_from_a_release(tmp_path):
+    import math
+    from pathlib import Path
+
+    release = make_release("qwen3_vl", tmp_path / "release")
+    data = prepare("qwen3_vl", tmp_path, release)
+    yaml = Path(__file__).resolve().parents[2] / "launch" / "configs" / "sft_qwen3_vl_2b.yaml"
+    cfg = load_config(yaml, [
+        f"model.init_from={release}", f"data.vl_paths=[{data}]", f"data.seq_len={SEQ_LEN}",
+        "data.micro_batch=1", "data.grad_accum=1", "training.max_steps=2",
+        "training.device=cpu", "training.dtype=float32", f"logging.run_dir={tmp_path}/run",
+        "checkpoint.every=0"])
+    assert (cfg.optimizer.lr, cfg.data.vl_paths) == (1e-5, [str(data)])
+    result = train(cfg)
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
