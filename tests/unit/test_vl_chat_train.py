@@ -6,17 +6,28 @@ another release's tokenizer is refused before the model is built."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_vl_chat import CONVERSATIONS, absolute, write_images, write_jsonl
+from test_vl_chat import CONVERSATIONS, absolute, assistant_mask, write_images, write_jsonl
+from transformers import AutoModelForImageTextToText
 from vl_releases import ARCHES, hf_processor, make_release
 
+from mpcore.build import resolve_model_config
 from mpcore.config import load_config
 from mpcore.data.hf_folder import TokenizerFolder
-from mpcore.launch import prepare_vl_data
+from mpcore.data.indexed import IndexedDataset
+from mpcore.data.sft_packing import SFTPackedDataset
+from mpcore.data.vl_packing import TextAsVL
+from mpcore.launch import prepare_data, prepare_vl_data
+from mpcore.models import family_named
+from mpcore.parallel.state import ParallelState
 from mpcore.train import train
+from mpcore.vl_data import build_vl_loaders
 
 SEQ_LEN = 512  # every conversation in one budget: the step is the whole file
 
@@ -40,14 +51,10 @@ def sft_config(tmp, release, data, run: str):
 def reference_loss(arch: str, release, tmp) -> float:
     """transformers: each conversation alone through the release's processor and model,
     labels outside the assistant mask ignored, summed and divided by the total count."""
-    import transformers
-
-    model = transformers.AutoModelForImageTextToText.from_pretrained(
+    model = AutoModelForImageTextToText.from_pretrained(
         release, dtype=torch.float64).eval()
     processor = hf_processor(arch, release)
     eos = TokenizerFolder(release).eos_id
-    from test_vl_chat import assistant_mask
-
     tok = TokenizerFolder(release).rust
     total, count = 0.0, 0
     for messages in CONVERSATIONS:
@@ -95,14 +102,6 @@ def test_data_of_another_release_is_refused_before_the_model(tmp_path):
 
 @pytest.mark.slow
 def test_text_chat_of_the_release_blends_with_its_mask_other_text_is_refused(tmp_path):
-    from mpcore.data.indexed import IndexedDataset
-    from mpcore.data.sft_packing import SFTPackedDataset
-    from mpcore.data.vl_packing import TextAsVL
-    from mpcore.launch import prepare_data
-    from mpcore.models import family_named
-    from mpcore.parallel.state import ParallelState
-    from mpcore.vl_data import build_vl_loaders
-
     release = make_release("qwen2_vl", tmp_path / "release")
     data = prepare("qwen2_vl", tmp_path, release)
     rows = [{"messages": [{"role": "user", "content": f"Question {k}?"},
@@ -132,9 +131,6 @@ def test_text_chat_of_the_release_blends_with_its_mask_other_text_is_refused(tmp
 
 @pytest.mark.slow
 def test_shipped_vl_sft_config_trains_from_a_release(tmp_path):
-    import math
-    from pathlib import Path
-
     release = make_release("qwen3_vl", tmp_path / "release")
     data = prepare("qwen3_vl", tmp_path, release)
     yaml = Path(__file__).resolve().parents[2] / "launch" / "configs" / "sft_qwen3_vl_2b.yaml"
@@ -146,3 +142,13 @@ def test_shipped_vl_sft_config_trains_from_a_release(tmp_path):
     assert (cfg.optimizer.lr, cfg.data.vl_paths) == (1e-5, [str(data)])
     result = train(cfg)
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+
+
+def test_glm4v_release_data_without_init_from_is_refused_clearly(tmp_path):
+    yaml = Path(__file__).resolve().parents[2] / "launch" / "configs" / "glm4v_tiny.yaml"
+    cfg = load_config(yaml, ["model.vocab_size=512"])
+    ids = {"image_token_id": 405, "video_token_id": 408, "image_start_token_id": 403,
+           "image_end_token_id": 404, "video_start_token_id": 406, "video_end_token_id": 407}
+    with pytest.raises(ValueError, match=r"a fresh glm4v model takes 'vision_start_token_id' "
+                                         r"from its data; train from the release"):
+        resolve_model_config(cfg, family_named("glm4v"), ids)
