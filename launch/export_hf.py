@@ -88,10 +88,13 @@ def _export_into(checkpoint: str | Path, output: Path) -> Path:
     bar.close()
     vl = family.modality == "image-text"
     run_config = meta.get("config", {})
-    release = None if vl else release_tokenizer(run_config)
+    release = release_tokenizer(run_config)
     tokenizer = None if release else run_tokenizer(run_config, vl, family)
     if release is not None:  # a released tokenizer folder: its files, unchanged
         copy_release(release, (run_config.get("model") or {}).get("init_from"), Path(output))
+        if vl and family.hf_image_processor and not (
+                Path(output) / "preprocessor_config.json").is_file():  # from scratch
+            write_preprocessor_config(release, family.hf_image_processor, Path(output))
     elif tokenizer is not None and tokenizer.is_file():
         write_tokenizer(tokenizer, vl, Path(output))
         if vl and family.hf_image_processor:  # the data's image settings, for AutoProcessor

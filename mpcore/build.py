@@ -154,7 +154,13 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
                              f"data was prepared with {token_ids}; prepare the data with the "
                              f"checkpoint's tokenizer")
     else:
-        model_cfg = family.config_from_section(m, token_ids)
+        try:
+            model_cfg = family.config_from_section(m, token_ids)
+        except KeyError as e:  # a release's own id names (GLM's image_start_token_id, ...)
+            raise ValueError(f"the data names vision ids {sorted(token_ids or {})}, but a fresh "
+                             f"{family.name} model takes {e} from its data; train from the "
+                             f"release the data was prepared with (model.init_from), or "
+                             f"prepare the data with a SentencePiece tokenizer") from None
     p = cfg.parallel
     try:
         model_cfg.check_parallel(p.tp, p.cp, p.cp_mode if p.cp > 1 else "none")

@@ -20,6 +20,8 @@ vl_dataset.py    prepare a manifest into a memory-mapped folder (ids, masks, pix
 videos.py        a video's frames -> rows and grid, as the family's transformers video processor
 vl_packing.py    whole samples into seq_len budgets; collate_vl; VLDataLoader; TextAsVL
 vl_default.py    the shipped 15-image caption set, prepared on first use
+vl_release.py    a released checkpoint's tokenizer with its own vision ids (VL conversations)
+vl_chat.py       VL conversations (messages with images) -> release ids, assistant-only mask
 """
 
 from mpcore.data.blend import BlendedDataset
