@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vl_releases import ARCHES, FAMILY, hf_processor, make_release
 
 from mpcore.data import VLDataset
 from mpcore.data.hf_folder import TokenizerFolder
 from mpcore.launch import prepare_vl_data
+from tests.unit.vl_releases import ARCHES, FAMILY, hf_processor, make_release
 
 
 def write_images(folder: Path) -> None:

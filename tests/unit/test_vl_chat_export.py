@@ -11,11 +11,11 @@ import torch
 from test_vl_chat import CONVERSATIONS, absolute
 from test_vl_chat_train import prepare
 from transformers import AutoModelForImageTextToText
-from vl_releases import hf_processor, make_release
 
 from mpcore.config import load_config
 from mpcore.launch.export_hf import export
 from mpcore.train import train
+from tests.unit.vl_releases import hf_processor, make_release
 
 
 def test_export_keeps_the_vl_release(tmp_path):

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from test_vl_chat import CONVERSATIONS, absolute, assistant_mask, write_images, write_jsonl
 from transformers import AutoModelForImageTextToText
-from vl_releases import ARCHES, hf_processor, make_release
 
 from mpcore.build import resolve_model_config
 from mpcore.config import load_config
@@ -28,6 +27,7 @@ from mpcore.models import family_named
 from mpcore.parallel.state import ParallelState
 from mpcore.train import train
 from mpcore.vl_data import build_vl_loaders
+from tests.unit.vl_releases import ARCHES, hf_processor, make_release
 
 SEQ_LEN = 512  # every conversation in one budget: the step is the whole file
 

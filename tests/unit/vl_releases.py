@@ -19,8 +19,9 @@ import json
 from pathlib import Path
 
 import torch
-from release_tokenizers import CORPUS, make_chatml
 from tokenizers import AddedToken, Tokenizer
+
+from tests.unit.release_tokenizers import CORPUS, make_chatml
 
 VOCAB = 416  # model rows: the trained 400 pieces + the added tokens, rounded up
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
