@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 
 import torch
-from test_vl_chat import CONVERSATIONS, absolute
-from test_vl_chat_train import prepare
 from transformers import AutoModelForImageTextToText
 
 from mpcore.config import load_config
 from mpcore.launch.export_hf import export
 from mpcore.train import train
+from tests.unit.test_vl_chat import CONVERSATIONS, absolute
+from tests.unit.test_vl_chat_train import prepare
 from tests.unit.vl_releases import hf_processor, make_release
 
 

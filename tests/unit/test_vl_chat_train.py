@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_vl_chat import CONVERSATIONS, absolute, assistant_mask, write_images, write_jsonl
 from transformers import AutoModelForImageTextToText
 
 from mpcore.build import resolve_model_config
@@ -27,6 +26,13 @@ from mpcore.models import family_named
 from mpcore.parallel.state import ParallelState
 from mpcore.train import train
 from mpcore.vl_data import build_vl_loaders
+from tests.unit.test_vl_chat import (
+    CONVERSATIONS,
+    absolute,
+    assistant_mask,
+    write_images,
+    write_jsonl,
+)
 from tests.unit.vl_releases import ARCHES, hf_processor, make_release
 
 SEQ_LEN = 512  # every conversation in one budget: the step is the whole file
