@@ -109,6 +109,7 @@ class ChatRenderer:
                              f"chat_template or chat_template.jinja); use the instruct "
                              f"release's tokenizer folder, or prepare plain text instead")
         self.tok, self.hf, self.split_rewritten = tok, tok.hf, split_rewritten
+        self.template: str | None = None  # None: the tokenizer's own (a subclass may name one)
         added = tok.backend.get_added_tokens_decoder()
         self.special = {i for i, t in added.items() if t.special}
 
@@ -116,7 +117,8 @@ class ChatRenderer:
                 tools: list | None = None) -> str:
         try:
             return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                               add_generation_prompt=prompt)
+                                               add_generation_prompt=prompt,
+                                               chat_template=self.template)
         except Exception as e:  # jinja2 errors, raise_exception() of the template itself
             raise ValueError(f"{where}: the chat template of {self.tok.folder} refuses this "
                              f"conversation ({type(e).__name__}: {e})") from None

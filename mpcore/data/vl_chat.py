@@ -199,14 +199,9 @@ class _Renderer(ChatRenderer):
     reads), and the end-of-turn rule for templates that write no end token (module
     docstring: GLM-4V)."""
 
-    def _render(self, messages: list[dict], where: str, prompt: bool = False) -> str:
-        try:
-            return self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=prompt,
-                                               chat_template=self.tok.info.chat_template)
-        except Exception as e:  # jinja2 errors, raise_exception() of the template itself
-            raise ValueError(f"{where}: the chat template of {self.tok.folder} refuses this "
-                             f"conversation ({type(e).__name__}: {e})") from None
+    def __init__(self, tok: HFTokenizer):
+        super().__init__(tok)
+        self.template = tok.info.chat_template
 
     def encode(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
         """``(ids int64 [n], mask uint8 [n])`` of one conversation (module docstring)."""

@@ -18,6 +18,7 @@ from PIL import Image
 from mpcore.data import VLDataset
 from mpcore.data.hf_folder import TokenizerFolder
 from mpcore.launch import prepare_vl_data
+from tests.unit.release_tokenizers import make_release as make_text_release
 from tests.unit.vl_releases import ARCHES, FAMILY, hf_processor, make_release
 
 
@@ -171,8 +172,6 @@ def test_tokenizer_json_path_is_the_release_and_text_families_are_refused(qwen_r
                                  str(tmp_path / "ok")]) == 0
     assert VLDataset(tmp_path / "ok").tokenizer.token_ids()["image_token_id"] < 416
     # a text release (Qwen3, no vision tower) given VL conversations
-    from test_sft_train import make_release as make_text_release
-
     text_release = make_text_release(tmp_path / "qwen3")
     assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(text_release),
                                  "--out", str(tmp_path / "no")]) == 2
