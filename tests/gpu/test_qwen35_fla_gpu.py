@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpcore.models.common.hybrid import deltanet, kernels
 from mpcore.models.common.hybrid.model import build
 from mpcore.models.common.inputs import local_text_inputs
-from mpcore.models.qwen3_5 import Qwen35Config, deltanet, kernels
+from mpcore.models.qwen3_5 import Qwen35Config
 from mpcore.parallel.state import ParallelState
 
 pytestmark = [pytest.mark.gpu,
