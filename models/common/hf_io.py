@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -221,6 +221,21 @@ def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dic
                   metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()
+
+
+@torch.no_grad()
+def export_by_table(model: nn.Module, state: ParallelState, out_dir: str | Path,
+                    hf_config_dict: Callable[[Any], dict],
+                    shard_map: Callable[[Any, int, int], dict[str, list[Piece]]],
+                    progress=None, cfg=None) -> None:
+    """A family's whole export when every parameter is in its shard map: ``hf_config_dict(cfg)``
+    first (its checks raise before any communication), then :func:`write_hf` with every tp
+    rank's ``shard_map(cfg, tp, r)``. ``cfg``: the model's (None: ``model.cfg``). Collective
+    over the world; a barrier at the end."""
+    cfg = model.cfg if cfg is None else cfg
+    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
+    write_hf(model, state, out_dir, hf_dict,
+             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
 
 
 @torch.no_grad()
