@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mpcore.data.corpus import tokenize_to_indexed
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from mpcore.io_errors import writing
 from mpcore.progress import ProgressBar
 
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trained tokenizer {args.train_tokenizer}", file=sys.stderr)
         else:
             tok = Tokenizer(args.tokenizer)
-        num_docs = tokenize_to_indexed(tok, args.input, args.output_prefix, args.text_key)
+        with writing(args.output_prefix, "--output-prefix"):  # read-only, full: one line
+            num_docs = tokenize_to_indexed(tok, args.input, args.output_prefix, args.text_key)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

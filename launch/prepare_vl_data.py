@@ -40,6 +40,7 @@ from mpcore.data.corpus import prepare_default
 from mpcore.data.videos import VideoSettings
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.io_errors import writing
 from mpcore.models import FAMILIES, family_named
 
 VL_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.modality == "image-text")
@@ -104,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = args.tokenizer
         if tokenizer == "default":
             tokenizer = prepare_default(args.data_dir, args.vocab_size)[0]
-        out = prepare_vl_dataset(
-            args.manifest, args.out, tokenizer, settings, overwrite=args.overwrite, video=video
-        )
+        with writing(args.out, "--out"):  # a read-only or full disk: one line
+            out = prepare_vl_dataset(args.manifest, args.out, tokenizer, settings,
+                                     overwrite=args.overwrite, video=video)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

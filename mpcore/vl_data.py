@@ -43,6 +43,7 @@ from mpcore.data import (
     prepare_vl_default,
 )
 from mpcore.data.vl_default import default_settings
+from mpcore.io_errors import writing
 from mpcore.models import FAMILIES
 from mpcore.models.common.family import Family
 from mpcore.parallel.state import ParallelState
@@ -59,7 +60,8 @@ def vl_sources(cfg: Config, family: Family) -> tuple[list[Path], list[Path], VLT
         folders = [Path(p) for p in d.vl_paths]
         tok = VLDataset(folders[0]).tokenizer
         return folders, [Path(p) for p in d.paths], tok
-    default = prepare_vl_default(d.cache_dir, d.default_vocab_size, default_settings(family))
+    with writing(d.cache_dir, "data.cache_dir"):
+        default = prepare_vl_default(d.cache_dir, d.default_vocab_size, default_settings(family))
     text = [Path(p) for p in d.paths] if d.paths else [default.text_prefix]
     return [default.dataset], text, VLDataset(default.dataset).tokenizer
 
