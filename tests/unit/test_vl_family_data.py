@@ -3,7 +3,9 @@ family's transformers image processor (Qwen2VLImageProcessor for qwen2_vl, the s
 Qwen3-VL's patch 16 and mean = std = 0.5 for qwen3_vl, Glm4vImageProcessor for glm4v; the PIL
 backends, built with explicit arguments, no download), on images of odd sizes (thin, tiny,
 non-multiples of any patch). The folder records the family, the fingerprint covers it, and a run
-of another family refuses it naming the prepare command; the shipped set is prepared per family.
+of another family refuses it naming the prepare command, unless that family processes images and
+videos identically (compared by content: Qwen3.5-VL takes Qwen3-VL's data); the shipped set is
+prepared per family.
 """
 
 from __future__ import annotations
