@@ -14,10 +14,10 @@ still the inode it holds, before each write of a metrics row and at every step b
 comes before each checkpoint save; when a folder was deleted or replaced, every rank stops
 there, writing nothing more, and the run exits 2 with a message saying so
 (``mpcore.train.Trainer``; the ranks agree with the stop flag's all-reduce). A deletion
-during a save or a metrics write makes that write fail; the run then checks again and reports
-the deleted folder, not the failed write. What this cannot close: a deletion in the
-microseconds between a check and the ``mkdir`` that starts a save (which would create the
-folder again for that one save), and a background save, whose commit fails as a crash.
+during a save (a background one included) or a metrics write makes that write fail; the run
+then checks again and reports the deleted folder, not the failed write. What this cannot
+close: a deletion in the microseconds between a check and the ``mkdir`` that starts a save
+(which would create the folder again for that one save).
 
 :func:`claim_run_dir` also applies the start-over policy: a run that will not resume
 (``checkpoint.resume=false``) in a folder that holds checkpoints refuses, unless

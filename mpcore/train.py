@@ -441,20 +441,25 @@ class Trainer:
     def _save_and_report(self, background: bool = False) -> None:
         start = time.perf_counter()
         self.watchdog.beat(self.step, "save")
-        try:
-            path = self.save(background)
-        except (RuntimeError, ValueError):  # raised on every rank (the save agrees on it)
-            # The folder deleted during the save: say that, not the write that failed there.
-            lost = from_rank0(self._folder_lost() if self.run.state.rank == 0 else None)
-            if lost:
-                raise RunHalted(lost) from None
-            raise
+        path = self._saving(lambda: self.save(background))
         self.watchdog.beat(self.step, "step end")
         if path is not None and self.run.state.rank == 0:
             log.info("saved checkpoint %s (%.1f s)", path, time.perf_counter() - start)
         elif self.run.state.rank == 0:
             log.info("checkpoint step-%d staged in %.1f s; writing it in the background",
                      self.step, time.perf_counter() - start)
+
+    def _saving(self, save):
+        """``save()``, a collective save or commit whose failure every rank raises; when the
+        run folder was deleted during it, :class:`RunHalted` says that instead of naming the
+        write that failed there."""
+        try:
+            return save()
+        except (RuntimeError, ValueError):
+            lost = from_rank0(self._folder_lost() if self.run.state.rank == 0 else None)
+            if lost:
+                raise RunHalted(lost) from None
+            raise
 
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
@@ -518,7 +523,7 @@ class Trainer:
                     # so the host enqueues that one while this one runs (no CPU-GPU sync).
                     earlier = pending
                     if self.async_saver is not None:
-                        self._report_background(self.async_saver.poll())
+                        self._report_background(self._saving(self.async_saver.poll))
                     continue
                 loss, norm = self._record(pending, result)
                 valid = None
@@ -533,7 +538,7 @@ class Trainer:
                     last_time, last_step = time.perf_counter(), self.step
                 stop = self._agree_stop()
                 if self.async_saver is not None:
-                    self._report_background(self.async_saver.poll())
+                    self._report_background(self._saving(self.async_saver.poll))
                 if stop or save:
                     self._save_unless_streak(stop, background=not (stop or done))
                 if done and self.consecutive_bad:
