@@ -37,7 +37,7 @@ IMAGES = REPO / "launch" / "data" / "images"
 # argv: READ_ONLY CASES.json. Makes READ_ONLY a read-only bind mount (we are root in a fresh
 # user + mount namespace), runs each case's entry point in this process and prints
 # {case: [exit code, stderr]} as JSON.
-CHILD = """import contextlib, io, json, subprocess, sys
+CHILD = """import contextlib, io, json, subprocess, sys, traceback
 ro, cases = sys.argv[1], json.load(open(sys.argv[2]))
 for cmd in (["mount", "--bind", ro, ro], ["mount", "-o", "remount,bind,ro", ro]):
     subprocess.run(cmd, check=True)
@@ -52,8 +52,7 @@ for name, (script, argv) in cases.items():
             code = mains[script](argv)
         except SystemExit as e:
             code = e.code
-        except BaseException as e:
-            import traceback
+        except BaseException:
             traceback.print_exc()
             code = "raised"
     out[name] = [code, err.getvalue()]
