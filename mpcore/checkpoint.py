@@ -323,7 +323,7 @@ def own_entries(tmp: Path, rank: int) -> dict[str, dict]:
 
 
 def finish_save(save: PendingSave, mine: dict[str, dict], nbytes: int,
-                failure: tuple[bool, str] | None) -> Path:
+                failure: tuple | None) -> Path:
     """Every rank's entries to rank 0, which commits (meta, manifest, rename, pointer,
     rotation); or, when any rank failed, the partial save is removed and every rank raises
     (:func:`save_checkpoint`). Collective."""
