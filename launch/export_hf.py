@@ -40,6 +40,7 @@ from mpcore import atomic
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.data.tokenizer import Tokenizer
 from mpcore.data.vl_tokenizer import VLTokenizer
+from mpcore.io_errors import writing
 from mpcore.launch.export_release import copy_release, release_tokenizer
 from mpcore.launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
 from mpcore.logical import LogicalLayout
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                              "files an export writes), whole")
     args = parser.parse_args(argv)
     try:
-        folder = export(args.checkpoint, args.output, args.overwrite)
+        with writing(args.output, "--output"):  # a read-only or full disk: one line
+            folder = export(args.checkpoint, args.output, args.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

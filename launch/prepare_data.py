@@ -40,6 +40,7 @@ from mpcore.data.corpus import tokenize_to_indexed
 from mpcore.data.hf_encode import HFTokenizer, prepare_text
 from mpcore.data.indexed import IndexedDataset
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from mpcore.io_errors import writing
 from mpcore.progress import ProgressBar
 
 
@@ -139,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
             tok = Tokenizer(args.tokenizer)
         else:
             tok = HFTokenizer(args.tokenizer)
-        if args.chat:
-            num_docs = prepare_chat(tok, args.input, args.output_prefix, args.seq_len,
-                                    split_rewritten=args.chat_split_rewritten)
-        elif isinstance(tok, HFTokenizer):
-            num_docs = prepare_text(tok, args.input, args.output_prefix, args.text_key)
-        else:
-            num_docs = tokenize_to_indexed(tok, args.input, args.output_prefix, args.text_key)
+        with writing(args.output_prefix, "--output-prefix"):  # read-only, full: one line
+            if args.chat:
+                num_docs = prepare_chat(tok, args.input, args.output_prefix, args.seq_len,
+                                        split_rewritten=args.chat_split_rewritten)
+            elif isinstance(tok, HFTokenizer):
+                num_docs = prepare_text(tok, args.input, args.output_prefix, args.text_key)
+            else:
+                num_docs = tokenize_to_indexed(tok, args.input, args.output_prefix,
+                                               args.text_key)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from mpcore.data.vl_chat import is_conversation_file, prepare_vl_conversations
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
 from mpcore.data.vl_release import is_release_tokenizer
+from mpcore.io_errors import writing
 from mpcore.models import FAMILIES, family_named
 from mpcore.vl_release import release_family, release_image_settings, release_vl_tokenizer
 
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = args.tokenizer
         if tokenizer == "default":
             tokenizer = prepare_default(args.data_dir, args.vocab_size)[0]
-        out = prepare_vl_dataset(
-            args.manifest, args.out, tokenizer, settings, overwrite=args.overwrite, video=video
-        )
+        with writing(args.out, "--out"):  # a read-only or full disk: one line
+            out = prepare_vl_dataset(args.manifest, args.out, tokenizer, settings,
+                                     overwrite=args.overwrite, video=video)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

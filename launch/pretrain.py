@@ -17,8 +17,9 @@ torchrun a worker whose launcher dies gets SIGTERM too (``mpcore.processes``), a
 printed once, not once per rank. ``python -m mpcore.torchrun`` (torchrun's arguments) prints
 nothing of its own after a worker's message and exits with the worker's code.
 
-Exit codes: 0 done; 1 crash (a traceback); 2 a configuration or input error, or no space left
-for a checkpoint (the message says what to fix); 3 the run diverged (training.max_bad_steps
+Exit codes: 0 done; 1 crash (a traceback); 2 a configuration or input error, storage that
+refuses a checkpoint, a metrics row or any other output (full, read-only, no permission), or
+the run folder deleted or replaced under the run (the message says what to fix); 3 the run diverged (training.max_bad_steps
 non-finite steps in a row, or training.max_steps reached inside such a streak; the message names
 the newest checkpoint saved from a finite state, which rotation keeps); 4 the process group did
 not form within parallel.init_timeout_s; 5 a rank made no progress for parallel.step_timeout_s

@@ -27,7 +27,8 @@ them in input order. CUDA when available (nccl), else CPU (gloo).
 The output (launch/score_output.py) is never the input file, under any name or link; one
 score.py at a time writes it (a lock beside it, ``.<name>.lock``, names the holder); and it is
 replaced whole at the end, so a killed run leaves the previous file. A blank input line is an
-error: output line i belongs to input line i.
+error: output line i belongs to input line i. Errors are printed once, not once per rank
+(``mpcore.processes.report_user_error``, as launch/pretrain.py does).
 """
 
 from __future__ import annotations
@@ -47,10 +48,20 @@ from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, family_of, family_of_hf, read_hf_config
 from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.parallel.state import ParallelState
+from mpcore.processes import (
+    EXIT_USER_ERROR,
+    exit_with_parent,
+    init_distributed,
+    report_user_error,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-EPILOG = """exit codes: 0 scored and written; 2 an input or usage error (the message names the
-file, the line or the option, and the fix; --output is left as it was)"""
+# How long the ranks wait for each other to form the process group (pretrain.py's default
+# parallel.init_timeout_s): past it each exits with a message instead of hanging.
+INIT_TIMEOUT_S = 300.0
+EPILOG = """exit codes: 0 scored and written; 2 an input or usage error, or an output that
+cannot be written (the message names the file, the line or the option, and the fix; printed
+once under torchrun; --output is left as it was); 4 the process group did not form"""
 
 
 def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
@@ -218,16 +229,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def setup() -> torch.device:
-    """Join torchrun's process group (if launched by it); CUDA + nccl when available."""
+def setup() -> tuple[torch.device, dist.Store | None]:
+    """Join torchrun's process group (if launched by it; ``mpcore.processes.init_distributed``:
+    CUDA + nccl when available, else gloo); returns the device and the rendezvous store (None
+    for one process), through which one rank is chosen to print a user error."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else (
         torch.device("cpu"))
-    if cuda:
-        torch.cuda.set_device(device)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return device
+    if "LOCAL_RANK" in os.environ:  # launched by torchrun: do not outlive it
+        exit_with_parent()
+    store = init_distributed(INIT_TIMEOUT_S)
+    return device, store
 
 
 def load_model(args: argparse.Namespace, state: ParallelState, device: torch.device):
@@ -259,7 +271,7 @@ def claim_output(args: argparse.Namespace, state: ParallelState):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = setup()
+    device, store = setup()
     lock = None
     try:
         state = ParallelState.build(args.tp, args.cp, ep=args.ep)
@@ -281,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"at tp={state.tp} cp={state.cp} ({args.cp_mode}) dp={state.dp} "
                   f"{args.dtype} in {time.perf_counter() - start:.2f} s -> {args.output}",
                   flush=True)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # the same error on every rank, or on some: printed once
+        report_user_error(str(e), store)
+        return EXIT_USER_ERROR
     finally:
         if lock is not None:
             lock.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from mpcore import atomic, lockfile
+from mpcore.io_errors import writing
 
 
 def real_output(output: Path) -> Path:
@@ -49,10 +50,11 @@ def check_paths(input_path: Path, output: Path) -> None:
 def lock_output(output: Path) -> IO | None:
     """Lock ``output`` for this run (module docstring); ``ValueError`` naming the holder."""
     out = real_output(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     path = lock_path(output)
     try:
-        held = lockfile.take(path)
+        with writing(out, "--output"):  # a read-only folder: one line, before the model loads
+            out.parent.mkdir(parents=True, exist_ok=True)
+            held = lockfile.take(path)
     except lockfile.LockBusy as e:
         raise ValueError(f"--output {output} is being written by another score.py ({e.holder}, "
                          f"lock {path}); wait for it to finish, or pass another --output") from None
@@ -63,6 +65,7 @@ def lock_output(output: Path) -> IO | None:
 
 def write_output(output: Path, rows: list[dict]) -> None:
     """Replace ``output``'s target with one JSON line per row, whole or not at all."""
-    with atomic.atomic_open(real_output(output), "w") as f:
+    out = real_output(output)
+    with writing(out, "--output"), atomic.atomic_open(out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

@@ -8,6 +8,9 @@ inside the ``with`` block removes the temporary file and leaves the destination 
 
 Cost: one fsync of the file and one of its folder per write (milliseconds on local disks), which
 is why hot paths that append (``metrics.jsonl``) do not use it.
+
+A write the storage refuses (read-only, no permission, no space) raises
+``mpcore.io_errors.StorageError`` naming the path, the cause and the fix.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from mpcore.io_errors import writing
 
 
 def fsync_dir(folder: Path) -> None:
@@ -44,16 +49,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', not {mode!r}")
     path = Path(path)
     tmp = temporary_name(path)
-    try:
-        with open(tmp, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with writing(path):
+        try:
+            with open(tmp, mode, **kwargs) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
 
 
 def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:

@@ -36,6 +36,7 @@ from mpcore.data import (
 )
 from mpcore.data.hf_folder import TokenizerFolder, fingerprint_problem, has_tokenizer
 from mpcore.data.sft_packing import SFTPackedDataset
+from mpcore.io_errors import writing
 from mpcore.kernels import host_checked
 from mpcore.models import Family
 from mpcore.parallel.labels import IGNORE_INDEX
@@ -57,7 +58,8 @@ def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
                          f"model.vocab_size = {cfg.model.vocab_size}; the default corpus's ids "
                          f"would not fit the model: lower data.default_vocab_size or raise "
                          f"model.vocab_size")
-    tokenizer, prefix = prepare_default(data.cache_dir, data.default_vocab_size)
+    with writing(data.cache_dir, "data.cache_dir"):
+        tokenizer, prefix = prepare_default(data.cache_dir, data.default_vocab_size)
     return tokenizer, [prefix]
 
 

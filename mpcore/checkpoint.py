@@ -51,12 +51,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mpcore import atomic
 from mpcore.atomic import fsync_dir
 from mpcore.io_errors import (
+    StorageError,
     folder_bytes,
     human,
     mount_of,
     no_space_message,
     out_of_space,
     read_error,
+    refused_write,
 )
 from mpcore.manifest import FORMAT as MANIFEST_FORMAT
 from mpcore.manifest import MANIFEST, READ_ATTEMPTS, check_files, file_entry, read_manifest
@@ -287,7 +289,7 @@ class PendingSave:
     rank: int
     hook: Callable[[str, Path], None] | None
     previous: Path | None  # the newest complete checkpoint before this save (rank 0)
-    failure: tuple[bool, str] | None  # from the temporary folder's creation
+    failure: tuple | None  # _failed(...) of the temporary folder's creation
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -321,7 +323,7 @@ def own_entries(tmp: Path, rank: int) -> dict[str, dict]:
 
 
 def finish_save(save: PendingSave, mine: dict[str, dict], nbytes: int,
-                failure: tuple[bool, str] | None) -> Path:
+                failure: tuple | None) -> Path:
     """Every rank's entries to rank 0, which commits (meta, manifest, rename, pointer,
     rotation); or, when any rank failed, the partial save is removed and every rank raises
     (:func:`save_checkpoint`). Collective."""
@@ -340,10 +342,14 @@ def finish_save(save: PendingSave, mine: dict[str, dict], nbytes: int,
     return save.final
 
 
-def _failed(exc: BaseException, rank: int) -> tuple[bool, str]:
-    """(out of space?, one line naming the rank and the error) of a save's failure."""
+def _failed(exc: BaseException, rank: int) -> tuple[bool, str, tuple[str, int] | None]:
+    """(out of space?, one line naming the rank and the error, (file, errno) of a write the
+    storage refused: read-only or no permission) of a save's failure."""
     text = str(exc).strip().splitlines()
-    return out_of_space(exc), f"rank {rank}: {type(exc).__name__}: {text[-1] if text else ''}"
+    refused = refused_write(exc)
+    where = (str(refused.filename or ""), refused.errno) if refused is not None else None
+    return (out_of_space(exc), f"rank {rank}: {type(exc).__name__}: {text[-1] if text else ''}",
+            where)
 
 
 def _commit(root: Path, tmp: Path, final: Path, meta: dict, entries: list[dict],
@@ -371,11 +377,20 @@ def _commit(root: Path, tmp: Path, final: Path, meta: dict, entries: list[dict],
     _prune(root, keep_last, keep=final)
 
 
-def _give_up(root: Path, tmp: Path, step: int, keep_last: int, failure: tuple[bool, str],
+def _give_up(root: Path, tmp: Path, step: int, keep_last: int, failure: tuple,
              total_bytes: int, previous: Path | None, rank: int) -> None:
     """Remove the partial save (rank 0) and raise the save's error on every rank."""
-    full, line = failure
+    full, line, refused = failure
     message = None
+    if refused is not None and not full:  # read-only or no permission: say so, by path
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = (f"the newest checkpoint, {previous}, is intact" if previous else
+                    "no earlier checkpoint exists")
+            message = (f"{StorageError(refused[0] or root, refused[1], 'checkpoint.dir')}; "
+                       f"saving step {step} in {root} failed, the partial save was removed "
+                       f"and {kept}; fix that and rerun the same command to resume")
+        raise CheckpointError(from_rank0(message))
     if rank == 0:
         if previous is not None and previous.is_dir():
             size, basis = folder_bytes(previous), f"the size of {previous.name}"

@@ -6,6 +6,11 @@ kernel drops the lock when the holder exits, however it exits (kill -9 included)
 lock file never blocks a rerun; the file itself stays (deleting it would race with a process
 taking it). Where the filesystem has no flock (Lustre without ``-o flock``) :func:`take` warns
 once and returns None: the caller goes on unprotected.
+
+:func:`still_at`: a lock protects a path only while the file at that path is the one locked.
+Deleting the folder (``rm -rf run``) or replacing the file lets a second process create and lock
+a new file there while the holder keeps its lock on the deleted one; the holder asks
+:func:`still_at` before it writes (``mpcore.rundir``).
 """
 
 from __future__ import annotations
@@ -50,3 +55,25 @@ def take(path: str | os.PathLike) -> IO | None:
     f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+def still_at(f: IO, path: str | os.PathLike) -> bool:
+    """Whether the locked file ``f`` is still the file at ``path``: same device and inode, not
+    unlinked. False when the path is gone or names another file (its folder was deleted or
+    replaced); True when that cannot be told (the path cannot be examined for another reason)."""
+    held = os.fstat(f.fileno())
+    try:
+        now = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        return e.errno != errno.ESTALE  # NFS: the file handle's file is gone
+    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+def holder_of(path: str | os.PathLike) -> str | None:
+    """What the lock file at ``path`` says of its holder (``pid N on host H``), or None."""
+    try:
+        return Path(path).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None

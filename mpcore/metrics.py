@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from mpcore.io_errors import writing
 from mpcore.models import family_of
 
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
@@ -92,7 +93,8 @@ class MetricsWriter:
         self.tb = None
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with writing(self.path, "logging.run_dir"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -112,8 +114,8 @@ class MetricsWriter:
         shown = [f"{k} {_fmt(v)}" for k, v in clean.items()
                  if not isinstance(v, list)]  # per-expert lists: metrics.jsonl only
         print("  ".join(shown + [f"{k} {v}" for k, v in (printed or {}).items()]), flush=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+        with writing(self.path, "logging.run_dir"), open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")  # a full disk: StorageError (mpcore.io_errors)
         if self.tb is not None:
             for k in keys[1:]:
                 if clean[k] is not None:

@@ -20,8 +20,10 @@ failing worker's code on as its own, torchrun itself exits 1 for any failure):
 
     0    done (or already finished)
     1    crash: an unexpected exception (its traceback is printed)
-    2    user error: config, data or inputs (``ValueError``; the message names the fix), or a
-         checkpoint that cannot be written (no space left on the device)
+    2    user error: config, data or inputs (``ValueError``; the message names the fix), a
+         checkpoint or metrics row that cannot be written (no space left, a read-only file
+         system, no permission: ``mpcore.io_errors``), or the run folder deleted or replaced
+         while the run trained (``mpcore.rundir``): the run stopped without writing more
     3    diverged: training.max_bad_steps non-finite steps in a row, or max_steps inside a streak
     4    the process group did not form within parallel.init_timeout_s
     5    a rank stopped making progress for parallel.step_timeout_s (the step watchdog)

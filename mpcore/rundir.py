@@ -4,6 +4,21 @@
 (and on ``<checkpoint dir>/.lock`` when the checkpoints live elsewhere) for the whole run; the
 file holds the holder's pid and host. A second run on the same folder refuses, naming them.
 
+The deleted run folder: a lock that lives in the folder it protects stops protecting it when
+the folder is deleted (``rm -rf run`` while the run trains): the holder keeps its lock on the
+unlinked file, and the same command started again creates the folder, a new lock file, and
+takes it. If the first run then wrote on (a checkpoint save creates its folder again), the
+second would resume the first's checkpoints while both append to one ``metrics.jsonl``. So the
+holder checks (:meth:`RunLock.lost`: two ``stat`` calls) that each lock file at its path is
+still the inode it holds, before each write of a metrics row and at every step boundary, which
+comes before each checkpoint save; when a folder was deleted or replaced, every rank stops
+there, writing nothing more, and the run exits 2 with a message saying so
+(``mpcore.train.Trainer``; the ranks agree with the stop flag's all-reduce). A deletion
+during a save (a background one included) or a metrics write makes that write fail; the run
+then checks again and reports the deleted folder, not the failed write. What this cannot
+close: a deletion in the microseconds between a check and the ``mkdir`` that starts a save
+(which would create the folder again for that one save).
+
 :func:`claim_run_dir` also applies the start-over policy: a run that will not resume
 (``checkpoint.resume=false``) in a folder that holds checkpoints refuses, unless
 ``checkpoint.overwrite=true``, which deletes them and ``metrics.jsonl`` first. So does a run
@@ -31,6 +46,7 @@ import yaml
 from mpcore import atomic, lockfile
 from mpcore.checkpoint import LATEST, from_rank0, step_folders
 from mpcore.config import Config
+from mpcore.io_errors import writing
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
@@ -38,13 +54,16 @@ METRICS = "metrics.jsonl"
 
 
 class RunLock:
-    """Exclusive locks on ``folders`` (module docstring); :meth:`release` drops them."""
+    """Exclusive locks on ``folders`` (module docstring); :meth:`release` drops them.
+    ``settings``: the config key that chose each folder (named by a storage error's fix)."""
 
-    def __init__(self, folders: list[Path]):
-        self.files = []
+    def __init__(self, folders: list[Path], settings: list[str] | None = None):
+        self.files, self.paths = [], []
+        settings = settings or ["logging.run_dir / checkpoint.dir"] * len(folders)
         try:
-            for folder in folders:
-                self._take(Path(folder))
+            for folder, setting in zip(folders, settings, strict=True):
+                with writing(folder, setting):
+                    self._take(Path(folder))
         except BaseException:
             self.release()
             raise
@@ -60,12 +79,28 @@ class RunLock:
                              f"(logging.run_dir=... / checkpoint.dir=...)") from None
         if f is not None:
             self.files.append(f)
+            self.paths.append(path)
+
+    def lost(self) -> str | None:
+        """Why a locked folder is no longer this run's (deleted, or replaced by another
+        folder, perhaps another run's), or None while every lock file is still the one held.
+        Costs two stat calls per folder (module docstring: the deleted run folder)."""
+        for f, path in zip(self.files, self.paths, strict=True):
+            if lockfile.still_at(f, path):
+                continue
+            holder = lockfile.holder_of(path)
+            now = (f"{path} is another file now, held by {holder}" if holder else
+                   f"{path} is gone" if not path.parent.exists() else
+                   f"{path} is another file now")
+            return (f"{path.parent} was deleted or replaced while this run was using it "
+                    f"({now})")
+        return None
 
     def release(self) -> None:
         """Unlock (the file stays: deleting it would race with a run taking it)."""
         for f in self.files:
             f.close()  # closing the last descriptor drops the flock
-        self.files = []
+        self.files, self.paths = [], []
 
 
 def holds_checkpoints(root: Path) -> bool:
@@ -137,7 +172,8 @@ def _earlier_run(cfg: Config) -> str | None:
 
 def _claim(cfg: Config) -> RunLock:
     run_dir, root = Path(cfg.logging.run_dir).resolve(), cfg.checkpoint_dir.resolve()
-    lock = RunLock([run_dir] if root.is_relative_to(run_dir) else [run_dir, root])
+    lock = (RunLock([run_dir], ["logging.run_dir"]) if root.is_relative_to(run_dir) else
+            RunLock([run_dir, root], ["logging.run_dir", "checkpoint.dir"]))
     try:
         old = holds_checkpoints(cfg.checkpoint_dir)
         earlier = _earlier_run(cfg)

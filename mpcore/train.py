@@ -62,6 +62,7 @@ from mpcore.checkpoint import (
 )
 from mpcore.checkpoint_async import AsyncSaver, background_saves, node_memory_bytes
 from mpcore.config import Config, save_config, to_dict
+from mpcore.io_errors import StorageError, writing
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
 from mpcore.moe_step import MoeStep, moe_record
 from mpcore.optim import decides_on_device, lr_at, set_lr
@@ -69,7 +70,7 @@ from mpcore.parallel import global_valid_count
 from mpcore.parallel.loss import sum_over_group
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
-from mpcore.rundir import claim_run_dir, rewrite_metrics
+from mpcore.rundir import RunLock, claim_run_dir, rewrite_metrics
 from mpcore.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # One Ctrl-C reaches a worker twice under a launcher (from the terminal, then forwarded by
 # torchrun or mpcore.torchrun, milliseconds apart): SIGINTs closer than this are one Ctrl-C.
 SAME_CTRL_C_S = 2.0
+
+
+class RunHalted(ValueError):
+    """The run cannot write where it must: its run folder was deleted or replaced under it
+    (``mpcore.rundir``), or the storage refused a metrics row (``mpcore.io_errors``). Every
+    rank stops at the step boundary, before any save; the message says what is intact."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -128,12 +135,15 @@ class Trainer:
     ``checkpoint_hook(stage, path)`` is passed to ``save_checkpoint`` (tests simulate crashes);
     ``step_hook(step)`` is called at the start of each step (tests make a rank hang there).
     ``store``: the rendezvous store, where the step watchdog publishes progress
-    (``mpcore.watchdog``; None: it names only this rank).
+    (``mpcore.watchdog``; None: it names only this rank). ``lock``: rank 0's hold on the run
+    folder (``mpcore.rundir.RunLock``), checked before each write (:meth:`_agree_stop`).
     """
 
     def __init__(self, run: Run, checkpoint_hook=None, step_hook=None,
-                 store: dist.Store | None = None):
+                 store: dist.Store | None = None, lock: RunLock | None = None):
         self.run, self.cfg = run, run.cfg
+        self.lock = lock
+        self.halt: str | None = None  # rank 0: why the run must stop without writing more
         self.checkpoint_hook, self.step_hook = checkpoint_hook, step_hook
         self.watchdog = StepWatchdog(self.cfg.parallel.step_timeout_s, store, run.state.rank,
                                      run.state.world_size)
@@ -370,11 +380,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _agree_stop(self) -> bool:
-        """True on every rank when any rank got SIGTERM (one tiny all-reduce)."""
-        flag = torch.tensor(float(self.stop_requested), device=self.run.device)
+        """True on every rank when any rank got SIGTERM (one tiny all-reduce). Raises
+        :class:`RunHalted` on every rank, before anything more is written, when rank 0 found
+        its run folder deleted or replaced, or could not write a metrics row (``self.halt``)."""
+        if self.run.state.rank == 0 and self.halt is None:
+            self.halt = self._folder_lost()
+        flag = torch.tensor([float(self.stop_requested), float(self.halt is not None)],
+                            device=self.run.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        stop, halt = flag.tolist()  # CPU-GPU sync point (as before: one per settled step)
+        if halt:
+            raise RunHalted(from_rank0(self.halt))
+        return bool(stop)
+
+    def _folder_lost(self) -> str | None:
+        """Rank 0: why the run folder is no longer this run's (``RunLock.lost``), or None."""
+        why = self.lock.lost() if self.lock is not None else None
+        if why is None:
+            return None
+        return (f"{why}. This run stopped after step {self.step} and wrote nothing more, so "
+                f"its steps cannot mix with another run's there; rerunning the same command "
+                f"starts from (or resumes) whatever that folder holds now. To keep a run's "
+                f"folder, stop the run before deleting it (Ctrl-C saves and exits 75)")
+
+    def _write_row(self, metrics: MetricsWriter, record: dict, printed: dict | None) -> None:
+        """Rank 0 writes one metrics row, unless the run folder is lost or the storage refuses
+        the write: then ``self.halt`` says why, and :meth:`_agree_stop` stops every rank."""
+        if self.run.state.rank != 0 or self.halt is not None:
+            return
+        self.halt = self._folder_lost()
+        if self.halt is not None:
+            return
+        try:
+            metrics.log(record, printed)
+        except OSError as e:  # StorageError included
+            self.halt = self._folder_lost()  # deleted between the check and the write
+            if self.halt is not None:
+                return
+            if not isinstance(e, StorageError):
+                raise
+            latest = latest_checkpoint(self.cfg.checkpoint_dir)
+            kept = (f"the newest checkpoint, {latest}, is intact" if latest else
+                    "no checkpoint was saved before it")
+            self.halt = (f"{e}. The run stopped after step {self.step} without saving (its "
+                         f"metrics row is lost) and {kept}; fix that and rerun the same "
+                         f"command to resume")
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -390,13 +441,25 @@ class Trainer:
     def _save_and_report(self, background: bool = False) -> None:
         start = time.perf_counter()
         self.watchdog.beat(self.step, "save")
-        path = self.save(background)
+        path = self._saving(lambda: self.save(background))
         self.watchdog.beat(self.step, "step end")
         if path is not None and self.run.state.rank == 0:
             log.info("saved checkpoint %s (%.1f s)", path, time.perf_counter() - start)
         elif self.run.state.rank == 0:
             log.info("checkpoint step-%d staged in %.1f s; writing it in the background",
                      self.step, time.perf_counter() - start)
+
+    def _saving(self, save):
+        """``save()``, a collective save or commit whose failure every rank raises; when the
+        run folder was deleted during it, :class:`RunHalted` says that instead of naming the
+        write that failed there."""
+        try:
+            return save()
+        except (RuntimeError, ValueError):
+            lost = from_rank0(self._folder_lost() if self.run.state.rank == 0 else None)
+            if lost:
+                raise RunHalted(lost) from None
+            raise
 
     def _streak(self, what: str) -> str:
         """What a non-finite streak cost, and which checkpoint is intact."""
@@ -460,7 +523,7 @@ class Trainer:
                     # so the host enqueues that one while this one runs (no CPU-GPU sync).
                     earlier = pending
                     if self.async_saver is not None:
-                        self._report_background(self.async_saver.poll())
+                        self._report_background(self._saving(self.async_saver.poll))
                     continue
                 loss, norm = self._record(pending, result)
                 valid = None
@@ -475,7 +538,7 @@ class Trainer:
                     last_time, last_step = time.perf_counter(), self.step
                 stop = self._agree_stop()
                 if self.async_saver is not None:
-                    self._report_background(self.async_saver.poll())
+                    self._report_background(self._saving(self.async_saver.poll))
                 if stop or save:
                     self._save_unless_streak(stop, background=not (stop or done))
                 if done and self.consecutive_bad:
@@ -524,11 +587,11 @@ class Trainer:
             self.image_tokens = self.window_steps = 0
         if self.last_moe is not None:  # the last step's, global: collective over dp x cp
             extra.update(moe_record(self.last_moe.metrics()))
-        metrics.log({"step": self.step, "loss": loss, "grad_norm": norm,
-                     "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
-                     "tflops": flops / 1e12,
-                     "mfu": None if self.peak is None else flops / self.peak,
-                     "mem_gib": max_memory_gib(self.run.device)} | extra, printed=times)
+        self._write_row(metrics, {"step": self.step, "loss": loss, "grad_norm": norm,
+                                  "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
+                                  "tflops": flops / 1e12,
+                                  "mfu": None if self.peak is None else flops / self.peak,
+                                  "mem_gib": max_memory_gib(self.run.device)} | extra, times)
 
 
 def train(cfg: Config, source: str = "the config", loader=None,
@@ -543,15 +606,18 @@ def train(cfg: Config, source: str = "the config", loader=None,
         device = resolve_device(cfg)
         run = build(cfg, state, device, loader=loader)
         trainer = Trainer(run, checkpoint_hook=checkpoint_hook, step_hook=step_hook,
-                          store=store)
+                          store=store, lock=lock)
+        run_dir = Path(run.cfg.logging.run_dir)
         if state.rank == 0:
-            save_config(run.cfg, Path(run.cfg.logging.run_dir) / "config.yaml")
+            with writing(run_dir, "logging.run_dir"):
+                save_config(run.cfg, run_dir / "config.yaml")
             log.info("model %s", json.dumps(dataclasses.asdict(run.model_cfg)))
             log.info("%s", startup_block(run, trainer.tokens_per_step, source))
         if cfg.checkpoint.resume:
             trainer.resume()
         if state.rank == 0:
-            dropped = rewrite_metrics(Path(cfg.logging.run_dir) / "metrics.jsonl", trainer.step)
+            with writing(run_dir, "logging.run_dir"):
+                dropped = rewrite_metrics(run_dir / "metrics.jsonl", trainer.step)
             if dropped:
                 log.info("metrics.jsonl: dropped %d rows after step %d (run again from there)",
                          dropped, trainer.step)

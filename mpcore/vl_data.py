@@ -18,7 +18,8 @@ tokenizer by content: :func:`check_release`).
 Images: every VL dataset must have been prepared for the run's model family (its meta.json's
 ``image_settings.family``: that family's image processor, resize rule and patch size; the
 shipped set is prepared per family, ``mpcore.data.vl_default.default_settings``); data of
-another family's processor is refused, naming the prepare command that fits the run. Every VL
+another family's processor is refused, naming the prepare command that fits the run, unless
+that family's processing equals the run's by content (:func:`check_family`). Every VL
 dataset must share one pixel geometry (patch, temporal patch, merge; ``DataSummary.
 pixel_geometry``), which :func:`check_tower` compares with the model's vision tower when the run
 starts, before any batch, so a tower of another patch size is refused with the fix rather than
@@ -47,6 +48,8 @@ from mpcore.data.hf_folder import TokenizerFolder, fingerprint_problem, has_toke
 from mpcore.data.sft_packing import SFTPackedDataset
 from mpcore.data.vl_default import default_settings
 from mpcore.data.vl_release import ReleaseVLTokenizer
+from mpcore.io_errors import writing
+from mpcore.models import FAMILIES
 from mpcore.models.common.family import Family
 from mpcore.parallel.state import ParallelState
 
@@ -62,7 +65,8 @@ def vl_sources(cfg: Config, family: Family) -> tuple[list[Path], list[Path], VLT
         folders = [Path(p) for p in d.vl_paths]
         tok = VLDataset(folders[0]).tokenizer
         return folders, [Path(p) for p in d.paths], tok
-    default = prepare_vl_default(d.cache_dir, d.default_vocab_size, default_settings(family))
+    with writing(d.cache_dir, "data.cache_dir"):
+        default = prepare_vl_default(d.cache_dir, d.default_vocab_size, default_settings(family))
     text = [Path(p) for p in d.paths] if d.paths else [default.text_prefix]
     return [default.dataset], text, VLDataset(default.dataset).tokenizer
 
@@ -111,9 +115,17 @@ def check_text(ds: IndexedDataset, tok) -> None:
 
 def check_family(ds: VLDataset, family: Family) -> None:
     """``ValueError`` unless ``ds`` was prepared for ``family``'s image processor, naming the
-    prepare command that would fit the run."""
+    prepare command that would fit the run. Data of another family whose image and video
+    processing are equal by content (``Family.image_processing``: processor, patch geometry,
+    pixel bounds, normalisation, resize rules, video layout; Qwen3-VL's and Qwen3.5-VL's) is
+    the same data, and taken."""
     prepared = ds.settings.family
     if prepared == family.name:
+        return
+    same = FAMILIES.get(prepared)
+    if same is not None and same.image_processing == family.image_processing:
+        log.info("%s was prepared for the %s family, whose image and video processing equal "
+                 "the %s family's: taken as it is", ds.folder, prepared, family.name)
         return
     manifest = ds.meta.get("manifest", "M.jsonl")
     raise ValueError(

@@ -60,6 +60,21 @@ class Qwen3MoeConfig(ModelConfig):
         if bad:
             raise ValueError(f"mlp_only_layers {bad} are not layers of a {self.num_layers}-"
                              f"layer model")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value < float("inf")):
+                raise ValueError(f"model.moe.{name} must be a finite weight >= 0 (0 turns "
+                                 f"that loss off), got {value!r}: a negative weight rewards "
+                                 f"what the loss penalises; set it to 0 or more")
+        if not self.moe_layers:
+            raise ValueError(f"no layer of this {self.num_layers}-layer MoE model is sparse "
+                             f"(mlp_only_layers {list(self.mlp_only_layers)}, "
+                             f"decoder_sparse_step {self.decoder_sparse_step}): it would train "
+                             f"as a dense model with idle experts; leave at least one layer out "
+                             f"of model.moe.mlp_only_layers (and keep model.moe."
+                             f"decoder_sparse_step <= {self.num_layers}), or train a dense "
+                             f"family")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

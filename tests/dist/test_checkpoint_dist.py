@@ -1,11 +1,14 @@
 """Checkpoint verification across 2 gloo ranks: each rank hashes the files it wrote, the
 manifest lists every rank's, verification splits the files over the ranks and every rank
-reaches the same verdict (and falls back together); a refused run folder refuses on every rank."""
+reaches the same verdict (and falls back together); a refused run folder refuses on every rank,
+and a run folder deleted while the run trains stops every rank before anything more is written."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,7 +21,9 @@ from mpcore.checkpoint import (
     verify_checkpoint,
 )
 from mpcore.config import load_config
+from mpcore.data import prepare_default
 from mpcore.rundir import claim_run_dir
+from mpcore.train import RunHalted, train
 from tests.dist.harness import run_distributed
 
 
@@ -80,3 +85,39 @@ def test_no_usable_checkpoint_raises_on_every_rank(tmp_path):
     (tmp_path / "ckpt" / "step-3").mkdir(parents=True)
     messages = run_distributed(_all_bad, 2, str(tmp_path), timeout=240)
     assert messages[0] == messages[1] and "step-3: no manifest.json" in messages[0]
+
+
+def _train_then_delete_the_folder(rank, world, tmp, data):
+    """Rank 0 deletes the run folder as step 3 starts (``rm -rf`` by a user)."""
+    run_dir = f"{tmp}/run"
+    cfg = load_config(None, [
+        "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=1",
+        "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+        f"data.cache_dir={data}", "data.default_vocab_size=512", "data.seq_len=32",
+        "data.micro_batch=1", "training.max_steps=8", "training.device=cpu",
+        f"logging.run_dir={run_dir}", "logging.log_every=1", "checkpoint.every=2"])
+
+    def hook(step):
+        if rank == 0 and step == 3:
+            shutil.rmtree(run_dir)
+
+    try:
+        train(cfg, step_hook=hook)
+    except RunHalted as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow  # a 2-rank training run
+def test_a_deleted_run_folder_stops_every_rank_before_any_write(tmp_path):
+    """mpcore.rundir's deleted run folder: rank 0 holds the lock and finds its lock file
+    gone at step 3's boundary; the ranks agree through the stop flag's all-reduce and both
+    stop with rank 0's message before step 3's metrics row or step 4's save."""
+    prepare_default(tmp_path / "data", 512)
+    by_rank = run_distributed(_train_then_delete_the_folder, 2, str(tmp_path),
+                              str(tmp_path / "data"), timeout=240)
+    assert by_rank[0] == by_rank[1] and by_rank[0] is not None, by_rank
+    assert by_rank[0].startswith(f"{tmp_path / 'run'} was deleted or replaced while this run "
+                                 f"was using it"), by_rank[0]
+    assert "This run stopped after step 3 and wrote nothing more" in by_rank[0]
+    assert not (tmp_path / "run").exists()

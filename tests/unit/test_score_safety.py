@@ -189,3 +189,19 @@ def test_help_describes_every_option():
         words = re.sub(r"^\s*-[-\w]+( [A-Z.{}_a-z,0-9]+)?", "", options[name]).split()
         assert len(words) >= 4, (name, options[name])  # a sentence, not just the flag
     assert "exit codes" in out.stdout
+
+
+@pytest.mark.slow  # torchrun and two ranks: ~10 s of process start-up
+def test_an_error_under_torchrun_is_printed_once(checkpoint, tmp_path):
+    """Issue 39: every rank meets the same input error and each printed it. Now one rank,
+    elected through the rendezvous store (as pretrain.py does), prints it; every rank exits 2."""
+    data = write_input(tmp_path / "in.jsonl", blank_at=2)
+    cmd = [sys.executable, "-m", "mpcore.torchrun", "--nproc-per-node", "2", "--standalone",
+           str(REPO / "launch" / "score.py"), "--hf-checkpoint", str(checkpoint),
+           "--input", str(data), "--output", str(tmp_path / "out.jsonl")]
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(errors) == 1 and f"{data}:3: a blank line" in errors[0], done.stderr[-3000:]
+    assert not (tmp_path / "out.jsonl").exists()

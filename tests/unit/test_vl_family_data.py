@@ -3,7 +3,9 @@ family's transformers image processor (Qwen2VLImageProcessor for qwen2_vl, the s
 Qwen3-VL's patch 16 and mean = std = 0.5 for qwen3_vl, Glm4vImageProcessor for glm4v; the PIL
 backends, built with explicit arguments, no download), on images of odd sizes (thin, tiny,
 non-multiples of any patch). The folder records the family, the fingerprint covers it, and a run
-of another family refuses it naming the prepare command; the shipped set is prepared per family.
+of another family refuses it naming the prepare command, unless that family processes images and
+videos identically (compared by content: Qwen3.5-VL takes Qwen3-VL's data); the shipped set is
+prepared per family.
 """
 
 from __future__ import annotations
@@ -160,3 +162,23 @@ def test_shipped_set_is_prepared_per_family(data_dir):
         assert ds.patch_dim == 3 * proc.temporal_patch_size * proc.patch_size ** 2
         folders[name] = folder
     assert len(set(folders.values())) == 3
+
+
+def test_data_of_a_family_with_the_same_processing_is_taken(manifest, data_dir, tmp_path):
+    """Issue 39: Qwen3.5-VL processes images and videos exactly as Qwen3-VL does (the same
+    processor, patch, bounds, normalisation, resize rules and video layout), yet refused
+    Qwen3-VL-prepared data by its family's name. The rule is now equal processing, by content:
+    taken by qwen3_5_vl, still refused by glm4v (another processor)."""
+    folder = prepare("qwen3_vl", manifest, data_dir, tmp_path / "q3")
+    assert family_named("qwen3_5_vl").image_processing == family_named(
+        "qwen3_vl").image_processing
+    cfg = load_config(REPO / "launch" / "configs" / "qwen35_vl_tiny.yaml",
+                      [f"data.vl_paths=[{folder.folder}]", f"data.cache_dir={data_dir}",
+                       "data.seq_len=1024", "data.micro_batch=1"])
+    loader, *_ = build_vl_loaders(cfg, ParallelState(), family_named("qwen3_5_vl"))
+    assert loader.num_samples > 0
+    cfg = load_config(REPO / "launch" / "configs" / CONFIGS["glm4v"],
+                      [f"data.vl_paths=[{folder.folder}]", f"data.cache_dir={data_dir}"])
+    with pytest.raises(ValueError, match="was prepared for the qwen3_vl family's image "
+                                         "processor, but this run trains the glm4v family"):
+        build_vl_loaders(cfg, ParallelState(), family_named("glm4v"))
