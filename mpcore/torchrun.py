@@ -72,9 +72,13 @@ def _quiet_torchrun_logs() -> None:
 
 def _failure_line(err: ChildFailedError) -> tuple[int, str | None]:
     """(exit code, the line to print or None) for torchrun's failure ``err``."""
+    # A worker that reported its own error (exit 2, 3, ...) decides the run's code: the
+    # workers torchrun stopped after it (SIGTERM) are its consequence, even when their failure
+    # was recorded first (timestamps have one-second resolution).
+    reported = [f for f in err.failures.values() if f.exitcode in REPORTED]
+    if reported:
+        return min(reported, key=lambda f: f.timestamp).exitcode, None
     rank, failure = err.get_first_failure()
-    if failure.exitcode in REPORTED:
-        return failure.exitcode, None
     if failure.exitcode < 0:  # torchrun's message then only repeats the signal
         how = f"was killed by {failure.signal_name()}"
     else:
