@@ -12,9 +12,11 @@ measured on the host, so the layers need no device sync to check ids and labels)
 """
 
 if __name__ != "mpcore.kernels":  # reached by the bare name; mpcore/_names.py says why
-    from mpcore._names import bare_import
+    import runpy
+    from pathlib import Path
 
-    bare_import(__name__, __path__)
+    runpy.run_path(str(Path(__file__).parents[1] / "mpcore" / "_names.py"))["bare_import"](
+        __name__, __path__)
 else:
     from mpcore.kernels.linear_cross_entropy import linear_cross_entropy, linear_logprobs
     from mpcore.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_reference

@@ -1,4 +1,6 @@
 if __name__ != "mpcore.launch":  # reached by the bare name; mpcore/_names.py says why
-    from mpcore._names import bare_import
+    import runpy
+    from pathlib import Path
 
-    bare_import(__name__, __path__)
+    runpy.run_path(str(Path(__file__).parents[1] / "mpcore" / "_names.py"))["bare_import"](
+        __name__, __path__)

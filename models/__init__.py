@@ -8,9 +8,11 @@ below are the common surface; each family's own are in its package.
 """
 
 if __name__ != "mpcore.models":  # reached by the bare name; mpcore/_names.py says why
-    from mpcore._names import bare_import
+    import runpy
+    from pathlib import Path
 
-    bare_import(__name__, __path__)
+    runpy.run_path(str(Path(__file__).parents[1] / "mpcore" / "_names.py"))["bare_import"](
+        __name__, __path__)
 else:
     from mpcore.models.common.config import ModelConfig
     from mpcore.models.common.decoder import Transformer, build_model

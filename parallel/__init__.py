@@ -1,9 +1,11 @@
 """The math of splitting: collectives, TP/SP layers, CP split and attention, labels, losses."""
 
 if __name__ != "mpcore.parallel":  # reached by the bare name; mpcore/_names.py says why
-    from mpcore._names import bare_import
+    import runpy
+    from pathlib import Path
 
-    bare_import(__name__, __path__)
+    runpy.run_path(str(Path(__file__).parents[1] / "mpcore" / "_names.py"))["bare_import"](
+        __name__, __path__)
 else:
     from mpcore.parallel.context import ContextPlan, RankLayout, split_batch
     from mpcore.parallel.labels import LabelShifter, MtpTargets, pack_padded, position_ids

@@ -14,10 +14,10 @@ are checked, each failure naming ``file:line``:
    ``models/__init__.py`` sit above the families and may import them all. The one kind left:
    a MoE variant imports its dense family's record to derive its own (``LINEAGE_EDGES``).
 
-The one exemption: ``mpcore._names``. The four folders' ``__init__.py`` import it only on the
-route where a folder was reached under its bare name (``import kernels`` from the repository
-root); it is standard-library only and imports nothing of ours, so it cannot close a circle or
-pull the runtime into a lower layer. Every other ``mpcore.*`` module is layer 3.
+No exemption: the four folders' ``__init__.py`` run ``mpcore/_names.py`` by path (not by import)
+on the route where a folder was reached under its bare name (``import kernels`` from the
+repository root), so that route imports nothing of ours. Every ``mpcore.*`` module other than
+the four layers is layer 3.
 
 Layout: a graph of module names (``mpcore.models.llama.family``) to the modules they import.
 """
@@ -36,9 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = {"kernels": "mpcore.kernels", "parallel": "mpcore.parallel",
                 "models": "mpcore.models", "mpcore": "mpcore", "launch": "mpcore.launch"}
 LAYER_NAMES = ("kernels", "parallel", "models", "mpcore (runtime)", "launch")
-# Standard-library only guard run by the four folders' __init__ on the bare-name route
-# (mpcore/_names.py); see this file's docstring.
-EXEMPT = frozenset({"mpcore._names"})
 FAMILY_ROOT = "mpcore.models"
 FAMILY_SHARED = frozenset({"common"})
 
@@ -55,7 +52,7 @@ class Import:
 
 def layer_of(module: str) -> int | None:
     """0..4 for our modules (see ``LAYER_NAMES``), ``None`` for anything else or an exemption."""
-    if module in EXEMPT or not (module == "mpcore" or module.startswith("mpcore.")):
+    if not (module == "mpcore" or module.startswith("mpcore.")):
         return None
     for layer, prefix in enumerate(("mpcore.kernels", "mpcore.parallel", "mpcore.models")):
         if module == prefix or module.startswith(prefix + "."):
@@ -264,7 +261,7 @@ def test_checks_can_fail(tmp_path):
 
 @pytest.mark.parametrize("module, layer", [("mpcore.kernels.adamw", 0), ("mpcore.parallel", 1),
                                            ("mpcore.models.common.rope", 2), ("mpcore.data", 3),
-                                           ("mpcore.launch.score", 4), ("mpcore._names", None),
+                                           ("mpcore.launch.score", 4), ("mpcore._names", 3),
                                            ("torch", None), ("mpcorex", None)])
 def test_layer_of(module, layer):
     assert layer_of(module) == layer
