@@ -17,12 +17,12 @@ from mpcore.models.common.hybrid.hf import (
     shard_map,
 )
 from mpcore.models.common.hybrid.model import build
+from mpcore.models.common.hybrid.mtp import local_inputs
 from mpcore.models.common.hybrid.section import (
     Qwen35Section,
     config_from_dict,
     config_from_section,
 )
-from mpcore.models.common.inputs import local_text_inputs
 
 TEXT_ARCH = "Qwen3_5ForCausalLM"
 
@@ -37,7 +37,7 @@ FAMILY = Family(
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
-    local_inputs=local_text_inputs, num_params=counts.num_params,
+    local_inputs=local_inputs, num_params=counts.num_params,
     flops_per_token=counts.flops_per_token, decoder=_decoder, section=Qwen35Section,
     options=("gdn_kernel",))
 
