@@ -12,9 +12,9 @@ from mpcore.models.common.hybrid.hf import (
     ARCHITECTURES,
     config_from_hf,
     export_hf,
+    full_map,
     hf_config_dict,
     load_hf,
-    shard_map,
 )
 from mpcore.models.common.hybrid.model import build
 from mpcore.models.common.hybrid.mtp import local_inputs
@@ -36,7 +36,7 @@ FAMILY = Family(
     hf_model_types=(ARCHITECTURES[TEXT_ARCH],),
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
-    build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
+    build=build, load_hf=load_hf, export_hf=export_hf, shard_map=full_map,
     local_inputs=local_inputs, num_params=counts.num_params,
     flops_per_token=counts.flops_per_token, decoder=_decoder, section=Qwen35Section,
     options=("gdn_kernel",))
