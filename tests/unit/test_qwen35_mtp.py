@@ -132,3 +132,28 @@ def test_without_mtp_weights_trains_as_today_and_bad_input_is_refused(tmp_path):
     inputs["mtp_input_ids"] = inputs["input_ids"]
     with pytest.raises(ValueError, match="has no MTP block"):
         model(**inputs, output="loss")
+
+
+def test_score_mtp_gives_the_mtp_heads_logprobs(release, tmp_path):
+    from mpcore.launch.score import main
+
+    folder, ids, cu, ref = release
+    lines = [ids[a:b].tolist() for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": x}) + "\n"
+                                               for x in lines))
+    args = ["--hf-checkpoint", str(folder), "--input", str(tmp_path / "in.jsonl")]
+    assert main([*args, "--mtp", "--output", str(tmp_path / "mtp.jsonl")]) == 0
+    assert main([*args, "--output", str(tmp_path / "main.jsonl")]) == 0
+    mtp = [json.loads(x) for x in (tmp_path / "mtp.jsonl").read_text().splitlines()]
+    plain = [json.loads(x) for x in (tmp_path / "main.jsonl").read_text().splitlines()]
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    for (a, b), got, other in zip(bounds, mtp, plain, strict=True):
+        assert len(got["logprobs"]) == len(other["logprobs"]) == b - a - 1
+        want = ref["mtp_logprobs"][a:b - 1].tolist()  # 0 at t = len - 2: no target there
+        assert max((abs(x - y) for x, y in zip(got["logprobs"], want, strict=True)),
+                   default=0.0) <= 1e-5
+    assert mtp != plain
+    plain_folder = tmp_path / "plain"
+    make_hf_model(seed=2).save_pretrained(plain_folder)
+    assert main(["--hf-checkpoint", str(plain_folder), "--input", str(tmp_path / "in.jsonl"),
+                 "--mtp", "--output", str(tmp_path / "bad.jsonl")]) == 2
