@@ -157,3 +157,19 @@ def test_score_mtp_gives_the_mtp_heads_logprobs(release, tmp_path):
     make_hf_model(seed=2).save_pretrained(plain_folder)
     assert main(["--hf-checkpoint", str(plain_folder), "--input", str(tmp_path / "in.jsonl"),
                  "--mtp", "--output", str(tmp_path / "bad.jsonl")]) == 2
+
+
+def test_families_without_mtp_refuse_the_weight_with_the_fix():
+    from mpcore.build import resolve_model_config
+    from mpcore.config import load_config
+
+    for family in ("llama", "qwen3_5_vl"):  # no such key in their sections
+        with pytest.raises(ValueError, match="model.mtp_loss_weight is set but the"):
+            load_config(None, [f"model.family={family}", "model.mtp_loss_weight=0.5"])
+    with pytest.raises(ValueError, match="not supported on Qwen3.5-MoE yet"):
+        resolve_model_config(load_config(None, [
+            "model.family=qwen3_5_moe", "model.mtp_num_hidden_layers=1",
+            "model.mtp_loss_weight=0.5"]))
+    with pytest.raises(ValueError, match="needs an MTP layer but this model has none"):
+        resolve_model_config(load_config(None, ["model.family=qwen3_5",
+                                                "model.mtp_loss_weight=0.5"]))
