@@ -70,3 +70,14 @@ def test_release_with_mtp_trains_and_exports_it(tmp_path, data_dir):
                           load_file(folder / "model.safetensors"))
     assert set(exported) == set(original)
     assert not (exported["mtp.fc.weight"] == original["mtp.fc.weight"]).all()  # trained
+
+
+def test_mtp_run_resumes_bit_identically(tmp_path, data_dir):
+    keys = ("model.mtp_num_hidden_layers=1", f"model.mtp_loss_weight={WEIGHT}",
+            "training.max_steps=4", "schedule.total_steps=4", "checkpoint.every=2")
+    straight = train(_cfg(tmp_path / "a", data_dir, *keys)).losses
+    first = train(_cfg(tmp_path / "b", data_dir, *keys, "training.max_steps=2"))
+    second = train(_cfg(tmp_path / "b", data_dir, *keys))
+    assert first.losses + second.losses == straight  # weights (mtp.* too), optimizer, data
+    rows = {r["step"]: r["mtp_loss"] for r in _metrics(tmp_path / "b")}
+    assert rows == {r["step"]: r["mtp_loss"] for r in _metrics(tmp_path / "a")}
