@@ -7,7 +7,10 @@ logical form): the model is rebuilt from the checkpoint's ``meta.json`` at tp=1,
 written by its family's export (``mpcore.models.registry``). Memory: the full model in fp32 plus one load batch.
 ``--checkpoint`` may also be a checkpoint root, which exports its ``latest``.
 
-The run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
+A run on data prepared with a released tokenizer folder (``data.tokenizer``, or
+``model.init_from``'s) gets that folder's files byte for byte, with the release's
+``generation_config.json`` and special ids (``mpcore.launch.export_release``). Otherwise the
+run's SentencePiece tokenizer (``data.tokenizer``, or the default corpus's) is copied
 beside the weights as ``tokenizer.model`` when it can be found, with ``tokenizer.json``,
 ``tokenizer_config.json`` and ``special_tokens_map.json`` so that transformers'
 ``AutoTokenizer`` loads the folder and gives the same ids; a progress bar on stderr
@@ -37,6 +40,7 @@ from mpcore import atomic
 from mpcore.checkpoint import latest_checkpoint, read_meta
 from mpcore.data.tokenizer import Tokenizer
 from mpcore.data.vl_tokenizer import VLTokenizer
+from mpcore.launch.export_release import copy_release, release_tokenizer
 from mpcore.launch.export_target import check_checkpoint, check_output, staging_folder, swap_in
 from mpcore.logical import LogicalLayout
 from mpcore.models import Family, family_named
@@ -83,8 +87,15 @@ def _export_into(checkpoint: str | Path, output: Path) -> Path:
     family.export_hf(model, state, output, progress=lambda done, total: bar.update(done))
     bar.close()
     vl = family.modality == "image-text"
-    tokenizer = run_tokenizer(meta.get("config", {}), vl, family)
-    if tokenizer is not None and tokenizer.is_file():
+    run_config = meta.get("config", {})
+    release = release_tokenizer(run_config)
+    tokenizer = None if release else run_tokenizer(run_config, vl, family)
+    if release is not None:  # a released tokenizer folder: its files, unchanged
+        copy_release(release, (run_config.get("model") or {}).get("init_from"), Path(output))
+        if vl and family.hf_image_processor and not (
+                Path(output) / "preprocessor_config.json").is_file():  # from scratch
+            write_preprocessor_config(release, family.hf_image_processor, Path(output))
+    elif tokenizer is not None and tokenizer.is_file():
         write_tokenizer(tokenizer, vl, Path(output))
         if vl and family.hf_image_processor:  # the data's image settings, for AutoProcessor
             write_preprocessor_config(tokenizer.parent, family.hf_image_processor, Path(output))

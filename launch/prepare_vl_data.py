@@ -21,9 +21,16 @@ resize rule and per-frame pixel bounds (``--video-min-pixels`` / ``--video-max-p
 the processor's), the patch sizes above, and the family's text layout (Qwen3-VL and GLM-4V write
 each temporal patch's timestamp between the frames).
 
-``T``: a SentencePiece ``.model`` (the four VL ids are appended after its vocab), a prepared
-dataset's ``tokenizer.json``, or ``default`` (the default corpus's model, prepared under
-``--data-dir`` on first use). The manifest schema is in mpcore/data/vl_manifest.py (and
+``T``: a released checkpoint's folder (or its ``tokenizer.json``: the ``tokenizers`` format of
+the Hugging Face Hub, with config.json beside it), a SentencePiece ``.model`` (the four VL ids
+are appended after its vocab), a prepared dataset's ``tokenizer.json``, or ``default`` (the
+default corpus's model, prepared under ``--data-dir`` on first use).
+
+With a released folder the manifest holds VL conversations (``{"messages": [...]}`` with
+image parts, mpcore/data/vl_chat.py): rendered with the release's chat template, each image's
+placeholder expanded by the family's resize rule, the release's OWN vision token ids (its
+config.json's), an assistant-only loss mask; ``--family`` defaults to the release's, and the
+image settings to its preprocessor_config.json. The manifest schema is in mpcore/data/vl_manifest.py (and
 launch/data/images/README.md); the folder layout in mpcore/data/vl_dataset.py. The manifest is
 checked first (every problem reported as ``file:line``, nothing written), then streamed with a
 progress line on stderr; the folder appears only when complete. Also runs as
@@ -38,9 +45,12 @@ from pathlib import Path
 
 from mpcore.data.corpus import prepare_default
 from mpcore.data.videos import VideoSettings
+from mpcore.data.vl_chat import is_conversation_file, prepare_vl_conversations
 from mpcore.data.vl_dataset import VLDataset, prepare_vl_dataset
 from mpcore.data.vl_manifest import ImageSettings
+from mpcore.data.vl_release import is_release_tokenizer
 from mpcore.models import FAMILIES, family_named
+from mpcore.vl_release import release_family, release_image_settings, release_vl_tokenizer
 
 VL_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.modality == "image-text")
 
@@ -51,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--manifest", type=Path, required=True, help="the JSONL manifest")
     parser.add_argument(
-        "--tokenizer", required=True, help="SentencePiece .model, tokenizer.json, or 'default'"
+        "--tokenizer", required=True,
+        help="a released checkpoint folder (tokenizer.json + config.json), a SentencePiece "
+             ".model, a prepared dataset's tokenizer.json, or 'default'"
     )
     parser.add_argument("--out", type=Path, required=True, help="dataset folder to write")
     parser.add_argument(
@@ -61,9 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where --tokenizer default is prepared",
     )
     parser.add_argument("--vocab-size", type=int, default=2048, help="vocab of --tokenizer default")
-    parser.add_argument("--family", choices=VL_FAMILIES, default="qwen2_vl",
-                        help="model family whose image processor the data follows (default "
-                             "qwen2_vl); training another family refuses the data")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                        help="model family whose image processor the data follows (default: "
+                             "a released --tokenizer's own, else qwen2_vl); training another "
+                             "family refuses the data")
     family = "(default: the family's processor)"
     parser.add_argument("--min-pixels", type=int, help=f"resize lower bound {family}")
     parser.add_argument("--max-pixels", type=int, help=f"resize upper bound {family}")
@@ -83,20 +96,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _image_overrides(args: argparse.Namespace) -> dict:
+    return dict(patch_size=args.patch_size, temporal_patch_size=args.temporal_patch_size,
+                merge_size=args.merge_size, min_pixels=args.min_pixels,
+                max_pixels=args.max_pixels, resize=not args.no_resize,
+                pixel_dtype=args.pixel_dtype)
+
+
+def prepare_release(args: argparse.Namespace) -> Path:
+    """VL conversations with a released tokenizer folder (module docstring)."""
+    family = family_named(args.family) if args.family else release_family(args.tokenizer)
+    tok = release_vl_tokenizer(args.tokenizer, family)
+    if not is_conversation_file(args.manifest):
+        raise ValueError(f"{args.manifest}:1: with a released tokenizer the manifest holds VL "
+                         f'conversations ({{"messages": [...]}}, mpcore/data/vl_chat.py); for '
+                         f"caption lines pass a SentencePiece --tokenizer")
+    settings = release_image_settings(args.tokenizer, family, **_image_overrides(args))
+    return prepare_vl_conversations(args.manifest, args.out, tok, settings,
+                                    overwrite=args.overwrite)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        family = family_named(args.family)
-        settings = ImageSettings.for_family(
-            family,
-            patch_size=args.patch_size,
-            temporal_patch_size=args.temporal_patch_size,
-            merge_size=args.merge_size,
-            min_pixels=args.min_pixels,
-            max_pixels=args.max_pixels,
-            resize=not args.no_resize,
-            pixel_dtype=args.pixel_dtype,
-        )
+        if args.tokenizer != "default" and is_release_tokenizer(args.tokenizer):
+            out = prepare_release(args)
+            return _report(out, VLDataset(out).settings.family)
+        if args.manifest.is_file() and is_conversation_file(args.manifest):
+            raise ValueError(f"{args.manifest}:1: VL conversations need a released tokenizer "
+                             f"folder (--tokenizer FOLDER with tokenizer.json and config.json), "
+                             f"whose chat template and vision ids they use")
+        family = family_named(args.family or "qwen2_vl")
+        if family.modality != "image-text":
+            raise ValueError(f"--family {family.name} is a text family; image-text data needs "
+                             f"one of {', '.join(VL_FAMILIES)}")
+        settings = ImageSettings.for_family(family, **_image_overrides(args))
         video = None
         if family.image_processing.video is not None:
             video = VideoSettings.for_family(family, min_pixels=args.video_min_pixels,
@@ -110,12 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _report(out, family.name)
+
+
+def _report(out: Path, family: str) -> int:
     m = VLDataset(out).meta
     print(
         f"{out}: {m['num_samples']} samples, {m['num_images']} images, {m['num_videos']} "
         f"videos, {m['num_tokens']} tokens ({m['num_image_tokens']} image and "
         f"{m['num_video_tokens']} video placeholders, {m['num_target_tokens']} targets), vocab "
-        f"{m['tokenizer']['vocab_size']}, images and videos as {args.family}'s processors"
+        f"{m['tokenizer']['vocab_size']}, images and videos as {family}'s processors"
     )
     return 0
 

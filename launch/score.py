@@ -36,6 +36,7 @@ error: output line i belongs to input line i.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ from mpcore.checkpoint import from_rank0
 from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, family_of, family_of_hf, read_hf_config
+from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.hybrid.mtp import MTP_KEYS, MtpOutput
 from mpcore.parallel.state import ParallelState
 
@@ -250,12 +252,15 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
     """The checkpoint's model (its family's loader), tp-sharded, in eval mode."""
     hf = read_hf_config(args.hf_checkpoint)
     family = family_of_hf(hf)
+    cfg = family.config_from_hf(hf)
     mtp = {}
     if args.mtp:  # the weight only makes the loader build and read the block
-        if not getattr(family.config_from_hf(hf), "mtp_num_hidden_layers", 0):
+        if not getattr(cfg, "mtp_num_hidden_layers", 0):
             raise ValueError(f"--mtp: {args.hf_checkpoint} has no multi-token-prediction "
                              f"layers (config.json mtp_num_hidden_layers); drop --mtp")
         mtp = {"mtp_loss_weight": 1.0}
+        cfg = dataclasses.replace(cfg, **mtp)
+    check_tensor_names(args.hf_checkpoint, family, cfg)
     model, _ = family.load_hf(args.hf_checkpoint, state, cp_mode=args.cp_mode,
                               sequence_parallel=args.sequence_parallel, device=device,
                               dtype=DTYPES[args.dtype], **mtp)

@@ -34,6 +34,8 @@ from mpcore.data import (
     Tokenizer,
     prepare_default,
 )
+from mpcore.data.hf_folder import TokenizerFolder, fingerprint_problem, has_tokenizer
+from mpcore.data.sft_packing import SFTPackedDataset
 from mpcore.kernels import host_checked
 from mpcore.models import Family
 from mpcore.parallel.labels import IGNORE_INDEX
@@ -44,11 +46,12 @@ VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
 
 def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
-    """``(tokenizer path, dataset prefixes)`` of ``cfg.data``; prepares the default corpus
-    (serialised over ranks by a file lock) when no paths are given."""
+    """``(tokenizer path, dataset prefixes)`` of ``cfg.data``; the tokenizer defaults to
+    ``model.init_from``'s folder; prepares the default corpus (serialised over ranks by a
+    file lock) when no paths are given."""
     data = cfg.data
     if data.paths:
-        return Path(data.tokenizer), [Path(p) for p in data.paths]
+        return Path(data.tokenizer or cfg.model.init_from), [Path(p) for p in data.paths]
     if data.default_vocab_size > cfg.model.vocab_size:
         raise ValueError(f"data.default_vocab_size = {data.default_vocab_size} exceeds "
                          f"model.vocab_size = {cfg.model.vocab_size}; the default corpus's ids "
@@ -84,20 +87,20 @@ def build_loaders(cfg: Config, state: ParallelState
     dataset written by another tokenizer, or a token id >= ``model.vocab_size``.
     """
     tokenizer_path, prefixes = dataset_sources(cfg)
-    tok = Tokenizer(tokenizer_path)
+    tok = text_tokenizer(tokenizer_path)
+    release = cfg.model.init_from if has_tokenizer(cfg.model.init_from) else None
+    if release is not None and isinstance(tok, TokenizerFolder):
+        check_same_tokenizer(tok.fingerprint, TokenizerFolder(release).fingerprint,
+                             f"data.tokenizer {tok.folder}", release)
     packed, valid = [], []
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
-        if ds.vocab_size != tok.vocab_size:
-            raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} but "
-                             f"the tokenizer {tokenizer_path} has {tok.vocab_size}; set "
-                             f"data.tokenizer to the model that wrote it, or re-tokenize with "
-                             f"launch/prepare_data.py --tokenizer {tokenizer_path}")
+        check_dataset(ds, tok, tokenizer_path, release)
         ds.check_vocab(cfg.model.vocab_size)
         split = len(ds) - _held_out(ds, cfg.data.valid_fraction)
-        packed.append(PackedDataset(ds, cfg.data.seq_len, tok.eos_id, docs=(0, split)))
+        packed.append(_packed(ds, tok, cfg, (0, split)))
         if split < len(ds):
-            valid.append(PackedDataset(ds, cfg.data.seq_len, tok.eos_id, docs=(split, len(ds))))
+            valid.append(_packed(ds, tok, cfg, (split, len(ds))))
     d = cfg.data
     train = DataLoader(_blend(packed, d.weights, d.seed), d.micro_batch, d.grad_accum,
                        state.dp, state.dp_rank, d.seed)
@@ -116,6 +119,57 @@ def build_loaders(cfg: Config, state: ParallelState
                           sum(p.num_docs for p in valid), sum(p.num_tokens for p in valid),
                           len(samples))
     return train, valid_loader, summary
+
+
+def text_tokenizer(path: Path) -> Tokenizer | TokenizerFolder:
+    """A SentencePiece ``.model`` or a tokenizer folder (its ``tokenizer.json``)."""
+    return Tokenizer(path) if path.suffix == ".model" else TokenizerFolder(path)
+
+
+def check_same_tokenizer(ours: dict, release_fp: dict, ours_name: str, release: str) -> None:
+    """Refuse data of another tokenizer than ``model.init_from``'s (before the model exists)."""
+    problem = fingerprint_problem(ours, release_fp, ours_name, f"model.init_from {release}")
+    if problem:
+        raise ValueError(f"{problem}: the checkpoint would read the data's ids as other tokens; "
+                         f"prepare the data with the checkpoint's tokenizer: python "
+                         f"launch/prepare_data.py --tokenizer {release} ...")
+
+
+def check_dataset(ds: IndexedDataset, tok, tokenizer_path: Path, release: str | None) -> None:
+    """The dataset was written by ``tok`` (vocabulary size; for a tokenizer folder, the
+    fingerprint its ``.meta.json`` records) and, with a released checkpoint, by its tokenizer."""
+    if ds.vocab_size != tok.vocab_size:
+        raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} but "
+                         f"the tokenizer {tokenizer_path} has {tok.vocab_size}; set "
+                         f"data.tokenizer to the one that wrote it, or re-tokenize with "
+                         f"launch/prepare_data.py --tokenizer {tokenizer_path}")
+    recorded = (ds.meta or {}).get("tokenizer")
+    if recorded is None:  # SentencePiece data: no fingerprint, but the vocabulary must fit
+        theirs = TokenizerFolder(release).vocab_size if release is not None else None
+        if theirs is not None and theirs != ds.vocab_size:
+            raise ValueError(f"{ds.idx_path} was written by a tokenizer of {ds.vocab_size} "
+                             f"ids but model.init_from {release} has a tokenizer of {theirs}: "
+                             f"the checkpoint would read the data's ids as other tokens; "
+                             f"prepare the data with the checkpoint's tokenizer: python "
+                             f"launch/prepare_data.py --tokenizer {release} ...")
+        return
+    if release is not None:
+        check_same_tokenizer(recorded, TokenizerFolder(release).fingerprint,
+                             f"{ds.idx_path} (prepared with {recorded.get('folder')})", release)
+    if isinstance(tok, TokenizerFolder):
+        problem = fingerprint_problem(recorded, tok.fingerprint, f"{ds.idx_path}'s tokenizer "
+                                      f"({recorded.get('folder')})", f"data.tokenizer {tok.folder}")
+        if problem:
+            raise ValueError(f"{problem}; re-tokenize with launch/prepare_data.py --tokenizer "
+                             f"{tok.folder}, or set data.tokenizer to the folder that wrote it")
+
+
+def _packed(ds: IndexedDataset, tok, cfg: Config, docs: tuple[int, int]):
+    """Chat data (with a loss mask) packs whole conversations; text packs a stream."""
+    if ds.loss_mask is not None:
+        pad = getattr(tok, "pad_fill_id", tok.eos_id)
+        return SFTPackedDataset(ds, cfg.data.seq_len, pad, docs, cfg.data.sft_truncate)
+    return PackedDataset(ds, cfg.data.seq_len, getattr(tok, "separator_id", tok.eos_id), docs)
 
 
 def _blend(packed: list[PackedDataset], weights: list[float], seed: int):

@@ -40,6 +40,7 @@ from mpcore.models import (
     family_of_hf,
     read_hf_config,
 )
+from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.moe import MoeBlock, expert_param_names
 from mpcore.optim import GradNorm, build_optimizer
 from mpcore.parallel.random import RNGTracker, model_parallel_seed
@@ -155,7 +156,13 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
                              f"data was prepared with {token_ids}; prepare the data with the "
                              f"checkpoint's tokenizer")
     else:
-        model_cfg = family.config_from_section(m, token_ids)
+        try:
+            model_cfg = family.config_from_section(m, token_ids)
+        except KeyError as e:  # a release's own id names (GLM's image_start_token_id, ...)
+            raise ValueError(f"the data names vision ids {sorted(token_ids or {})}, but a fresh "
+                             f"{family.name} model takes {e} from its data; train from the "
+                             f"release the data was prepared with (model.init_from), or "
+                             f"prepare the data with a SentencePiece tokenizer") from None
     p = cfg.parallel
     try:
         model_cfg.check_parallel(p.tp, p.cp, p.cp_mode if p.cp > 1 else "none")
@@ -225,7 +232,9 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
     family = run_family(cfg)
     valid_loader = summary = token_ids = None
     if loader is None:
-        loader, valid_loader, summary, token_ids = data_loaders(cfg, state, family)
+        # The data is checked against the model's vocabulary: init_from's, not the section's.
+        loader, valid_loader, summary, token_ids = data_loaders(resolved_section(cfg), state,
+                                                                family)
     cfg, model_cfg = resolve_model_config(cfg, family, token_ids)
     check_tower(summary, family, model_cfg)  # before a large model is built, or any batch
     p = cfg.parallel
@@ -242,6 +251,7 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
         mtp = ({"mtp_loss_weight": model_cfg.mtp_loss_weight}
                if getattr(model_cfg, "uses_mtp", False) else {})
         try:
+            check_tensor_names(cfg.model.init_from, family, model_cfg)
             model, _ = family.load_hf(cfg.model.init_from, state, **kwargs, **mtp)
         except ValueError as e:
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import yaml
 
 from mpcore import atomic
+from mpcore.data.hf_folder import has_tokenizer
 from mpcore.models.common.family import Family
 from mpcore.models.registry import FAMILIES as REGISTRY
 from mpcore.models.registry import family_named, family_of_hf
@@ -51,7 +52,8 @@ RESIDUAL_DTYPES = ("float32", "autocast")
 LINEAR_BACKENDS = ("native", "te", "auto")
 DEVICES = ("auto", "cpu", "cuda")
 FAMILIES = tuple(REGISTRY)
-GDN_KERNELS = ("auto", "fla", "reference")  # mpcore.models.common.hybrid.kernels.GDN_KERNELS (a test checks)
+# mpcore.models.common.hybrid.kernels.GDN_KERNELS (a test checks)
+GDN_KERNELS = ("auto", "fla", "reference")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -252,8 +254,10 @@ class DataSection:
     weights: list[float] = field(default_factory=list)
     """Blend weights, one per path; empty means equal weights."""
     tokenizer: str | None = None
-    """The SentencePiece .model that wrote the datasets (its eos id ends each document);
-    required with paths, refused without them (the default corpus uses its own)."""
+    """What wrote the datasets: a tokenizer folder (tokenizer.json + tokenizer_config.json,
+    as released; its eos ends each text document) or a SentencePiece .model. Default with
+    paths: model.init_from's folder when it holds a tokenizer.json; refused without paths
+    (the default corpus uses its own)."""
     cache_dir: str = "runs/data"
     """Where the default corpus is prepared (tokenizer + dataset) on first use."""
     default_vocab_size: int = 2048
@@ -273,6 +277,9 @@ class DataSection:
     """Vision-language runs: image-text dataset folders (launch/prepare_vl_data.py); empty
     means the image set shipped with the repo, prepared on first use. Text datasets of paths
     blend in; weights then list the VL datasets first, then the text ones."""
+    sft_truncate: bool = False
+    """Chat (SFT) data: cut a conversation longer than seq_len to its first seq_len tokens
+    (counted) instead of stopping with an error that names its source line."""
     vl_drop_long: bool = False
     """VL runs: drop (and count) samples longer than seq_len instead of stopping with an
     error (samples are never cut: an image never crosses a micro-batch)."""
@@ -286,9 +293,6 @@ class DataSection:
                              f"{len(self.paths)}; give one weight per path or none")
         if any(w < 0 for w in self.weights) or (self.weights and sum(self.weights) <= 0):
             raise ValueError(f"data.weights must be >= 0 with a positive sum, got {self.weights}")
-        if self.paths and not self.tokenizer and not self.vl_paths:
-            raise ValueError("data.paths is set but data.tokenizer is not; set data.tokenizer to "
-                             "the SentencePiece .model that wrote the datasets")
         if self.tokenizer and not self.paths and self.vl_paths:
             raise ValueError(f"data.tokenizer={self.tokenizer} is set with data.vl_paths only; a "
                              f"VL run uses the tokenizer its datasets were prepared with "
@@ -304,12 +308,16 @@ class DataSection:
                 f"{self.tokenizer}, then set data.paths=[runs/data/mine]; or drop data.tokenizer")
 
 
+SCRATCH_LR, FINE_TUNE_LR, SCRATCH_WARMUP = 3e-3, 1e-5, 20
+
+
 @dataclass(frozen=True)
 class OptimizerSection:
     """AdamW (decoupled weight decay on matrices, none on norms and biases)."""
 
-    lr: float = 3e-3
-    """Peak learning rate (after warmup)."""
+    lr: float | None = None
+    """Peak learning rate (after warmup). Default (null): 3e-3 from scratch, 1e-5 with
+    model.init_from (a from-scratch rate wrecks a release's weights in a few steps)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam beta1, beta2."""
     eps: float = 1e-8
@@ -324,7 +332,7 @@ class OptimizerSection:
     apex) or auto (on CUDA apex when installed, else triton; torch on other devices)."""
 
     def __post_init__(self):
-        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+        if (self.lr is not None and self.lr <= 0) or self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("optimizer.lr and eps must be > 0, weight_decay and grad_clip >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
@@ -335,8 +343,9 @@ class OptimizerSection:
 class ScheduleSection:
     """Linear warmup from 0 to optimizer.lr, then decay to min_lr_ratio * lr at total_steps."""
 
-    warmup_steps: int = 20
-    """Steps of linear warmup (at most the schedule's length: a 5-step run warms up in 5)."""
+    warmup_steps: int | None = None
+    """Steps of linear warmup (at most the schedule's length: a 5-step run warms up in 5).
+    Default (null): 20 from scratch; with model.init_from 3% of the schedule (at least 1)."""
     total_steps: int | None = None
     """Step at which the decay ends; null means training.max_steps. Keep it fixed across a
     resumed run, or the schedule changes."""
@@ -346,7 +355,7 @@ class ScheduleSection:
     """Final learning rate as a fraction of optimizer.lr."""
 
     def __post_init__(self):
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
         _positive("schedule", self, "total_steps")
         _choice("schedule", "decay", self.decay, ("cosine", "linear"))
@@ -477,6 +486,19 @@ class Config:
                              f"positions would reach {seq - 1}, beyond what the model is meant "
                              f"for; lower data.seq_len to <= {most} or raise "
                              f"model.max_position_embeddings")
+        d, init_from = self.data, self.model.init_from
+        if self.optimizer.lr is None:  # defaults that depend on init_from (docstrings: why)
+            lr = FINE_TUNE_LR if init_from else SCRATCH_LR
+            object.__setattr__(self, "optimizer", dataclasses.replace(self.optimizer, lr=lr))
+        if self.schedule.warmup_steps is None:
+            total = self.schedule.total_steps or self.training.max_steps
+            warmup = max(1, round(0.03 * total)) if init_from else SCRATCH_WARMUP
+            object.__setattr__(self, "schedule",
+                               dataclasses.replace(self.schedule, warmup_steps=warmup))
+        if d.paths and not d.tokenizer and not d.vl_paths and not has_tokenizer(init_from):
+            raise ValueError("data.paths is set but data.tokenizer is not (and model.init_from "
+                             "has no tokenizer.json); set data.tokenizer to the tokenizer folder "
+                             "or SentencePiece .model that wrote the datasets")
         if self.training.eval_every and not self.data.valid_fraction:
             raise ValueError(f"training.eval_every={self.training.eval_every} needs held-out "
                              f"documents; set data.valid_fraction (e.g. 0.05) or "

@@ -43,6 +43,7 @@ from pathlib import Path
 from mpcore.batches import dataset_sources
 from mpcore.build import run_family
 from mpcore.config import Config, to_dict
+from mpcore.data.hf_folder import folder_of
 from mpcore.data.vl_dataset import folder_fingerprint
 from mpcore.vl_data import vl_sources
 
@@ -75,9 +76,10 @@ def data_fingerprint(cfg: Config) -> dict:
     data ``cfg`` trains on (the default corpus included); a vision-language run adds
     ``"vl_datasets"``, one content fingerprint per image-text folder (the default included;
     ``mpcore.data.vl_dataset.folder_fingerprint``) and its tokenizer is the first folder's."""
-    def text(prefixes):
+    def text(prefixes):  # chat data adds its loss mask
         return [f"{file_fingerprint(f'{p}.bin')}; idx {file_fingerprint(f'{p}.idx')}"
-                for p in prefixes]
+                + (f"; mask {file_fingerprint(f'{p}.mask')}" if Path(f"{p}.mask").is_file()
+                   else "") for p in prefixes]
 
     family = run_family(cfg)
     if family.modality == "image-text":
@@ -86,6 +88,8 @@ def data_fingerprint(cfg: Config) -> dict:
                 "datasets": text(prefixes),
                 "vl_datasets": [folder_fingerprint(f, file_fingerprint) for f in folders]}
     tokenizer, prefixes = dataset_sources(cfg)
+    if tokenizer.suffix != ".model":  # a released tokenizer folder: its tokenizer.json
+        tokenizer = folder_of(tokenizer) / "tokenizer.json"
     return {"tokenizer": file_fingerprint(tokenizer), "datasets": text(prefixes)}
 
 

@@ -9,9 +9,11 @@ with ``loss_mask`` (targets), the images' ``pixel_values`` / ``image_grid_thw`` 
 samples hold videos, ``pixel_values_videos`` / ``video_grid_thw`` (the family's input builder
 places them: ``mpcore.batches.local_inputs``).
 
-Token ids: the datasets' VL tokenizer (a SentencePiece model with the placeholder and vision
-start/end ids after its vocab) names them; the model takes them from it (or, from a checkpoint,
-must agree: ``mpcore.build``).
+Token ids: the datasets' VL tokenizer names them: a SentencePiece model with the placeholder and
+vision start/end ids after its vocab, or a released checkpoint's tokenizer with its own vision
+ids (``mpcore.data.vl_release``: VL conversations); the model takes them from it (or, from a
+checkpoint, must agree: ``mpcore.build``; released data must also be ``model.init_from``'s
+tokenizer by content: :func:`check_release`).
 
 Images: every VL dataset must have been prepared for the run's model family (its meta.json's
 ``image_settings.family``: that family's image processor, resize rule and patch size; the
@@ -41,7 +43,10 @@ from mpcore.data import (
     VLTokenizer,
     prepare_vl_default,
 )
+from mpcore.data.hf_folder import TokenizerFolder, fingerprint_problem, has_tokenizer
+from mpcore.data.sft_packing import SFTPackedDataset
 from mpcore.data.vl_default import default_settings
+from mpcore.data.vl_release import ReleaseVLTokenizer
 from mpcore.models.common.family import Family
 from mpcore.parallel.state import ParallelState
 
@@ -63,10 +68,45 @@ def vl_sources(cfg: Config, family: Family) -> tuple[list[Path], list[Path], VLT
 
 
 def _check_tokenizer(tok: VLTokenizer, other: VLTokenizer, where: Path) -> None:
-    if tok.token_ids() != other.token_ids() or tok.vocab_size != other.vocab_size:
+    if (tok.token_ids() != other.token_ids() or tok.vocab_size != other.vocab_size
+            or getattr(tok, "fingerprint", None) != getattr(other, "fingerprint", None)):
         raise ValueError(f"{where} was prepared with another VL tokenizer ({other.token_ids()}, "
                          f"vocab {other.vocab_size}) than the first dataset ({tok.token_ids()}, "
                          f"vocab {tok.vocab_size}); prepare every dataset with one tokenizer")
+
+
+def check_release(tok, init_from: str | None, where: Path) -> None:
+    """Data prepared with a released tokenizer (``ReleaseVLTokenizer``) and a run from a
+    release with a tokenizer.json: the same tokenizer by content, or ``ValueError`` naming
+    both and the prepare command, before the model is built (the vision ids are compared
+    with the release's config by ``mpcore.build``)."""
+    if not isinstance(tok, ReleaseVLTokenizer) or not has_tokenizer(init_from):
+        return
+    problem = fingerprint_problem(tok.fingerprint, TokenizerFolder(init_from).fingerprint,
+                                  f"{where} (prepared with {tok.to_json()['folder']})",
+                                  f"model.init_from {init_from}")
+    if problem:
+        raise ValueError(f"{problem}; prepare the data with the checkpoint's tokenizer: python "
+                         f"launch/prepare_vl_data.py --tokenizer {init_from} --manifest M.jsonl "
+                         f"--out NEW_DIR")
+
+
+def check_text(ds: IndexedDataset, tok) -> None:
+    """A text dataset blended into a VL run was written by the VL data's tokenizer: the same
+    vocabulary size, and for release-prepared VL data the same tokenizer by content (its
+    ``.meta.json``); ``ValueError`` naming the file and the fix."""
+    if ds.vocab_size != tok.text_vocab_size:
+        raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} but the "
+                         f"VL tokenizer's text vocabulary has {tok.text_vocab_size}; tokenize "
+                         f"text with the tokenizer the VL data was prepared with")
+    if not isinstance(tok, ReleaseVLTokenizer):
+        return
+    recorded = (ds.meta or {}).get("tokenizer")
+    problem = fingerprint_problem(recorded or {}, tok.fingerprint, f"{ds.idx_path}'s tokenizer",
+                                  f"the VL data's ({tok.folder})")
+    if recorded is None or problem:
+        raise ValueError(f"{problem or f'{ds.idx_path} records no tokenizer'}; prepare the text "
+                         f"with launch/prepare_data.py --tokenizer {tok.to_json()['folder']}")
 
 
 def check_family(ds: VLDataset, family: Family) -> None:
@@ -129,6 +169,7 @@ def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
     model vocabulary (from scratch) too small for the tokenizer's ids."""
     d = cfg.data
     folders, text, tok = vl_sources(cfg, family)
+    check_release(tok, cfg.model.init_from, folders[0])
     if not cfg.model.init_from and cfg.model.vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the VL "
                          f"tokenizer's {tok.vocab_size} ids (text vocab + 4 vision ids); raise "
@@ -152,11 +193,13 @@ def build_vl_loaders(cfg: Config, state: ParallelState, family: Family):
                                          samples=(len(ds) - held, len(ds))))
     for prefix in text:
         ds = IndexedDataset(prefix)
-        if ds.vocab_size != tok.text_vocab_size:
-            raise ValueError(f"{ds.idx_path} was written for a vocabulary of {ds.vocab_size} "
-                             f"but the VL tokenizer's SentencePiece model has "
-                             f"{tok.text_vocab_size}; tokenize text with that model")
-        train.append(TextAsVL(PackedDataset(ds, d.seq_len, tok.eos_id), patch_dim))
+        check_text(ds, tok)
+        if ds.loss_mask is not None:  # chat data: whole conversations, their masks kept
+            packed = SFTPackedDataset(ds, d.seq_len, getattr(tok, "pad_fill_id", tok.eos_id),
+                                      truncate=d.sft_truncate)
+        else:
+            packed = PackedDataset(ds, d.seq_len, tok.eos_id)
+        train.append(TextAsVL(packed, patch_dim))
     weights = d.weights or [1.0] * len(train)
     if len(weights) != len(train):
         raise ValueError(f"data.weights has {len(weights)} entries for {len(train)} datasets "

@@ -145,6 +145,9 @@ class Family:
     host_inputs: tuple[str, ...] = ()
     section: type = DecoderSection
     image_processing: ImageProcessing | None = None
+    hf_skipped: tuple[str, ...] = ()
+    """Glob patterns of checkpoint tensors the family knowingly does not read (listed once in
+    the log; every other unread tensor is refused: ``mpcore.models.common.hf_check``)."""
 
     def __post_init__(self):
         assert self.modality in MODALITIES, self.modality

@@ -1,5 +1,6 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig``: the decoder's reader (Llama, Qwen2, Qwen3 causal LMs; the
-VL and MoE families read their text part with it, so it lives in ``models/common``).
+"""Hugging Face ``config.json`` <-> ``ModelConfig``: the decoder's reader and writer (Llama,
+Qwen2, Qwen3 causal LMs; the VL and MoE families read their text part with it, so it lives in
+``models/common``).
 
 Reading takes both config formats transformers writes: v5 (``rope_parameters`` holding
 ``rope_theta`` and the scaling) and v4 (top-level ``rope_theta`` and ``rope_scaling``). Variants

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,20 @@ def read_hf_config(source: str | Path | dict) -> dict:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json at {path}; pass a Hugging Face checkpoint folder")
-    return json.loads(path.read_text())
+    return _read_json(path, "config.json")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """The JSON object in ``path``; ``ValueError`` naming the file and the error otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); repair or download the {what} "
+                         f"again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object a {what} "
+                         f"is; repair or download it again")
+    return value
 
 
 def check_architecture(hf: dict, arch: str, model_type: str, name: str) -> None:
@@ -119,8 +132,16 @@ class Checkpoint:
     def __init__(self, folder: Path):
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map object; repair or download it "
+                                 f"again")
             self.files = {name: folder / file for name, file in weight_map.items()}
+            absent = sorted({p.name for p in self.files.values() if not p.is_file()})
+            if absent:
+                raise ValueError(f"{index} names shards that are not in {folder}: "
+                                 f"{', '.join(absent)}; download them (or the whole checkpoint) "
+                                 f"again")
         elif (folder / "model.safetensors").is_file():
             with _safe_open(folder / "model.safetensors") as f:
                 self.files = {name: folder / "model.safetensors" for name in f.keys()}
@@ -151,6 +172,11 @@ class Checkpoint:
         stop = min(piece.stop, shape[piece.dim])
         start = min(piece.start, stop)
         part = view[start:stop] if piece.dim == 0 else view[:, start:stop]
+        if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+            bad = "NaN" if bool(torch.isnan(part).any()) else "inf"
+            raise ValueError(f"tensor {piece.name} in {self.files[piece.name]} holds {bad} "
+                             f"values: the checkpoint is damaged (or was saved from a diverged "
+                             f"run); use an earlier or the original checkpoint")
         if stop - start < piece.stop - piece.start:  # padded vocab rows
             pad = piece.stop - piece.start - (stop - start)
             part = torch.cat([part, part.new_zeros(pad, *shape[1:])])
@@ -195,6 +221,21 @@ def write_hf(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dic
                   metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()
+
+
+@torch.no_grad()
+def export_by_table(model: nn.Module, state: ParallelState, out_dir: str | Path,
+                    hf_config_dict: Callable[[Any], dict],
+                    shard_map: Callable[[Any, int, int], dict[str, list[Piece]]],
+                    progress=None, cfg=None) -> None:
+    """A family's whole export when every parameter is in its shard map: ``hf_config_dict(cfg)``
+    first (its checks raise before any communication), then :func:`write_hf` with every tp
+    rank's ``shard_map(cfg, tp, r)``. ``cfg``: the model's (None: ``model.cfg``). Collective
+    over the world; a barrier at the end."""
+    cfg = model.cfg if cfg is None else cfg
+    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
+    write_hf(model, state, out_dir, hf_dict,
+             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
 
 
 @torch.no_grad()

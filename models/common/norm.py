@@ -11,6 +11,9 @@ tp group. When every rank sees the same input the gradient is already whole on e
 zero, so weight decay pulls the scale toward one. The kernel multiplies by ``1 + weight``; in
 fp32 that equals transformers' ``x_normed * (1 + w)``, in bf16 the normalised value is rounded
 once before the multiply (``mpcore.kernels.rmsnorm``'s rule), where transformers rounds after it.
+The ``1 + weight`` scale is fp32 even for bf16 weights, so without an ``out_dtype`` the output is
+written in x's dtype (transformers' ``type_as(x)``), not promoted to fp32: a bf16 model run
+without autocast (``score.py --dtype bfloat16``) fed fp32 rows to its bf16 projections.
 """
 
 from __future__ import annotations
@@ -58,13 +61,18 @@ class RMSNorm(nn.Module):
         return 1.0 + w.to(torch.promote_types(w.dtype, torch.float32))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``mpcore.kernels.rmsnorm``)."""
+        """``x [..., dim]`` -> normalised, in ``out_dtype`` when given (``mpcore.kernels.rmsnorm``);
+        zero-centred: else in x's dtype."""
+        if out_dtype is None and self.zero_centred:
+            out_dtype = x.dtype
         return rms_norm(x, self._weight(), self.eps, out_dtype)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor,
             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add before this norm and the norm, fused: ``(x + delta, norm(x +
-        delta))`` (``mpcore.kernels.rmsnorm.add_rms_norm``)."""
+        delta))`` (``mpcore.kernels.rmsnorm.add_rms_norm``); the norm's dtype as ``forward``'s."""
+        if out_dtype is None and self.zero_centred:
+            out_dtype = torch.promote_types(x.dtype, delta.dtype)
         return add_rms_norm(x, delta, self._weight(), self.eps, out_dtype)
 
     def extra_repr(self) -> str:

@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 
 from mpcore.models.common.decoder_hf import shard_map as decoder_shard_map
-from mpcore.models.common.hf_io import Checkpoint, Piece, chunk, fill_from_table, whole, write_hf
+from mpcore.models.common.hf_io import (
+    Checkpoint,
+    Piece,
+    chunk,
+    export_by_table,
+    fill_from_table,
+    whole,
+)
 from mpcore.models.glm4v.config import Glm4vConfig, Glm4vVisionConfig, hf_config_dict
 from mpcore.parallel.state import ParallelState
 
@@ -130,6 +137,4 @@ def load_hf_weights(model, folder: str | Path, state: ParallelState) -> None:
 def export_hf(model, state: ParallelState, out_dir: str | Path, progress=None) -> None:
     """Write ``config.json`` and ``model.safetensors`` (module layout) of ``model``.
     Collective over the world: only the tp group of global rank 0 gathers; rank 0 writes."""
-    hf = hf_config_dict(model.cfg)  # raises before any communication on bad configs
-    write_hf(model, state, out_dir, hf,
-             [shard_map(model.cfg, state.tp, rank) for rank in range(state.tp)], progress)
+    export_by_table(model, state, out_dir, hf_config_dict, shard_map, progress)

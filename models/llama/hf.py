@@ -18,7 +18,7 @@ from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.decoder import Transformer
 from mpcore.models.common.decoder_hf import shard_map
 from mpcore.models.common.hf_config import config_from_hf, hf_config_dict
-from mpcore.models.common.hf_io import Checkpoint, fill_from_table, write_hf
+from mpcore.models.common.hf_io import Checkpoint, export_by_table, fill_from_table
 from mpcore.parallel.state import ParallelState
 
 
@@ -64,8 +64,6 @@ def export_hf(model: Transformer, cfg: ModelConfig, state: ParallelState,
     gathers (over ``state.tp_group``); rank 0 writes; a barrier then lets every rank read it.
     ``progress(done, total)`` is called after each parameter is gathered.
     """
-    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
-    write_hf(model, state, out_dir, hf_dict,
-             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
+    export_by_table(model, state, out_dir, hf_config_dict, shard_map, progress, cfg)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.decoder_hf import shard_map
-from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
+from mpcore.models.common.hf_io import Checkpoint, Piece, export_by_table, fill_from_table
 from mpcore.models.qwen2_vl.config import VLConfig, hf_vl_config_dict, vl_config_from_hf
 from mpcore.models.qwen2_vl.model import VLModel
 from mpcore.models.qwen2_vl.vision_hf import vision_shard_map
@@ -89,7 +89,4 @@ def export_hf_vl(model: VLModel, state: ParallelState, out_dir: str | Path,
     gathers; rank 0 writes; a barrier then lets every rank read it. ``progress(done, total)``
     is called after each parameter is gathered.
     """
-    cfg = model.cfg
-    hf_dict = hf_vl_config_dict(cfg)  # raises before any communication on bad configs
-    write_hf(model, state, out_dir, hf_dict,
-             [vl_shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
+    export_by_table(model, state, out_dir, hf_vl_config_dict, vl_shard_map, progress)

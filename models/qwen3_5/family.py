@@ -39,6 +39,7 @@ FAMILY = Family(
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=full_map,
     local_inputs=local_inputs, num_params=counts.num_params,
     flops_per_token=counts.flops_per_token, decoder=_decoder, section=Qwen35Section,
-    options=("gdn_kernel",))
+    options=("gdn_kernel",),
+    hf_skipped=("mtp.*",))  # multi-token prediction: read only when trained (mtp_loss_weight)
 
 __all__ = ["FAMILY", "config_from_dict", "config_from_section"]

@@ -7,6 +7,12 @@ blend.py      weighted blend of several sample datasets
 loader.py     seeded shuffle, dp-rank split, micro-batches as one packed stream, resumable
 corpus.py     the default corpus shipped with the repo, prepared on first use
 
+Released tokenizers (a checkpoint's tokenizer.json folder) and chat SFT:
+hf_folder.py     read a tokenizer folder (special ids, fingerprint) with ``tokenizers`` only
+hf_encode.py     encode as transformers' AutoTokenizer; stream text into a dataset
+chat.py          render conversations with the chat template; the assistant-only mask
+sft_packing.py   whole conversations into seq_len samples with their loss masks
+
 Vision-language (image-text) data:
 vl_tokenizer.py  a SentencePiece model plus the four VL special ids after its vocab
 vl_manifest.py   the JSONL manifest schema, checked with file:line errors; image settings
@@ -14,6 +20,8 @@ vl_dataset.py    prepare a manifest into a memory-mapped folder (ids, masks, pix
 videos.py        a video's frames -> rows and grid, as the family's transformers video processor
 vl_packing.py    whole samples into seq_len budgets; collate_vl; VLDataLoader; TextAsVL
 vl_default.py    the shipped 15-image caption set, prepared on first use
+vl_release.py    a released checkpoint's tokenizer with its own vision ids (VL conversations)
+vl_chat.py       VL conversations (messages with images) -> release ids, assistant-only mask
 """
 
 from mpcore.data.blend import BlendedDataset

@@ -16,6 +16,8 @@ A micro-batch is ONE packed stream of B = micro_batch samples of S = seq_len tok
     input_ids     int64 [B * S]
     cu_seqlens    int32 [segments + 1]   every sample's boundaries, offset by b * S
     position_ids  int64 [B * S]          restart at 0 at every segment
+    loss_mask     bool [B * S]           only when a sample has one (chat SFT); a sample
+                                         without one counts every token
 Labels are not made here (``mpcore.parallel.LabelShifter(input_ids, cu_seqlens)`` in the training
 loop).
 
@@ -45,11 +47,16 @@ def collate(samples: Sequence[PackedSample]) -> dict[str, torch.Tensor]:
     for s in samples:
         cu.append(np.asarray(s.cu_seqlens[1:], dtype=np.int64) + start)
         start += len(s.input_ids)
-    return {
+    batch = {
         "input_ids": torch.from_numpy(ids.astype(np.int64)),
         "cu_seqlens": torch.from_numpy(np.concatenate(cu).astype(np.int32)),
         "position_ids": torch.from_numpy(pos.astype(np.int64)),
     }
+    if any(s.loss_mask is not None for s in samples):
+        masks = [np.ones(len(s.input_ids), np.uint8) if s.loss_mask is None else s.loss_mask
+                 for s in samples]
+        batch["loss_mask"] = torch.from_numpy(np.concatenate(masks).astype(bool))
+    return batch
 
 
 class DataLoader:

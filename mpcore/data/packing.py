@@ -33,11 +33,14 @@ from mpcore.data.indexed import IndexedDataset
 
 @dataclass(frozen=True)
 class PackedSample:
-    """One packed sample; shapes and dtypes as in the module docstring."""
+    """One packed sample; shapes and dtypes as in the module docstring. ``loss_mask`` uint8
+    [S] (1 = a training target) for chat data (``mpcore.data.sft_packing``); None: every
+    token is one."""
 
     input_ids: np.ndarray
     cu_seqlens: np.ndarray
     position_ids: np.ndarray
+    loss_mask: np.ndarray | None = None
 
 
 def positions_from_cu_seqlens(cu_seqlens: np.ndarray) -> np.ndarray:

@@ -11,7 +11,11 @@ Folder layout (sample ``i`` = manifest sample ``i``, in manifest order; ``V`` th
                        json, the manifest path, fingerprint (sha256 of settings (family
                        included), tokenizer, every image's and every video frame's bytes,
                        manifest)
-    tokenizer.json     the VLTokenizer (mpcore/data/vl_tokenizer.py), with tokenizer.model
+    tokenizer.json     the VLTokenizer (mpcore/data/vl_tokenizer.py), with tokenizer.model;
+                       or, for VL conversations prepared with a released checkpoint's folder
+                       (mpcore/data/vl_chat.py), the release's own tokenizer files, copied
+                       (meta.json's ``tokenizer``: format "hf_release", fingerprint, vision
+                       ids; ``ReleaseVLTokenizer``, mpcore/data/vl_release.py)
     tokens.bin/.idx    indexed dataset (mpcore/data/indexed.py), vocab V + 4: document i is
                        sample i's ids, placeholder runs expanded and the final EOS included
     mask.bin/.idx      indexed dataset, vocab 2: document i is sample i's loss mask (1 = the
@@ -58,6 +62,8 @@ from mpcore.data.vl_manifest import (
     iter_manifest,
     scan_manifest,
 )
+from mpcore.data.vl_release import FORMAT as RELEASE_FORMAT
+from mpcore.data.vl_release import ReleaseVLTokenizer
 from mpcore.data.vl_tokenizer import VLTokenizer, as_vl_tokenizer
 
 FORMAT, VERSION = "mpcore.vl_dataset", 2
@@ -81,7 +87,9 @@ class VLSample(NamedTuple):
     video_grid_thw: np.ndarray | None = None
 
 
-class _Encoded(NamedTuple):
+class EncodedSample(NamedTuple):
+    """One sample's ids, mask, rows and grids (images, then videos), as written."""
+
     ids: list[int]
     mask: list[int]
     rows: list[np.ndarray]
@@ -108,7 +116,7 @@ def _encode_video(item, tok: VLTokenizer, settings: ImageSettings, video: VideoS
 
 
 def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings,
-            video: VideoSettings | None, where: str) -> _Encoded:
+            video: VideoSettings | None, where: str) -> EncodedSample:
     """The ids, mask, rows and grids (images, then videos) of one manifest sample."""
     ids: list[int] = []
     mask: list[int] = []
@@ -149,7 +157,7 @@ def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings,
         grids.append(grid)
     ids.append(tok.eos_id)
     mask.append(1)
-    return _Encoded(ids, mask, rows, grids, video_rows, video_grids)
+    return EncodedSample(ids, mask, rows, grids, video_rows, video_grids)
 
 
 def _fingerprint_extra(settings: ImageSettings, tok: VLTokenizer,
@@ -211,33 +219,50 @@ def prepare_vl_dataset(
     ``settings``: the image processing (default :class:`ImageSettings`); ``video``: the
     family's video processing (``VideoSettings.for_family``; None: a manifest with videos is
     refused). Every problem with the manifest raises ``ValueError`` (``manifest:line: ...``)
-    before anything is written.
+    before anything is written. (Conversations with a released tokenizer:
+    ``mpcore.data.vl_chat.prepare_vl_conversations``.)
     """
     manifest, out_dir = Path(manifest), Path(out_dir)
     settings = settings or ImageSettings()
     tok = as_vl_tokenizer(tokenizer)
-    if out_dir.exists() and not overwrite:
-        raise ValueError(
-            f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
-            f"replace it, or choose another --out"
-        )
+    check_out_dir(out_dir, overwrite)
     if video is not None and video.family != settings.family:
         raise ValueError(f"video settings of the {video.family} family with image settings of "
                          f"the {settings.family} family; take both from one family")
     summary = scan_manifest(manifest, settings, _fingerprint_extra(settings, tok, video),
                             progress, video)
+    samples = ((s.line, _encode(s, tok, settings, video, f"{manifest}:{s.line}"))
+               for s in iter_manifest(manifest))
+    return write_vl_dataset(manifest, out_dir, tok, settings, video, summary, samples, progress)
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """``ValueError`` when ``out_dir`` exists and ``overwrite`` is off."""
+    if out_dir.exists() and not overwrite:
+        raise ValueError(
+            f"{out_dir} already exists; pass overwrite=True (--overwrite) to "
+            f"replace it, or choose another --out"
+        )
+
+
+def write_vl_dataset(source: Path, out_dir: Path, tok, settings: ImageSettings,
+                     video: VideoSettings | None, summary, samples, progress: bool = True) -> Path:
+    """Write ``samples`` (``(line, EncodedSample)`` in order; ``summary``: the checked
+    source's counts and fingerprint) as the folder ``out_dir``, atomically (a hidden temporary
+    folder renamed into place; any error leaves nothing at ``out_dir``); returns it.
+    ``tok``: a VLTokenizer or a ``ReleaseVLTokenizer`` (its ``save`` and ``to_json``)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        counts = _write(manifest, tmp, tok, settings, video, progress)
+        counts = _write(source, tmp, samples, tok, settings, video, progress)
         if (counts["num_samples"], counts["num_images"], counts["num_videos"]) != (
             summary.num_samples,
             summary.num_images,
             summary.num_videos,
         ):
-            raise ValueError(f"{manifest} changed while it was being prepared; run again")
+            raise ValueError(f"{source} changed while it was being prepared; run again")
         tok.save(tmp)
         meta = {
             "format": FORMAT,
@@ -248,7 +273,7 @@ def prepare_vl_dataset(
             "image_settings": settings.to_json(),
             "video_settings": None if video is None else video.to_json(),
             "tokenizer": tok.to_json(),
-            "manifest": str(manifest.resolve()),
+            "manifest": str(source.resolve()),
             "fingerprint": summary.fingerprint,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -292,7 +317,7 @@ class _Rows:
             self.grids.abort()
 
 
-def _write(manifest: Path, folder: Path, tok: VLTokenizer, settings: ImageSettings,
+def _write(manifest: Path, folder: Path, encoded, tok, settings: ImageSettings,
            video: VideoSettings | None, progress: bool) -> dict[str, int]:
     dtype = np.dtype(settings.pixel_dtype).newbyteorder("<")
     meter = VLProgress(f"preparing {manifest}") if progress else None
@@ -306,13 +331,12 @@ def _write(manifest: Path, folder: Path, tok: VLTokenizer, settings: ImageSettin
             IndexedWriter(folder / "mask", 2, progress=False) as mask_w,
             open(folder / "lines.i64", "wb") as lines,
         ):
-            for sample in iter_manifest(manifest):
-                enc = _encode(sample, tok, settings, video, f"{manifest}:{sample.line}")
+            for line, enc in encoded:
                 ids_w.add(enc.ids)
                 mask_w.add(enc.mask)
                 parts[0].add(enc.rows, enc.grids)
                 parts[1].add(enc.video_rows, enc.video_grids)
-                lines.write(np.array([sample.line], "<i8").tobytes())
+                lines.write(np.array([line], "<i8").tobytes())
                 samples += 1
                 tokens += len(enc.ids)
                 targets += sum(enc.mask)
@@ -425,7 +449,8 @@ class VLDataset:
 
     ``len(ds)`` samples; ``ds[i]`` is a :class:`VLSample` (pixels read from the memory map and
     returned as float32; a version 1 folder's videos are empty). ``lengths`` int64 [n]: tokens
-    per sample. ``tokenizer`` (VLTokenizer), ``settings`` (ImageSettings; ``settings.family``:
+    per sample. ``tokenizer`` (VLTokenizer, or ReleaseVLTokenizer for release-prepared
+    conversations), ``settings`` (ImageSettings; ``settings.family``:
     the model family whose image processor the data follows), ``video_settings``
     (VideoSettings or None), ``patch_dim``, ``geometry`` (:func:`pixel_geometry`), ``meta``
     (meta.json). A missing, foreign or truncated file raises ``ValueError`` naming it.
@@ -452,7 +477,11 @@ class VLDataset:
         video = m.get("video_settings")
         self.video_settings = VideoSettings.from_json(video) if video else None
         self.geometry = pixel_geometry(m)
-        self.tokenizer = VLTokenizer.load(self.folder / "tokenizer.json")
+        record = m.get("tokenizer") or {}
+        if record.get("format") == RELEASE_FORMAT:
+            self.tokenizer = ReleaseVLTokenizer.load(self.folder, record)
+        else:
+            self.tokenizer = VLTokenizer.load(self.folder / "tokenizer.json")
         self.tokens = IndexedDataset(self.folder / "tokens")
         self.mask = IndexedDataset(self.folder / "mask")
         for part in (self.tokens, self.mask):

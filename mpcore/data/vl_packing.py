@@ -218,7 +218,8 @@ class VLPackedDataset:
 
 class TextAsVL:
     """A text :class:`~mpcore.data.packing.PackedDataset` as VL packed samples: every token a
-    target (``LabelShifter`` still ignores each segment's last), no images (``pixel_values
+    target (``LabelShifter`` still ignores each segment's last), or for chat data
+    (``SFTPackedDataset``) its own loss mask, no images (``pixel_values
     [0, patch_dim]``, ``image_grid_thw [0, 3]``). Its ids must come from the VL tokenizer's
     SentencePiece model (they are then valid VL ids)."""
 
@@ -231,11 +232,12 @@ class TextAsVL:
 
     def __getitem__(self, i: int) -> VLPackedSample:
         s = self.packed[i]
+        mask = getattr(s, "loss_mask", None)  # chat data: its assistant-only mask
         return VLPackedSample(
             s.input_ids,
             s.cu_seqlens,
             s.position_ids,
-            np.ones(len(s.input_ids), bool),
+            np.ones(len(s.input_ids), bool) if mask is None else mask.astype(bool),
             np.zeros((0, self.patch_dim), np.float32),
             np.zeros((0, 3), np.int64),
         )

@@ -3,8 +3,8 @@
 One packed stream mixing text-only documents of odd lengths, documents with images of different
 grids and a document with a 3-frame video: position ids equal ``get_rope_index`` per document;
 per-token log-probs within 1e-4 of transformers run per document (tied and untied); the loss and
-every parameter's gradient, tower included, within 1e-4 rel; export ->
-transformers loads the same function; config round trips and bad inputs raise before compute.
+every parameter's gradient, tower included, within 1e-4 rel; config round trips and bad inputs
+raise before compute. (The export round trip: tests/dist/test_family_suite.py.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from mpcore.models import family_of, family_of_hf
 from mpcore.models.glm4v import (
     config_from_dict,
     config_from_hf,
-    export_hf,
     hf_config_dict,
     load_hf_model,
     local_glm4v_inputs,
@@ -112,21 +111,6 @@ def test_loss_and_gradients_match_transformers(tmp_path):
     for name, g in grads.items():
         err = float((g - want[name]).norm() / want[name].norm())
         assert err < 1e-4, (name, err)
-
-
-def test_export_round_trip(tmp_path):
-    save_hf_model(seed=5, folder=tmp_path / "in")
-    state = ParallelState.build()
-    model, cfg = load_hf_model(tmp_path / "in", state)
-    export_hf(model, state, tmp_path / "out")
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert written["text_config"]["rope_parameters"]["partial_rotary_factor"] == 0.5
-    hf = transformers.Glm4vForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
-    s = stream(seed=6)
-    keep = _doc_ends(s)
-    got, want = _logprobs(model, cfg, state, s), reference_logprobs(hf, s)
-    assert (got - want)[keep].abs().max().item() < 1e-4
-    assert config_from_hf(tmp_path / "out") == cfg
 
 
 def test_config_forms_and_meta_round_trip():

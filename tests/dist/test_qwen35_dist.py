@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
-from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.common.hybrid.hf import export_hf, load_hf, shard_map
+from mpcore.models.common.inputs import local_text_inputs
 from mpcore.parallel.state import ParallelState
 from tests.dist.harness import run_distributed
 from tests.dist.qwen35_tiny import make_hf_model, packed_docs, reference

@@ -18,11 +18,17 @@ from safetensors.torch import load_file, save_file
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
+from mpcore.models.common.hybrid.hf import (
+    config_from_hf,
+    export_hf,
+    hf_config_dict,
+    load_hf,
+    shard_map,
+)
+from mpcore.models.common.hybrid.model import make_model
 from mpcore.models.common.inputs import local_text_inputs
 from mpcore.models.qwen3_5 import Qwen35Config
 from mpcore.models.qwen3_5.family import FAMILY, config_from_dict
-from mpcore.models.common.hybrid.hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
-from mpcore.models.common.hybrid.model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
 from tests.dist.qwen35_tiny import (

@@ -11,7 +11,7 @@
   a tower, ``mtp.*``; the registry gives it to qwen3_5_vl_moe): called directly, this
   family's loader reads its text decoder, the rest skipped with one log line, and scores
   text as transformers' VL model does;
-- export writes the released layout, transformers loads it back to the same tensors;
+- (the export round trip: tests/dist/test_family_suite.py)
 - config.json in both forms, meta.json round trip, the registry, parameter counts equal to
   transformers' (tiny, and the Qwen3.5-35B-A3B shape on meta), and the bad inputs.
 """
@@ -24,17 +24,16 @@ import logging
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mpcore.launch.score import score_stream
 from mpcore.models.common.hf_io import gather_full
 from mpcore.models.common.hybrid.hf import config_from_hf as dense_config_from_hf
 from mpcore.models.common.hybrid.hf import load_hf as dense_load_hf
+from mpcore.models.common.hybrid.moe_hf import config_from_hf, hf_config_dict, load_hf, shard_map
+from mpcore.models.common.hybrid.moe_model import make_model
 from mpcore.models.qwen3_5_moe import FAMILY, Qwen35MoeConfig
 from mpcore.models.qwen3_5_moe.family import config_from_dict
-from mpcore.models.common.hybrid.moe_hf import config_from_hf, export_hf, hf_config_dict, load_hf, shard_map
-from mpcore.models.common.hybrid.moe_model import make_model
 from mpcore.models.registry import family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
 from tests.dist.hf_moe_tiny import backward_loss_with_aux, reference
@@ -92,24 +91,6 @@ def test_logprobs_loss_aux_and_grads_match_transformers_in_both_layouts(checkpoi
     _check_against(released, ref, ids, cu)
     _check_against(fused, ref, ids, cu)
     _check_against(fused, ref, ids, cu, activation_checkpointing=True)
-
-
-def test_export_is_the_released_layout_and_round_trips(checkpoint, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    folder = checkpoint
-    model, cfg = load_hf(folder, ParallelState())
-    export_hf(model, ParallelState(), tmp_path / "out")
-    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
-        names = set(f.keys())
-    assert names == set(load_file(folder / "model.safetensors"))  # per expert, as released
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
-    theirs = make_hf_model(0).state_dict()
-    assert set(back) == set(theirs)
-    for name, t in theirs.items():
-        assert torch.equal(back[name], t), name
-    again, cfg2 = load_hf(tmp_path / "out", ParallelState())
-    assert cfg2 == cfg and family_of_hf(tmp_path / "out") is FAMILY
 
 
 def test_released_conditional_generation_folder_loads_its_text_decoder(tmp_path, caplog):

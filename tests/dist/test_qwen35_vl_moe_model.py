@@ -6,7 +6,7 @@ document; the loss with the whole batch's load-balancing loss (transformers'
 ``load_balancing_loss_func``) and every gradient (tower, DeltaNet, gated attention, router,
 experts, shared expert and its gate) within 1e-4 rel. Both expert layouts load (per expert,
 as released and as ``save_pretrained`` writes; fused); ``mtp.*`` is skipped with one log line.
-Export writes the released layout and transformers loads it back to the same tensors. Two
+The export round trip is tests/dist/test_family_suite.py's. Two
 gloo processes at ep = 2 and at tp = 2 give the one-process log-probs. Parameter counts equal
 transformers' (tiny, and the Qwen3.5-35B-A3B shape on meta); another family's checkpoint and
 bad layouts raise ``ValueError`` naming the fix.
@@ -14,7 +14,6 @@ bad layouts raise ``ValueError`` naming the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -23,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from mpcore.models.common.moe_loss import aux_share, global_counts
 from mpcore.models.qwen3_5_vl_moe import FAMILY, Qwen35VLMoeConfig
-from mpcore.models.qwen3_5_vl_moe.config import config_from_dict, config_from_hf, hf_config_dict
-from mpcore.models.qwen3_5_vl_moe.hf import export_hf, load_hf_model
+from mpcore.models.qwen3_5_vl_moe.config import config_from_hf, hf_config_dict
+from mpcore.models.qwen3_5_vl_moe.hf import load_hf_model
 from mpcore.models.qwen3_5_vl_moe.model import make_moe_model
 from mpcore.models.registry import family_named, family_of, family_of_hf
 from mpcore.parallel.state import ParallelState
@@ -90,26 +89,6 @@ def test_fused_experts_load_and_mtp_is_skipped_with_one_log_line(checkpoint, tmp
     plain, _ = load_hf_model(checkpoint, ParallelState())
     for (n, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b), n
-
-
-def test_export_is_the_released_layout_and_round_trips(checkpoint, tmp_path):
-    from transformers import AutoModelForImageTextToText
-
-    model, cfg = load_hf_model(checkpoint, ParallelState())
-    export_hf(model, ParallelState(), tmp_path / "out")
-    original = load_file(checkpoint / "model.safetensors")
-    back = load_file(tmp_path / "out" / "model.safetensors")
-    assert set(back) == set(original)  # per expert, as released
-    assert all(torch.equal(back[k], original[k]) for k in original)
-    theirs = make_hf_model(0).state_dict()
-    ours = AutoModelForImageTextToText.from_pretrained(tmp_path / "out").state_dict()
-    assert set(ours) == set(theirs)
-    for name, t in theirs.items():
-        assert torch.equal(ours[name], t), name
-    again, again_cfg = load_hf_model(tmp_path / "out", ParallelState())
-    assert again_cfg == cfg and family_of_hf(tmp_path / "out") is FAMILY
-    assert config_from_hf(hf_config_dict(cfg)) == cfg
-    assert config_from_dict(dataclasses.asdict(cfg)) == cfg
 
 
 @pytest.mark.slow

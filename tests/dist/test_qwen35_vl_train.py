@@ -1,8 +1,8 @@
 """The Qwen3.5 VL family through the launch path: ``launch/configs/qwen35_vl_tiny.yaml`` (made
 smaller) trains through ``mpcore.train`` on the shipped image set, tp = 2 (SP on) and cp = 2
 (ring, and Ulysses) equal tp = 1 step for step, and the trained checkpoint exports to a folder
-transformers loads with the same outputs on an image; ``launch/score.py`` with images at
-tp = 1 x cp = 2 gives transformers' log-probs per sequence."""
+transformers loads with the same outputs on an image. (score.py with images vs transformers:
+tests/dist/test_family_suite.py.)"""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ from pathlib import Path
 import pytest
 
 from mpcore.models.qwen3_5_vl import FAMILY
-from tests.dist.hf_qwen3_vl_tiny import END, IMAGE, START
-from tests.dist.hf_qwen35_vl_tiny import save_hf_model
 from tests.dist.vl_launch_checks import (
     TinyRun,
     export_matches_transformers,
     layouts_agree,
-    score_matches_transformers,
 )
 
 CONFIG = Path(__file__).resolve().parents[2] / "launch" / "configs" / "qwen35_vl_tiny.yaml"
@@ -38,9 +35,3 @@ def test_trains_layouts_agree_and_exports(tmp_path):
                                 "Qwen3_5ForConditionalGeneration",
                                 ("vision_start_token_id", "vision_end_token_id"), (1, 4, 6),
                                 (9, 11, 13))
-
-
-@pytest.mark.slow
-def test_score_with_images_matches_transformers(tmp_path):
-    score_matches_transformers(tmp_path, save_hf_model, "Qwen3_5ForConditionalGeneration",
-                               (START, IMAGE, END))

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss
-from mpcore.models.qwen3_moe.family import local_inputs
 from mpcore.models.common.moe_decoder_hf import load_hf_model, shard_map
 from mpcore.models.common.moe_hf import is_expert_param
+from mpcore.models.common.moe_loss import aux_share, global_counts, load_balancing_loss
+from mpcore.models.qwen3_moe.family import local_inputs
 from mpcore.parallel.state import ParallelState
 from tests.dist.harness import run_distributed
 from tests.dist.hf_moe_tiny import packed_docs, reference, save_hf_model

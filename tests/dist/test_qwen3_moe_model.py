@@ -6,7 +6,7 @@
 - the same with activation checkpointing (the aux loss's graph through recomputed layers);
 - both expert layouts load (released per-expert tensors, which transformers 5.24's
   ``save_pretrained`` writes, and the fused ``gate_up_proj`` / ``down_proj``);
-- export writes the released layout, transformers loads it back to the same tensors;
+- (the export round trip: tests/dist/test_family_suite.py)
 - config.json in both forms, meta.json round trip, a Qwen3-30B-A3B-shaped parameter count
   equal to transformers' (meta device), and the bad inputs.
 """
@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 
 from mpcore.models.common.hf_config import config_from_hf as dense_config_from_hf
 from mpcore.models.common.moe_config import Qwen3MoeConfig, config_from_dict, config_from_hf
+from mpcore.models.common.moe_decoder_hf import load_hf_model, shard_map
 from mpcore.models.qwen3_moe.family import FAMILY, local_inputs
-from mpcore.models.common.moe_decoder_hf import export_hf, load_hf_model, shard_map
 from mpcore.models.registry import family_of_hf
 from mpcore.parallel.state import ParallelState
 from tests.dist.hf_moe_tiny import (
@@ -81,25 +81,6 @@ def test_logprobs_loss_aux_and_grads_match_transformers_in_both_layouts(tmp_path
     _check_against(fused, ref, ids, cu)
     # Recomputed in backward: the router statistics' graph still reaches the router.
     _check_against(fused, ref, ids, cu, activation_checkpointing=True)
-
-
-def test_export_is_the_released_layout_and_transformers_loads_it(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    save_hf_model(3, tmp_path / "hf")
-    model, _ = load_hf_model(tmp_path / "hf", ParallelState())
-    export_hf(model, ParallelState(), tmp_path / "out")
-    from safetensors import safe_open
-
-    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
-        names = set(f.keys())
-    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names
-    assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
-    theirs = make_hf_model(3).state_dict()
-    assert set(ours) == set(theirs)
-    for name, t in theirs.items():
-        assert torch.equal(ours[name], t), name
 
 
 def test_config_both_forms_meta_round_trip_and_registry():

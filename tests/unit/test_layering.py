@@ -253,7 +253,8 @@ def test_checks_can_fail(tmp_path):
     (tmp_path / "mpcore" / "data.py").write_text("from mpcore.models.fam_a import y\n")
     imports = all_imports(tmp_path)
     assert upward(imports) == [
-        "models/fam_a/y.py:5: mpcore.models.fam_a.y (models) imports mpcore.data (mpcore (runtime))"]
+        "models/fam_a/y.py:5: mpcore.models.fam_a.y (models) imports mpcore.data "
+        "(mpcore (runtime))"]
     assert sibling_imports(imports) == [
         "models/fam_b/x.py:1: family fam_b imports family fam_a (mpcore.models.fam_a.y)"]
     found = cycles(imports)

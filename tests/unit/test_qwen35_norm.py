@@ -25,3 +25,19 @@ def test_zero_centred_matches_transformers_and_keeps_the_scale_in_fp32():
         half.weight.copy_(w.bfloat16())
         centred.weight.copy_(w.bfloat16().float())
     assert torch.equal(half(x), centred(x))  # 1 + w added in fp32, not rounded to bf16
+
+
+def test_zero_centred_writes_the_input_dtype_without_autocast():
+    """A bf16 model without autocast (``score.py --dtype bfloat16``): the fp32 ``1 + w`` scale
+    must not promote the rows to fp32, or the next bf16 projection refuses them; transformers'
+    ``Qwen3_5RMSNorm`` returns x's dtype too. An explicit ``out_dtype`` still wins."""
+    norm = RMSNorm(8, 1e-6, zero_centred=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(8))
+    x, delta = torch.randn(5, 8).bfloat16(), torch.randn(5, 8).bfloat16()
+    assert norm(x).dtype == torch.bfloat16
+    s, y = norm.add(x, delta)
+    assert s.dtype == y.dtype == torch.bfloat16
+    assert norm(x, torch.float32).dtype == torch.float32
+    # One rounding of the fp32 result, as transformers' type_as(x).
+    assert torch.equal(norm(x), norm(x, torch.float32).bfloat16())

@@ -40,10 +40,10 @@ from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,
     chunk,
+    export_by_table,
     fill_from_table,
     read_hf_config,
     whole,
-    write_hf,
 )
 from mpcore.models.common.hybrid import mtp
 from mpcore.models.common.hybrid.config import Qwen35Config
@@ -263,6 +263,4 @@ def export_hf(model: Qwen35Transformer, state: ParallelState, out_dir: str | Pat
               progress=None) -> None:
     """``config.json`` + ``model.safetensors`` (``Qwen3_5ForCausalLM``) of ``model`` in
     ``out_dir``; collective over the world (``mpcore.models.common.hf_io.write_hf``)."""
-    cfg = model.cfg
-    write_hf(model, state, out_dir, hf_config_dict(cfg),
-             [full_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
+    export_by_table(model, state, out_dir, hf_config_dict, full_map, progress)

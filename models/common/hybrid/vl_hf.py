@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mpcore.models.common.decoder import init_weights
-from mpcore.models.common.hf_io import Checkpoint, Piece, fill_from_table, write_hf
+from mpcore.models.common.hf_io import Checkpoint, Piece, export_by_table, fill_from_table
 from mpcore.models.common.hybrid.hf import log_unused
 from mpcore.models.common.hybrid.hf import shard_map as text_shard_map
 from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig, config_from_hf, hf_config_dict
@@ -61,7 +61,4 @@ def export_hf(model: Qwen35VLModel, state: ParallelState, out_dir: str | Path,
     """Write ``config.json`` and ``model.safetensors`` of ``model`` to ``out_dir`` (the layout
     transformers loads as ``Qwen3_5ForConditionalGeneration``). Collective over the world: call
     it on every rank. ``progress(done, total)`` is called after each parameter is gathered."""
-    cfg = model.cfg
-    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
-    write_hf(model, state, out_dir, hf_dict,
-             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
+    export_by_table(model, state, out_dir, hf_config_dict, shard_map, progress)

@@ -30,11 +30,11 @@ from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,
     column_linear,
+    export_by_table,
     fill_from_table,
     part_rows,
     row_linear,
     whole,
-    write_hf,
 )
 from mpcore.models.common.qwen3_vl.config import (
     Qwen3VisionConfig,
@@ -128,7 +128,4 @@ def export_hf(model: Qwen3VLModel, state: ParallelState, out_dir: str | Path,
     """Write ``config.json`` and ``model.safetensors`` of ``model`` to ``out_dir`` (the layout
     transformers loads). Collective over the world: call it on every rank.
     ``progress(done, total)`` is called after each parameter is gathered."""
-    cfg = model.cfg
-    hf_dict = hf_config_dict(cfg)  # raises before any communication on bad configs
-    write_hf(model, state, out_dir, hf_dict,
-             [shard_map(cfg, state.tp, rank) for rank in range(state.tp)], progress)
+    export_by_table(model, state, out_dir, hf_config_dict, shard_map, progress)
