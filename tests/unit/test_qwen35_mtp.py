@@ -173,3 +173,27 @@ def test_families_without_mtp_refuse_the_weight_with_the_fix():
     with pytest.raises(ValueError, match="needs an MTP layer but this model has none"):
         resolve_model_config(load_config(None, ["model.family=qwen3_5",
                                                 "model.mtp_loss_weight=0.5"]))
+
+
+def test_text_decoder_of_a_vl_release_reads_its_mtp(tmp_path):
+    """The released checkpoints are Qwen3_5ForConditionalGeneration: mtp.* sits at the top
+    level beside model.language_model.*; the text loader reads both (a library call)."""
+    from safetensors.torch import save_file
+
+    from tests.dist.qwen35_mtp_tiny import HEADS, mtp_shapes
+    from tests.dist.qwen35_tiny import HF_CONFIG, conditional_generation
+
+    folder = tmp_path / "vl"
+    conditional_generation({**HF_CONFIG, **HEADS}, "Qwen3_5").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    mtp = {k: torch.randn(s, generator=gen) for k, s in mtp_shapes({**HF_CONFIG, **HEADS}).items()}
+    save_file({**tensors, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
+    model, cfg = load_hf(folder, ParallelState(), gdn_kernel="reference", mtp_loss_weight=0.2)
+    full = gather_full(dict(model.named_parameters()), [full_map(cfg, 1, 0)], None)
+    assert {k for k in full if k.startswith("mtp.")} == set(mtp)
+    for name, t in mtp.items():
+        assert torch.equal(full[name], t), name
