@@ -197,3 +197,19 @@ def test_text_decoder_of_a_vl_release_reads_its_mtp(tmp_path):
     assert {k for k in full if k.startswith("mtp.")} == set(mtp)
     for name, t in mtp.items():
         assert torch.equal(full[name], t), name
+
+
+def test_training_path_loss_sum_gives_the_same_gradients(release):
+    """``output="loss_sum"`` (the fused head's in-forward gradients, what training runs) and
+    ``output="loss"`` give the same gradients of ``main / N + w * mtp / N_mtp``."""
+    folder, ids, cu, _ = release
+    state = ParallelState()
+    grads = []
+    for output in ("loss", "loss_sum"):
+        model, _ = load_hf(folder, state, gdn_kernel="reference", mtp_loss_weight=WEIGHT)
+        inputs, out = _run(model, state, ids, cu, output=output)
+        n, n_mtp = int((inputs["labels"] != -100).sum()), int((inputs["mtp_labels"] != -100).sum())
+        (out.main.sum() / n + WEIGHT * out.mtp.sum() / n_mtp).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    worst = max(_rel(grads[1][k], g) for k, g in grads[0].items())
+    assert worst <= 1e-5, worst
