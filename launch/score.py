@@ -1,7 +1,7 @@
 """Per-token log-probs and entropy of sequences under any tp x cp (x dp) layout.
 
     torchrun --nproc-per-node N launch/score.py --hf-checkpoint DIR --tp T --cp C [--ep E] \\
-        [--cp-mode ring|ulysses] [--dtype float32|bfloat16] --input IN.jsonl --output OUT.jsonl
+        [--cp-mode ring|ulysses] [--dtype float32|bfloat16] [--mtp] --input IN.jsonl --output OUT.jsonl
 
 Input: one JSON object per line, ``{"input_ids": [...]}`` with an optional ``"loss_mask"``
 (same length; 0 marks tokens that are not targets). On a vision-language checkpoint (Qwen2-VL,
@@ -15,7 +15,10 @@ loads. Output, same order, one line each:
 ``logprobs[t] = log p(input_ids[t+1] | input_ids[:t+1])`` (0 where ``loss_mask[t+1]`` is 0 or
 ``input_ids[t+1]`` is an image placeholder) and ``entropy[t]`` is the entropy of that same
 next-token distribution (at every position). Lines in the ``images`` form also get
-``"input_ids"``: the expanded ids that the outputs align with.
+``"input_ids"``: the expanded ids that the outputs align with. ``--mtp`` (a checkpoint with
+multi-token-prediction layers, ``mtp.*``) scores the MTP head instead, for checking speculative
+acceptance: same length, ``logprobs[t] = log p_mtp(input_ids[t+2] | input_ids[:t+2])`` (0 at
+t = len - 2 and where ``loss_mask[t+2]`` is 0), ``entropy[t]`` that distribution's entropy.
 
 How: dp = world / (tp * cp) replicas take the sequences round-robin; each replica packs its
 sequences into ONE stream, shifts labels on it (``LabelShifter``, before any split; for VL also
@@ -34,6 +37,7 @@ error: output line i belongs to input line i. Errors are printed once, not once 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,6 +51,7 @@ from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, family_of, family_of_hf, read_hf_config
 from mpcore.models.common.hf_check import check_tensor_names
+from mpcore.models.common.hybrid.mtp import MTP_KEYS, MtpOutput
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import (
     EXIT_USER_ERROR,
@@ -69,14 +74,17 @@ def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                  temperature: float = 1.0, pixel_values: torch.Tensor | None = None,
                  image_grid_thw: torch.Tensor | None = None,
                  pixel_values_videos: torch.Tensor | None = None,
-                 video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 video_grid_thw: torch.Tensor | None = None,
+                 mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs [T], entropy [T])`` fp32 of one packed stream, in stream order, on every rank
     of this replica's tp x cp group (collective over ``state.tp_group`` and ``state.cp_group``).
     Position t scores ``input_ids[t+1]`` (0 at each document's last token). A vision-language
     model also takes the stream's ``pixel_values [N, patch_dim]`` and ``image_grid_thw [I, 3]``
     (every image of the stream, in placeholder order; may be None) and likewise its videos'
     ``pixel_values_videos`` / ``video_grid_thw``. The model's family
-    (``mpcore.models.family_of(model.cfg)``) makes this rank's inputs."""
+    (``mpcore.models.family_of(model.cfg)``) makes this rank's inputs. ``mtp``: the outputs of
+    the model's multi-token-prediction head instead (position t scores ``input_ids[t+2]``; the
+    model must have been loaded with its MTP block, ``mtp_loss_weight > 0``)."""
     family = family_of(model.cfg)
     videos = {} if video_grid_thw is None else {"pixel_values_videos": pixel_values_videos,
                                                 "video_grid_thw": video_grid_thw}
@@ -85,13 +93,20 @@ def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                                        sequence_parallel=model.sequence_parallel,
                                        pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                        **videos)
+    if mtp and "mtp_input_ids" not in inputs:
+        raise ValueError("--mtp: this model has no MTP block; load a checkpoint with mtp.* "
+                         "weights (config.json mtp_num_hidden_layers >= 1) with its MTP block")
+    if not mtp:  # the main head only: no MTP compute
+        inputs = {k: v for k, v in inputs.items() if k not in MTP_KEYS}
     with torch.no_grad():
-        logprobs, entropy = model(**inputs, output="logprobs", temperature=temperature)
+        out = model(**inputs, output="logprobs", temperature=temperature)
+    logprobs, entropy = out.mtp if isinstance(out, MtpOutput) else out
     return plan.gather(logprobs, state.cp_group), plan.gather(entropy, state.cp_group)
 
 
 def score_items(model, state: ParallelState, items: list[ScoreItem],
-                device: torch.device | str = "cpu", temperature: float = 1.0) -> list[dict]:
+                device: torch.device | str = "cpu", temperature: float = 1.0,
+                mtp: bool = False) -> list[dict]:
     """Score ``items`` packed into one stream; ``[{"logprobs", "entropy"}]`` per item (lists of
     ``len - 1`` floats; plus ``"input_ids"`` for items with ``echo_ids``). Collective over this
     replica's tp x cp group: every rank calls it, with the same items."""
@@ -116,7 +131,7 @@ def score_items(model, state: ParallelState, items: list[ScoreItem],
                 vision[pixels] = torch.cat(rows).to(device)
                 vision[grid] = torch.tensor(grids, dtype=torch.int64).view(-1, 3)
         logprobs, entropy = score_stream(model, state, ids, cu.to(device), mask, temperature,
-                                         **vision)
+                                         **vision, mtp=mtp)
         logprobs, entropy = logprobs.cpu(), entropy.cpu()
         for j, i in enumerate(keep):
             start, stop = int(cu[j]), int(cu[j + 1]) - 1  # the last token has no target
@@ -218,6 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Megatron sequence parallelism inside the tp group (same results)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="divide the logits by this before log-softmax (default 1.0)")
+    parser.add_argument("--mtp", action="store_true",
+                        help="score the multi-token-prediction head (mtp.*) instead: position "
+                             "t scores input_ids[t+2] (Qwen3.5 checkpoints with MTP layers)")
     parser.add_argument("--input", type=Path, required=True, metavar="IN.jsonl",
                         help='one JSON object per line, {"input_ids": [...]} with optional '
                              '"loss_mask" and images (see above); no blank lines: output line '
@@ -244,12 +262,20 @@ def setup() -> tuple[torch.device, dist.Store | None]:
 
 def load_model(args: argparse.Namespace, state: ParallelState, device: torch.device):
     """The checkpoint's model (its family's loader), tp-sharded, in eval mode."""
-    family = family_of_hf(args.hf_checkpoint)
-    check_tensor_names(args.hf_checkpoint, family,
-                       family.config_from_hf(read_hf_config(args.hf_checkpoint)))
+    hf = read_hf_config(args.hf_checkpoint)
+    family = family_of_hf(hf)
+    cfg = family.config_from_hf(hf)
+    mtp = {}
+    if args.mtp:  # the weight only makes the loader build and read the block
+        if not getattr(cfg, "mtp_num_hidden_layers", 0):
+            raise ValueError(f"--mtp: {args.hf_checkpoint} has no multi-token-prediction "
+                             f"layers (config.json mtp_num_hidden_layers); drop --mtp")
+        mtp = {"mtp_loss_weight": 1.0}
+        cfg = dataclasses.replace(cfg, **mtp)
+    check_tensor_names(args.hf_checkpoint, family, cfg)
     model, _ = family.load_hf(args.hf_checkpoint, state, cp_mode=args.cp_mode,
-                    sequence_parallel=args.sequence_parallel, device=device,
-                    dtype=DTYPES[args.dtype])
+                              sequence_parallel=args.sequence_parallel, device=device,
+                              dtype=DTYPES[args.dtype], **mtp)
     return model.eval()
 
 
@@ -281,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args, state, device)
         start = time.perf_counter()
         mine = list(range(state.dp_rank, len(items), state.dp))
-        results = score_items(model, state, [items[i] for i in mine], device, args.temperature)
+        results = score_items(model, state, [items[i] for i in mine], device, args.temperature,
+                              args.mtp)
         ordered = gather_in_order(results, mine, state, len(items))
         if ordered is not None:
             write_output(args.output, ordered)

@@ -250,6 +250,6 @@ def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,
             out[key] = value.to(device, non_blocking=pin)
         else:
             out[key] = host_checked.to_device(
-                value, device, ignore=ignore_index if key == "labels" else None,
+                value, device, ignore=ignore_index if key in ("labels", "mtp_labels") else None,
                 non_blocking=pin, keep_host=key in HOST_KEPT)
     return out

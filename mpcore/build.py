@@ -147,6 +147,8 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
     m, family = cfg.model, family or run_family(cfg)
     if m.init_from:
         model_cfg = family.config_from_hf(read_hf_config(m.init_from))
+        if getattr(m, "mtp_loss_weight", 0):  # a run-level key: the checkpoint has no say
+            model_cfg = dataclasses.replace(model_cfg, mtp_loss_weight=m.mtp_loss_weight)
         cfg = _section_of(cfg, model_cfg)
         theirs = {k: getattr(model_cfg, k, None) for k in token_ids or {}}
         if token_ids and theirs != token_ids:
@@ -245,9 +247,12 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
                   **{name: getattr(cfg.model, name) for name in family.options})
     tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
     if cfg.model.init_from:
+        # the checkpoint's mtp.* block, read when trained (a run-level weight, not in it)
+        mtp = ({"mtp_loss_weight": model_cfg.mtp_loss_weight}
+               if getattr(model_cfg, "uses_mtp", False) else {})
         try:
             check_tensor_names(cfg.model.init_from, family, model_cfg)
-            model, _ = family.load_hf(cfg.model.init_from, state, **kwargs)
+            model, _ = family.load_hf(cfg.model.init_from, state, **kwargs, **mtp)
         except ValueError as e:
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:

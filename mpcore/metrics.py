@@ -42,8 +42,8 @@ from mpcore.models import family_of
 # Dense bf16 peak FLOP/s (without sparsity), by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "mem_gib")
-OPTIONAL_KEYS = ("valid_loss", "image_tokens_per_s", "aux_loss", "z_loss", "dropped_tokens",
-                 "expert_imbalance", "expert_load")
+OPTIONAL_KEYS = ("valid_loss", "mtp_loss", "image_tokens_per_s", "aux_loss", "z_loss",
+                 "dropped_tokens", "expert_imbalance", "expert_load")
 TENSORBOARD_HINT = ('pip install -e ".[tensorboard]" (or pip install tensorboard), or set '
                     "logging.tensorboard=false")
 

@@ -21,6 +21,7 @@ from torch import nn
 from mpcore.batches import local_inputs
 from mpcore.build import Run
 from mpcore.metrics import num_params
+from mpcore.models.common.hybrid.mtp import MTP_KEYS
 from mpcore.parallel import global_valid_count
 from mpcore.parallel.loss import sum_over_group
 
@@ -114,7 +115,8 @@ def validation_loss(run: Run) -> float:
     run.module.eval()
     try:
         for inp in inputs:
-            with autocast:
+            with autocast:  # the main loss: no MTP head (its inputs dropped)
+                inp = {k: v for k, v in inp.items() if k not in MTP_KEYS}
                 total += run.module(**inp, output="loss_sum").float()
     finally:
         run.module.train()

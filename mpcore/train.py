@@ -64,6 +64,7 @@ from mpcore.checkpoint_async import AsyncSaver, background_saves, node_memory_by
 from mpcore.config import Config, save_config, to_dict
 from mpcore.io_errors import StorageError, writing
 from mpcore.metrics import MetricsWriter, flops_per_token, max_memory_gib, peak_flops
+from mpcore.models.common.hybrid.mtp import MtpOutput
 from mpcore.moe_step import MoeStep, moe_record
 from mpcore.optim import decides_on_device, lr_at, set_lr
 from mpcore.parallel import global_valid_count
@@ -86,6 +87,31 @@ class RunHalted(ValueError):
     """The run cannot write where it must: its run folder was deleted or replaced under it
     (``mpcore.rundir``), or the storage refused a metrics row (``mpcore.io_errors``). Every
     rank stops at the step boundary, before any save; the message says what is intact."""
+
+
+class MtpTerm:
+    """One step's multi-token-prediction term (``mpcore.models.common.hybrid.mtp``): the model
+    returns ``MtpOutput(main_sum, mtp_sum)``; the step adds ``weight * mtp_sum / N_mtp``, N_mtp
+    the valid MTP targets of the whole step (all micro-batches, dp x cp: one all-reduce), so
+    the loss is ``main + weight * mtp``, each a global mean over its own targets."""
+
+    def __init__(self, weight: float, count: torch.Tensor, device: torch.device):
+        self.weight, self.count = weight, count.clamp(min=1)
+        self.total = torch.zeros((), dtype=torch.float32, device=device)  # the MTP mean alone
+
+    @staticmethod
+    def start(inputs: list[dict], model_cfg, group, device) -> MtpTerm | None:
+        """None unless the family's inputs carry ``mtp_labels`` (``mtp_loss_weight > 0``)."""
+        if not inputs or "mtp_labels" not in inputs[0]:
+            return None
+        count = global_valid_count([i["mtp_labels"] for i in inputs], group)
+        return MtpTerm(model_cfg.mtp_loss_weight, count, device)
+
+    def split(self, out: MtpOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(main_sum, weight * this micro-batch's MTP share)``; the share is also counted."""
+        share = out.mtp / self.count.to(out.mtp.dtype)
+        self.total += share.detach()
+        return out.main, self.weight * share
 
 
 class TrainingDiverged(RuntimeError):
@@ -157,6 +183,8 @@ class Trainer:
         self.stop_signal: str | None = None  # the first stop signal received here
         # The last step's MoE terms (MoE models); reduced to numbers only when logged.
         self.last_moe: MoeStep | None = None
+        # The last step's global MTP loss (models trained with multi-token prediction).
+        self.last_mtp: torch.Tensor | None = None
         self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
@@ -274,6 +302,7 @@ class Trainer:
         inputs = [local_inputs(b, s, self.cfg, run.device, run.family, run.model_cfg)
                   for b in batches]
         count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
+        mtp = MtpTerm.start(inputs, run.model_cfg, s.dp_cp_group, run.device)
         total = torch.zeros((), dtype=torch.float32, device=run.device)
         autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,
                                   enabled=run.device.type == "cuda"
@@ -285,13 +314,18 @@ class Trainer:
             with sync:
                 with autocast, self.te_region():
                     local_sum = run.module(**inp, output="loss_sum")  # () fp32, valid tokens
+                if mtp is not None:  # (main, MTP) sums: + weight * the MTP head's share
+                    local_sum, extra = mtp.split(local_sum)
                 # This rank's share of the global mean (mpcore.parallel.loss): sum / global count.
                 share = local_sum / count.clamp(min=1).to(local_sum.dtype)
+                if mtp is not None:
+                    share = share + extra
                 if moe is not None:  # + the load-balancing loss's share (a global statistic)
                     share = share + moe.share()
                 (share * self.scale).backward()
             total += share.detach()
         self.last_moe = moe  # its metrics() syncs: left to _log
+        self.last_mtp = None if mtp is None else sum_over_group(mtp.total, s.dp_cp_group)
         return sum_over_group(total, s.dp_cp_group)
 
     def _moe_step(self, inputs, autocast):
@@ -587,6 +621,8 @@ class Trainer:
             self.image_tokens = self.window_steps = 0
         if self.last_moe is not None:  # the last step's, global: collective over dp x cp
             extra.update(moe_record(self.last_moe.metrics()))
+        if self.last_mtp is not None:  # the last step's MTP loss alone (its global mean)
+            extra["mtp_loss"] = float(self.last_mtp)
         self._write_row(metrics, {"step": self.step, "loss": loss, "grad_norm": norm,
                                   "lr": lr_at(self.step, self.cfg), "tokens_per_s": tokens_per_s,
                                   "tflops": flops / 1e12,

@@ -19,7 +19,8 @@ from mpcore.parallel.state import ParallelState
 def local_text_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                       cfg=None, *, loss_mask: torch.Tensor | None = None,
                       sequence_parallel: bool = False, layout: str | None = None,
-                      pixel_values: torch.Tensor | None = None, image_grid_thw=None
+                      pixel_values: torch.Tensor | None = None, image_grid_thw=None,
+                      extra: dict[str, torch.Tensor] | None = None
                       ) -> tuple[ContextPlan, dict]:
     """The cp plan of one packed stream and this rank's ``Transformer.forward`` keyword
     arguments (all but ``output``): ``input_ids, position_ids, labels, doc_id,
@@ -29,7 +30,8 @@ def local_text_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens:
     bool or None; positions restart at 0 per document. ``cfg`` is unused (the signature is
     every family's ``local_inputs``). ``layout``: ``zigzag`` or ``contiguous`` (None: zigzag
     when cp > 1). A text model takes no images: ``pixel_values`` / ``image_grid_thw`` must be
-    None.
+    None. ``extra``: more per-token tensors ``[T]`` of the global stream (e.g. the MTP ids
+    and labels, ``mpcore.models.common.hybrid.mtp``), split with the rest and returned by key.
     """
     del cfg
     if pixel_values is not None or image_grid_thw is not None:
@@ -43,10 +45,10 @@ def local_text_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens:
     plan = ContextPlan(cu_seqlens, total, state.cp, layout or "zigzag",
                        pad_multiple=state.tp if sequence_parallel else 1)
     local = split_batch({"input_ids": input_ids, "labels": labels, "position_ids": positions,
-                         "cu_seqlens": cu_seqlens}, plan, state.cp_rank)
+                         "cu_seqlens": cu_seqlens, **(extra or {})}, plan, state.cp_rank)
     rank_layout = plan.rank_layout(state.cp_rank)
     device = input_ids.device
     return plan, {"input_ids": local["input_ids"], "position_ids": local["position_ids"],
                   "labels": local["labels"], "doc_id": rank_layout.doc_id.to(device),
                   "positions_in_doc": rank_layout.positions_in_doc.to(device),
-                  "cu_seqlens": local["cu_seqlens"]}
+                  "cu_seqlens": local["cu_seqlens"], **{k: local[k] for k in extra or {}}}

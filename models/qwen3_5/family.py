@@ -12,17 +12,17 @@ from mpcore.models.common.hybrid.hf import (
     ARCHITECTURES,
     config_from_hf,
     export_hf,
+    full_map,
     hf_config_dict,
     load_hf,
-    shard_map,
 )
 from mpcore.models.common.hybrid.model import build
+from mpcore.models.common.hybrid.mtp import local_inputs
 from mpcore.models.common.hybrid.section import (
     Qwen35Section,
     config_from_dict,
     config_from_section,
 )
-from mpcore.models.common.inputs import local_text_inputs
 
 TEXT_ARCH = "Qwen3_5ForCausalLM"
 
@@ -36,10 +36,10 @@ FAMILY = Family(
     hf_model_types=(ARCHITECTURES[TEXT_ARCH],),
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
-    build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
-    local_inputs=local_text_inputs, num_params=counts.num_params,
+    build=build, load_hf=load_hf, export_hf=export_hf, shard_map=full_map,
+    local_inputs=local_inputs, num_params=counts.num_params,
     flops_per_token=counts.flops_per_token, decoder=_decoder, section=Qwen35Section,
     options=("gdn_kernel",),
-    hf_skipped=("mtp.*",))  # multi-token prediction: not built yet
+    hf_skipped=("mtp.*",))  # multi-token prediction: read only when trained (mtp_loss_weight)
 
 __all__ = ["FAMILY", "config_from_dict", "config_from_section"]

@@ -46,6 +46,13 @@ class Qwen35Config(ModelConfig):
     """DeltaNet value head width."""
     linear_conv_kernel_dim: int = 4
     """Taps of the DeltaNet short convolution."""
+    mtp_num_hidden_layers: int = 0
+    """Multi-token-prediction layers of the checkpoint (config.json's ``mtp_num_hidden_layers``;
+    the released Qwen3.5 checkpoints have 1, the only count supported; 0: none)."""
+    mtp_loss_weight: float = 0.0
+    """Weight of the MTP loss: total = main + weight * mtp (``mpcore.models.common.hybrid.mtp``).
+    0: no MTP block is built or run (the main model exactly as without it). Qwen does not
+    publish the weight its releases were trained with."""
 
     def __post_init__(self):
         object.__setattr__(self, "qk_norm", True)
@@ -88,6 +95,7 @@ class Qwen35Config(ModelConfig):
         elif interleaved:
             raise ValueError("mrope_interleaved needs mrope_section (the t, h, w counts); set "
                              "both or neither")
+        self._check_mtp()
         types = self.layer_types
         if types is None:
             types = tuple("full_attention" if (i + 1) % self.full_attention_interval == 0
@@ -97,6 +105,28 @@ class Qwen35Config(ModelConfig):
         if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
             raise ValueError(f"layer_types must list {self.num_layers} entries (num_layers) of "
                              f"{LAYER_TYPES}, got {list(types)}")
+
+    def _check_mtp(self) -> None:
+        layers, weight = self.mtp_num_hidden_layers, self.mtp_loss_weight
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers not in (0, 1):
+            raise ValueError(f"mtp_num_hidden_layers must be 0 or 1 (the released Qwen3.5 "
+                             f"checkpoints have 1; deeper MTP is not supported), got {layers!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                0 <= weight < float("inf")):
+            raise ValueError(f"mtp_loss_weight must be a finite number >= 0 (0 turns "
+                             f"multi-token prediction off), got {weight!r}")
+        object.__setattr__(self, "mtp_loss_weight", float(weight))
+        if weight > 0 and layers == 0:
+            raise ValueError(f"mtp_loss_weight={weight} needs an MTP layer but this model has "
+                             f"none (mtp_num_hidden_layers=0: a checkpoint without mtp.* "
+                             f"weights, or a model section without it); set "
+                             f"model.mtp_loss_weight=0, or set model.mtp_num_hidden_layers=1 "
+                             f"for a model trained from scratch")
+
+    @property
+    def uses_mtp(self) -> bool:
+        """True when the MTP block is built and trained (``mtp_loss_weight > 0``)."""
+        return self.mtp_loss_weight > 0
 
     @property
     def linear_key_size(self) -> int:

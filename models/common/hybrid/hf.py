@@ -6,9 +6,11 @@ as a library call, the text decoder of a released ``Qwen3_5ForConditionalGenerat
 read; the registry gives that architecture to ``mpcore.models.qwen3_5_vl``, which reads it whole); v5
 (``rope_parameters``) and v4 (top-level ``rope_theta`` / ``partial_rotary_factor``) configs. The
 M-RoPE section of a released config is accepted and not used here: on text every position row
-is equal, so interleaved M-RoPE is plain RoPE. Tensors the model has no use for (multi-token
-prediction ``mtp.*``, the tower) are skipped with one log line. Export writes
-``Qwen3_5ForCausalLM``.
+is equal, so interleaved M-RoPE is plain RoPE. The multi-token-prediction ``mtp.*`` tensors
+(top-level in every layout) are read, per rank sliced, when the model trains them
+(``load_hf(..., mtp_loss_weight > 0)``, ``mpcore.models.common.hybrid.mtp``) and exported in the
+release's layout; otherwise they are skipped, with the other tensors the model has no use for
+(the tower), in one log line. Export writes ``Qwen3_5ForCausalLM``.
 
 Shard map, our parameter -> HF pieces of tp rank r (dim 0 unless noted; ``P`` the prefix):
     layers.i.attention.wqkv.weight       self_attn.q_proj rows of heads r (query and gate rows
@@ -26,6 +28,7 @@ and the embedding, norms, MLP and head as ``mpcore.models.common.decoder_hf``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
@@ -42,6 +45,7 @@ from mpcore.models.common.hf_io import (
     read_hf_config,
     whole,
 )
+from mpcore.models.common.hybrid import mtp
 from mpcore.models.common.hybrid.config import Qwen35Config
 from mpcore.models.common.hybrid.model import Qwen35Transformer, make_model, materialise
 from mpcore.parallel.state import ParallelState
@@ -107,7 +111,8 @@ def config_from_hf(source: str | Path | dict) -> Qwen35Config:
         tie_embeddings=bool(t.get("tie_word_embeddings", False)),
         max_position_embeddings=t.get("max_position_embeddings", 32768),
         layer_types=tuple(t["layer_types"]) if t.get("layer_types") else None,
-        full_attention_interval=t.get("full_attention_interval", 4))
+        full_attention_interval=t.get("full_attention_interval", 4),
+        mtp_num_hidden_layers=t.get("mtp_num_hidden_layers", 0))
     for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                 "linear_value_head_dim", "linear_conv_kernel_dim"):
         if key in t:
@@ -133,6 +138,8 @@ def hf_config_dict(cfg: Qwen35Config) -> dict:
         "linear_key_head_dim": cfg.linear_key_head_dim,
         "linear_value_head_dim": cfg.linear_value_head_dim,
         "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        # the exported weights hold mtp.* only when the MTP block was built (trained)
+        "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers if cfg.uses_mtp else 0,
     }
 
 
@@ -204,6 +211,15 @@ def shard_map(cfg: Qwen35Config, tp: int, rank: int, prefix: str = "model."
     return out
 
 
+def full_map(cfg: Qwen35Config, tp: int, rank: int, prefix: str = "model."
+             ) -> dict[str, list[Piece]]:
+    """``shard_map`` plus the ``mtp.*`` block's pieces when the model has it (``uses_mtp``)."""
+    out = shard_map(cfg, tp, rank, prefix)
+    if cfg.uses_mtp:
+        out.update(mtp.shard_map(cfg, tp, rank, shard_map))
+    return out
+
+
 def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> None:
     """One log line naming the checkpoint's tensors that ``table`` (a shard map) does not read,
     counted by kind (``mtp.*``, ``model.visual.*``); ``what``: the model that skips them."""
@@ -217,17 +233,26 @@ def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> No
 
 
 def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | str = "cpu",
-            dtype: torch.dtype = torch.float32, fp8: str = "none", **options
-            ) -> tuple[Qwen35Transformer, Qwen35Config]:
+            dtype: torch.dtype = torch.float32, fp8: str = "none", mtp_loss_weight: float = 0.0,
+            **options) -> tuple[Qwen35Transformer, Qwen35Config]:
     """The model of a Qwen3.5 checkpoint folder for ``state``, each rank reading its slices
-    (``build``'s keyword arguments, no seed). Returns ``(model, cfg)``."""
+    (``build``'s keyword arguments, no seed). ``mtp_loss_weight > 0`` builds and reads the
+    ``mtp.*`` block (``ValueError`` when the checkpoint has none). Returns ``(model, cfg)``."""
     hf = read_hf_config(folder)
     prefix = PREFIX[_architecture(hf)]
     cfg = config_from_hf(hf)
+    try:
+        cfg = dataclasses.replace(cfg, mtp_loss_weight=mtp_loss_weight)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    ckpt = Checkpoint(Path(folder))
+    if cfg.uses_mtp and "mtp.fc.weight" not in ckpt.files:
+        raise ValueError(f"{folder}: config.json declares mtp_num_hidden_layers="
+                         f"{cfg.mtp_num_hidden_layers} but the weights hold no mtp.* tensors; "
+                         f"set model.mtp_loss_weight=0, or use a checkpoint with its MTP weights")
     model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     model.rope.reset_parameters()
-    ckpt = Checkpoint(Path(folder))
-    table = shard_map(cfg, state.tp, state.tp_rank, prefix)
+    table = full_map(cfg, state.tp, state.tp_rank, prefix)
     fill_from_table(model, ckpt, table)
     log_unused(ckpt, table, "text decoder")
     return model, cfg
@@ -238,4 +263,4 @@ def export_hf(model: Qwen35Transformer, state: ParallelState, out_dir: str | Pat
               progress=None) -> None:
     """``config.json`` + ``model.safetensors`` (``Qwen3_5ForCausalLM``) of ``model`` in
     ``out_dir``; collective over the world (``mpcore.models.common.hf_io.write_hf``)."""
-    export_by_table(model, state, out_dir, hf_config_dict, shard_map, progress)
+    export_by_table(model, state, out_dir, hf_config_dict, full_map, progress)

@@ -19,6 +19,7 @@ from mpcore.models.common.decoder import Transformer, init_weights
 from mpcore.models.common.hybrid.config import Qwen35Config
 from mpcore.models.common.hybrid.kernels import check_available, check_kernel
 from mpcore.models.common.hybrid.layers import Qwen35Block
+from mpcore.models.common.hybrid.mtp import MtpBlock, forward_with_mtp
 from mpcore.models.common.norm import RMSNorm
 from mpcore.parallel.state import ParallelState
 
@@ -36,6 +37,23 @@ class Qwen35Transformer(Transformer):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
                             sum_grad_over_tp=self.sequence_parallel, zero_centred=True,
                             dtype=kwargs.get("dtype"))
+        # Multi-token prediction (mpcore.models.common.hybrid.mtp): built only when trained.
+        self.mtp = MtpBlock(cfg, state, sequence_parallel=self.sequence_parallel,
+                            fp8=kwargs.get("fp8", "none"), dtype=kwargs.get("dtype")
+                            ) if cfg.uses_mtp else None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                mtp_input_ids: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None, **kwargs):
+        """``Transformer.forward``; with ``mtp_input_ids`` (and ``mtp_labels``) also the MTP
+        head's output: ``MtpOutput(main, mtp)`` (``mpcore.models.common.hybrid.mtp``)."""
+        if mtp_input_ids is None:
+            if mtp_labels is not None:
+                raise ValueError("mtp_labels given without mtp_input_ids; pass both "
+                                 "(hybrid.mtp.local_inputs makes them)")
+            return super().forward(input_ids, position_ids, **kwargs)
+        return forward_with_mtp(self, input_ids, position_ids, mtp_input_ids=mtp_input_ids,
+                                mtp_labels=mtp_labels, **kwargs)
 
 
 def make_model(cfg: Qwen35Config, state: ParallelState, *, sequence_parallel: bool = False,

@@ -29,6 +29,11 @@ class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
 
     def __post_init__(self):
         super().__post_init__()  # Qwen35Config's checks, then Qwen3MoeConfig's
+        if self.uses_mtp:
+            raise ValueError("multi-token prediction is not supported on Qwen3.5-MoE yet (its "
+                             "mtp.layers.0 feed-forward is a MoE block, which "
+                             "mpcore.models.common.hybrid.mtp does not build); set "
+                             "model.mtp_loss_weight=0 (the mtp.* tensors are then skipped)")
         for name, fixed in (("norm_topk_prob", True), ("decoder_sparse_step", 1),
                             ("mlp_only_layers", ())):
             if getattr(self, name) != fixed:

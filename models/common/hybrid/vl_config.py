@@ -49,6 +49,12 @@ class Qwen35VLConfig(Qwen3VLConfig):
         if not isinstance(self.text, Qwen35Config):
             raise TypeError(f"Qwen35VLConfig.text must be a Qwen35Config, got "
                             f"{type(self.text).__name__}")
+        if self.text.uses_mtp:
+            raise ValueError("multi-token prediction is not supported on the Qwen3.5 "
+                             "vision-language model yet (the MTP block's next-token embedding "
+                             "at an image placeholder is the tower's row, not wired here); set "
+                             "model.mtp_loss_weight=0 (the mtp.* tensors are then skipped), or "
+                             "train the text decoder (Qwen3_5ForCausalLM) with it")
         if self.vision.deepstack_visual_indexes:
             raise ValueError(f"deepstack_visual_indexes = "
                              f"{list(self.vision.deepstack_visual_indexes)}: the Qwen3.5 tower "
