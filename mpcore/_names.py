@@ -16,7 +16,9 @@ runs under a name other than its own, and this module decides what that import m
   probes (transformers' ``find_spec`` then ``import_module``, where a package has no metadata)
   would crash on it; they read the stand-in as a PEP 420 namespace folder and move on.
 
-Standard library only, and imported only on those wrong routes: the layers above never run it.
+Standard library only. The folders run this file by path (``runpy``), not by importing it:
+importing it would run ``mpcore/__init__``, whose :func:`check_installed` refuses a checkout
+that is not installed, and a probe of ``kernels`` in such a checkout must not crash.
 """
 
 from __future__ import annotations
