@@ -252,6 +252,9 @@ def prepare_chat(tok: HFTokenizer, paths: list[Path], prefix: Path, seq_len: int
                 done += sum(len(m.get("content") or "") + 32 for m in messages)
                 if bar is not None:
                     bar.update(done)
+        if not writer.num_docs:  # inside the writer: an empty dataset is never committed
+            raise ValueError(f"no conversations in {', '.join(map(str, paths))}: the files "
+                             f"are empty; nothing was written. Check the input paths")
     if bar is not None:
         bar.close()
     return writer.num_docs

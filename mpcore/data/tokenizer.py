@@ -53,22 +53,33 @@ _TRAIN_SETTINGS = dict(
 
 
 def iter_documents(paths: Iterable[str | Path], text_key: str = "text") -> Iterator[str]:
-    """Yield the documents of ``paths`` in order (see the module docstring), skipping empty ones."""
-    for path in map(Path, paths):
+    """Yield the documents of ``paths`` in order (see the module docstring), skipping empty ones.
+    ``ValueError`` when none of them holds a document (raised as the last one ends, so a writer
+    fed from here commits nothing), or a file is not UTF-8 (naming its line)."""
+    paths, count = [Path(p) for p in paths], 0
+    for path in paths:
         if not path.is_file():
             raise ValueError(f"input file {path} does not exist")
-        if path.suffix in (".jsonl", ".json"):
-            yield from _iter_jsonl(path, text_key)
-        else:
-            yield from _iter_paragraphs(path)
+        docs = _iter_jsonl(path, text_key) if path.suffix in (".jsonl", ".json") else (
+            _iter_paragraphs(path))
+        for doc in docs:
+            count += 1
+            yield doc
+    if not count:
+        names = ", ".join(map(str, paths)) or "(no input files)"
+        raise ValueError(f"no documents in {names}: empty, or only blank lines / empty "
+                         f"{text_key!r} values; nothing was written. Check the input paths "
+                         f"(and --text-key for JSONL)")
 
 
 def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
     for _, where, obj, problem in json_lines(path):
         text = obj.get(text_key) if isinstance(obj, dict) else None
-        if problem or text_key not in (obj if isinstance(obj, dict) else {}):
-            raise ValueError(f"{where}: expected a JSON object with a {text_key!r} string "
-                             f"({problem or 'no such key'}); pass --text-key to name the field")
+        if problem:
+            raise ValueError(f"{where}: {problem}; each line must be one JSON object in UTF-8")
+        if text_key not in (obj if isinstance(obj, dict) else {}):
+            raise ValueError(f"{where}: expected a JSON object with a {text_key!r} string (no "
+                             f"such key); pass --text-key to name the field")
         if not isinstance(text, str):
             raise ValueError(f"{where}: {text_key!r} is not a string")
         if text:
@@ -77,15 +88,31 @@ def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
 
 def _iter_paragraphs(path: Path) -> Iterator[str]:
     lines: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "".join(lines).rstrip("\n")
-                lines = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    lines.append(line)
+                elif lines:
+                    yield "".join(lines).rstrip("\n")
+                    lines = []
+    except UnicodeDecodeError:
+        raise ValueError(_not_utf8(path)) from None
     if lines:
         yield "".join(lines).rstrip("\n")
+
+
+def _not_utf8(path: Path) -> str:
+    """The message for a text file that is not UTF-8: its first bad line and byte."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                        f"{e.start + 1}); convert the file to UTF-8 (e.g. iconv -f latin1 -t "
+                        f"utf-8 {path.name}) or leave it out")
+    return f"{path}: not UTF-8 text; convert the file to UTF-8 or leave it out"
 
 
 class Tokenizer:

@@ -30,6 +30,7 @@ from mpcore.data.blend import blend_counts
 from mpcore.data.indexed import Progress
 from mpcore.launch import prepare_data
 from mpcore.progress import ProgressBar
+from tests.unit.release_tokenizers import make_release
 
 CORPUS = corpus_mod.DEFAULT_CORPUS
 
@@ -479,3 +480,27 @@ def test_progress_bar_lines(tmp_path):
     assert lines[0].startswith("[##.......") and "12%  tokenizing x  0.5/4.0 MB" in lines[0]
     assert lines[-1].startswith("[####################] 100%") and lines[-1].endswith("done")
     assert len(lines) <= 11  # not a terminal: one line per tenth at most
+
+
+def test_an_input_without_documents_or_not_utf8_is_refused_by_file_and_line(tmp_path):
+    """Issue 39: an empty .txt / .jsonl was prepared as "0 documents" (rc 0, the failure came
+    at training), and a file that is not UTF-8 stopped with the codec's message, no file or
+    line. Now both are errors before anything is committed."""
+    (tmp_path / "empty.txt").write_text("\n  \n\n")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match=r"no documents in .*empty\.txt, .*empty\.jsonl"):
+        list(iter_documents([tmp_path / "empty.txt", tmp_path / "empty.jsonl"]))
+    (tmp_path / "latin1.txt").write_bytes("first line\ncaf\u00e9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt:2: not UTF-8 text \(byte 0xe9 at "
+                                         r"column 4\); convert the file to UTF-8"):
+        list(iter_documents([tmp_path / "latin1.txt"]))
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "ok"}\n{"text": "caf\u00e9"}\n'
+                                            .encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8"):
+        list(iter_documents([tmp_path / "latin1.jsonl"]))
+    release = make_release(tmp_path / "release")
+    for name in ("empty.txt", "latin1.txt"):
+        code = prepare_data.main(["--input", str(tmp_path / name), "--output-prefix",
+                                  str(tmp_path / "out"), "--tokenizer", str(release)])
+        assert code == 2
+    assert not list(tmp_path.glob("out*")), "a dataset was committed"
