@@ -91,9 +91,29 @@ def test_delta_rule_fla_matches_reference_forward_backward(heads):
         assert _rel(a, b) < 2e-2
 
 
+def _model_grads(cfg, ids, cu, kernel: str, dtype: torch.dtype, device: str = "cuda"):
+    """Loss and every parameter's gradient of the tiny decoder with DeltaNet ``kernel``: under
+    bf16 autocast (``dtype`` bfloat16; fp32 weights), or wholly in ``dtype`` without autocast
+    (the truth: float32 and the exact reference attention; the fused loss head takes no
+    float64, and fp32 rounding sits three orders of magnitude below bf16's)."""
+    state = ParallelState()
+    half = dtype == torch.bfloat16
+    model = build(cfg, state, seed=3, device=device, gdn_kernel=kernel,
+                  dtype=torch.float32 if half else dtype,
+                  attention_backend="auto" if half else "reference")
+    _, inputs = local_text_inputs(state, ids, cu)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=half):
+        loss = model(**inputs, output="loss").sum() / ids.numel()
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
 def test_model_fla_matches_reference_under_bf16_autocast():
     """The whole tiny decoder (3 DeltaNet layers, 1 gated attention) with each kernel, on a
-    packed stream: loss and every gradient agree."""
+    packed stream, judged against the truth (the reference kernel in float32, no autocast): fla's
+    bf16 loss and every gradient are within twice the reference kernel's own bf16 error, plus
+    a small floor. (Compared with each other, two bf16 runs differ by both errors: A_log's
+    gradient, a sum over every token of one head, showed 0.057 relative between them.)"""
     _fla_rule_or_skip()
     cfg = Qwen35Config(vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
                        num_kv_heads=2, head_dim=64, intermediate_size=512,
@@ -102,16 +122,13 @@ def test_model_fla_matches_reference_under_bf16_autocast():
     ids = torch.randint(0, 512, (sum(LENGTHS),), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
     cu = _cu()
-    results = []
-    for kernel in ("reference", "fla"):
-        state = ParallelState()
-        model = build(cfg, state, seed=3, device="cuda", gdn_kernel=kernel)
-        _, inputs = local_text_inputs(state, ids, cu)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**inputs, output="loss").sum() / ids.numel()
-        loss.backward()
-        results.append((float(loss), {n: p.grad for n, p in model.named_parameters()}))
-    (ref_loss, ref_grads), (fla_loss, fla_grads) = results
-    assert abs(fla_loss - ref_loss) / ref_loss < 1e-2
-    for name, grad in fla_grads.items():
-        assert _rel(grad, ref_grads[name]) < 5e-2, name
+    true_loss, truth = _model_grads(cfg, ids, cu, "reference", torch.float32)
+    ref_loss, ref = _model_grads(cfg, ids, cu, "reference", torch.bfloat16)
+    fla_loss, fla = _model_grads(cfg, ids, cu, "fla", torch.bfloat16)
+    assert abs(fla_loss - true_loss) <= 2 * abs(ref_loss - true_loss) + 1e-3 * true_loss
+    worst = []
+    for name, grad in truth.items():
+        ours, theirs = _rel(ref[name], grad), _rel(fla[name], grad)
+        worst.append((theirs / max(ours, 1e-3), name, theirs, ours))
+        assert theirs <= 2 * ours + 1e-2, (name, theirs, ours)
+    print("fla / reference bf16 error vs float32, worst:", sorted(worst)[-3:])
