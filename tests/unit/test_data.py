@@ -461,10 +461,13 @@ def test_packing_a_document_range_holds_only_those_documents(lengths, seq_len, s
 def test_tokenizer_on_an_empty_corpus_names_the_input(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n\n')
-    with pytest.raises(ValueError, match=r"no text to train the tokenizer .*tok\.model on: "
-                                         r"the input .*empty\.jsonl hold no non-empty document"):
+    # The documents' reader names the input first; a plain iterable, the trainer itself.
+    with pytest.raises(ValueError, match=r"no documents in .*empty\.jsonl: empty"):
         train_tokenizer(iter_documents([empty]), tmp_path / "tok.model", 512,
                         source=f"the input {empty}")
+    with pytest.raises(ValueError, match=r"no text to train the tokenizer .*tok\.model on: "
+                                         r"the input .*empty\.jsonl hold no non-empty document"):
+        train_tokenizer(iter([]), tmp_path / "tok.model", 512, source=f"the input {empty}")
     assert prepare_data.main(["--input", str(empty), "--output-prefix", str(tmp_path / "out"),
                  "--train-tokenizer", str(tmp_path / "tok.model"), "--vocab-size", "512"]) == 2
     assert not (tmp_path / "tok.model").exists()
