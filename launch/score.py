@@ -50,7 +50,6 @@ from mpcore.checkpoint import from_rank0
 from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, family_of, family_of_hf, read_hf_config
-from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.hybrid.mtp import MTP_KEYS, MtpOutput
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import (
@@ -272,10 +271,9 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
                              f"layers (config.json mtp_num_hidden_layers); drop --mtp")
         mtp = {"mtp_loss_weight": 1.0}
         cfg = dataclasses.replace(cfg, **mtp)
-    check_tensor_names(args.hf_checkpoint, family, cfg)
-    model, _ = family.load_hf(args.hf_checkpoint, state, cp_mode=args.cp_mode,
-                              sequence_parallel=args.sequence_parallel, device=device,
-                              dtype=DTYPES[args.dtype], **mtp)
+    model, _ = family.load(args.hf_checkpoint, state, cfg, cp_mode=args.cp_mode,
+                           sequence_parallel=args.sequence_parallel, device=device,
+                           dtype=DTYPES[args.dtype], **mtp)
     return model.eval()
 
 

@@ -40,7 +40,6 @@ from mpcore.models import (
     family_of_hf,
     read_hf_config,
 )
-from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.moe import MoeBlock, expert_param_names
 from mpcore.optim import GradNorm, build_optimizer
 from mpcore.parallel.random import RNGTracker, model_parallel_seed
@@ -251,8 +250,7 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
         mtp = ({"mtp_loss_weight": model_cfg.mtp_loss_weight}
                if getattr(model_cfg, "uses_mtp", False) else {})
         try:
-            check_tensor_names(cfg.model.init_from, family, model_cfg)
-            model, _ = family.load_hf(cfg.model.init_from, state, **kwargs, **mtp)
+            model, _ = family.load(cfg.model.init_from, state, model_cfg, **kwargs, **mtp)
         except ValueError as e:
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:

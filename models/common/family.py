@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.section import DecoderSection
 
 MODALITIES = ("text", "image-text")
@@ -153,6 +154,14 @@ class Family:
         assert self.modality in MODALITIES, self.modality
         assert issubclass(self.section, DecoderSection), self.section
         assert (self.image_processing is not None) == (self.modality == "image-text"), self.name
+
+    def load(self, folder, state, cfg, **options) -> tuple[Any, Any]:
+        """``load_hf(folder, state, **options)`` after the checkpoint's tensor names are checked
+        against this family under ``cfg`` (its config.json's config, with any run-level field
+        such as the MTP weight): the one way a run or score.py loads a checkpoint
+        (``mpcore.models.common.hf_check``)."""
+        check_tensor_names(folder, self, cfg)
+        return self.load_hf(folder, state, **options)
 
     @property
     def section_extras(self) -> tuple[str, ...]:
