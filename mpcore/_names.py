@@ -56,6 +56,8 @@ def bare_import(name: str, path: list[str]) -> None:
             raise
         return
     sys.modules[name] = _Moved(name, ours)
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())
 
 
 class _Moved(types.ModuleType):
@@ -64,16 +66,33 @@ class _Moved(types.ModuleType):
     def __init__(self, name: str, folder: Path):
         super().__init__(name)
         self._folder = folder
+        # A package's mark, empty: ``import models.registry`` reaches _MovedFinder (below)
+        # instead of stopping at "'models' is not a package".
+        self.__path__: list[str] = []
 
     def __getattr__(self, attr: str):
         if attr.startswith("__") and attr.endswith("__") or attr == "_folder":
-            raise AttributeError(attr)  # what probes ask (__file__, __version__, __path__)
+            raise AttributeError(attr)  # what probes ask (__file__, __version__)
+        raise self.moved(f"from mpcore.{self.__name__} import {attr}")
+
+    def moved(self, write: str) -> ImportError:
+        """The error for a use of this stand-in; ``write``: the import to write instead."""
         name, folder = self.__name__, self._folder
-        raise ImportError(
+        return ImportError(
             f"'{name}' is not an import name of mpcore: the folder {folder} is the package "
-            f"'mpcore.{name}' (write 'from mpcore.{name} import {attr}' or 'import "
-            f"mpcore.{name}'). If 'mpcore.{name}' is not found either, this checkout is not "
-            f"installed: pip install -e . in {folder.parent}", name=name)
+            f"'mpcore.{name}' (write '{write}'). If 'mpcore.{name}' is not found either, this "
+            f"checkout is not installed: pip install -e . in {folder.parent}", name=name)
+
+
+class _MovedFinder:
+    """``import models.registry`` (a dotted import under a stand-in): the error naming
+    ``import mpcore.models.registry``. Finds nothing else."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        head = sys.modules.get(fullname.partition(".")[0])
+        if "." in fullname and isinstance(head, _Moved):
+            raise head.moved(f"import mpcore.{fullname}")
+        return None
 
 
 LAYERS = ("kernels", "parallel", "models", "launch")

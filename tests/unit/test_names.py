@@ -87,6 +87,12 @@ def test_the_old_import_of_a_submodule_names_the_new_one():
     assert "from mpcore.models import registry" in proc.stderr, proc.stderr
 
 
+def test_the_old_dotted_import_names_the_new_one():
+    proc = _python("import models.registry", cwd=REPO)
+    assert proc.returncode != 0
+    assert "write 'import mpcore.models.registry'" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_transformers_and_our_models_import_together_in_the_checkout_and_elsewhere(tmp_path):
     # transformers >= 5.25 imports Hugging Face's `kernels` (the kernel hub) where installed;
