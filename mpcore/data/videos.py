@@ -37,6 +37,7 @@ from mpcore.models.common.resize import smart_resize
 from mpcore.models.registry import FAMILIES
 
 DEFAULT_FPS = 24.0  # transformers' Qwen3-VL / GLM-4V processors assume it without metadata
+NOT_STORED = {"size_rule", "layout", "wrap"}  # the family's functions, not the data's values
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class VideoSettings:
     """``VideoProcessing.size_rule`` (None: Qwen2-VL's smart_resize of one frame). Not stored."""
     layout: Callable | None = field(default=None, compare=False, repr=False)
     """``VideoProcessing.layout``. Not stored: a prepared dataset's settings leave it None."""
+    wrap: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+    """``VideoProcessing.wrap``: the ids a release's chat template writes around its video
+    placeholder. Not stored."""
 
     @classmethod
     def for_family(cls, family, **overrides) -> VideoSettings:
@@ -79,11 +83,11 @@ class VideoSettings:
                       mean=tuple(proc.mean), std=tuple(proc.std), extra_ids=proc.extra_ids)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(family=family.name, hf_class=proc.hf_class, size_rule=proc.size_rule,
-                   layout=proc.layout, **values)
+                   layout=proc.layout, wrap=proc.wrap, **values)
 
     @classmethod
     def from_json(cls, d: dict) -> VideoSettings:
-        names = {f.name for f in fields(cls)} - {"size_rule", "layout"}
+        names = {f.name for f in fields(cls)} - NOT_STORED
         values = {k: tuple(v) if k in ("mean", "std") else v for k, v in d.items() if k in names}
         return cls(**values)
 
@@ -102,7 +106,7 @@ class VideoSettings:
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("size_rule", "layout")}
+               if f.name not in NOT_STORED}
         return {**out, "mean": list(self.mean), "std": list(self.std)}
 
 
