@@ -178,6 +178,9 @@ def _scan_visuals(conv: Conversation, where: str, settings: ImageSettings,
     videos = []
     for item in conv.videos:
         t, gh, gw = video_header(item, settings, video, where)
+        problem = video.problem(item.fps, settings.temporal_patch_size)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
         for frame in item.frames:
             h.update(hashlib.sha256(frame.read_bytes()).digest())
         h.update(json.dumps(item.fps).encode())

@@ -45,6 +45,17 @@ CONVERSATIONS = [
 ]
 
 
+def conversations(arch: str) -> list:
+    """``CONVERSATIONS``; for Qwen2.5-VL every video at 2 fps, the one rate whose positions
+    prepared data keeps (its positions follow the video's time; others are refused)."""
+    if arch != "qwen2_5_vl":
+        return CONVERSATIONS
+    return [[{**m, "content": [{**p, "fps": 2} if p["type"] == "video" else p
+                               for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+            for messages in CONVERSATIONS]
+
+
 def write_frames(folder: Path) -> None:
     rng = np.random.default_rng(11)
     for name, (n, h, w) in CLIPS.items():
@@ -62,7 +73,7 @@ def prepared(request, tmp_path_factory):
     config = write_video_config(arch, release)
     write_images(tmp)
     write_frames(tmp)
-    source = write_jsonl(tmp / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    source = write_jsonl(tmp / "chat.jsonl", [{"messages": m} for m in conversations(arch)])
     assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
                                  "--out", str(tmp / "data")]) == 0
     return arch, tmp, release, config, VLDataset(tmp / "data")
@@ -88,7 +99,7 @@ def test_ids_rows_grids_and_mask_equal_the_release_processor(prepared):
     arch, tmp, release, config, ds = prepared
     processor = hf_processor(arch, release, video_processor(arch, config))
     assert ds.meta["num_videos"] == 3
-    for i, messages in enumerate(CONVERSATIONS):
+    for i, messages in enumerate(conversations(arch)):
         want = processor_inputs(processor, messages, tmp)
         check_sample(arch, ds[i], want, release)
     recorded = ds.meta["video_settings"]
@@ -117,14 +128,15 @@ def test_video_ids_are_the_releases_own(prepared):
 
 def test_video_pixel_flags_override_the_release(prepared, tmp_path):
     arch, tmp, release, config, _ = prepared
-    source = write_jsonl(tmp / "one.jsonl", [{"messages": CONVERSATIONS[0]}])
+    messages = conversations(arch)[0]
+    source = write_jsonl(tmp / "one.jsonl", [{"messages": messages}])
     low = {**config, "size": {"shortest_edge": 16, "longest_edge": 256}}
     assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
                                  "--out", str(tmp_path / "small"), "--video-min-pixels", "16",
                                  "--video-max-pixels", "256"]) == 0
     sample = VLDataset(tmp_path / "small")[0]
     processor = hf_processor(arch, release, video_processor(arch, low))
-    want = processor_inputs(processor, CONVERSATIONS[0], tmp)
+    want = processor_inputs(processor, messages, tmp)
     check_sample(arch, sample, want, release)
     assert sample.video_grid_thw.prod() < VLDataset(tmp / "data")[0].video_grid_thw.prod()
 
@@ -203,3 +215,17 @@ def test_a_video_in_an_assistant_turn_is_never_a_target(qwen3_release, tmp_path)
     expected = np.array(assistant_mask(ids, rust, "qwen3_vl")) * ~inside
     assert inside.sum() > 20 and expected.sum() > 3
     assert sample.loss_mask.astype(int).tolist() == expected.tolist()
+
+
+def test_qwen2_5_vl_videos_at_another_rate_are_refused_by_line(tmp_path, capsys):
+    release = make_release("qwen2_5_vl", tmp_path / "release")
+    write_video_config("qwen2_5_vl", release)
+    write_frames(tmp_path)
+    rows = [{"messages": conversations("qwen2_5_vl")[0]}, GOOD]  # 2 fps, then none given
+    source = write_jsonl(tmp_path / "chat.jsonl", rows)
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
+                                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "chat.jsonl:2: a Qwen2.5-VL video's positions follow its time, 0.0833333 s" in err
+    assert "chat.jsonl:1" not in err and '(\"fps\": 2)' in err
+    assert not (tmp_path / "out").exists()
