@@ -176,6 +176,10 @@ def _scan_visuals(conv: Conversation, where: str, settings: ImageSettings,
         h.update(hashlib.sha256(image.read_bytes()).digest())
         images.append(t * gh * gw)
     videos = []
+    if conv.videos and video is None:
+        raise ValueError(f"{where}: a video, but the {settings.family} family takes no videos "
+                         f"(its processor has no video rules); drop the video, or prepare for "
+                         f"a release of a family that takes them")
     for item in conv.videos:
         t, gh, gw = video_header(item, settings, video, where)
         problem = video.problem(item.fps, settings.temporal_patch_size)

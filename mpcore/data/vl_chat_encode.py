@@ -108,6 +108,15 @@ class Encoded(NamedTuple):
     video_grids: list[tuple[int, int, int]]
 
 
+def system_visual(conv) -> int | None:
+    """The index of the first system message holding an image or a video, or None."""
+    for k, m in enumerate(conv.messages):
+        if m["role"] == "system" and isinstance(m["content"], list) and any(
+                p.get("type") in ("image", "video") for p in m["content"]):
+            return k
+    return None
+
+
 class VLChatEncoder:
     """Encodes ``Conversation`` s (module docstring) with ``hf`` (the release folder through
     the ``tokenizers`` library), ``tok`` (its vision ids), ``settings`` (the images) and
@@ -161,11 +170,9 @@ class VLChatEncoder:
         given = (len(conv.images), len(conv.videos))
         if found == given:
             return
-        system = [k for k, m in enumerate(conv.messages) if m["role"] == "system"
-                  and isinstance(m["content"], list)
-                  and any(p.get("type") in ("image", "video") for p in m["content"])]
-        why = (f"; it does not render images or videos in a system turn (message {system[0]}):"
-               f" move them to a user turn" if system else
+        system = system_visual(conv)
+        why = (f"; it does not render images or videos in a system turn (message {system}):"
+               f" move them to a user turn" if system is not None else
                f"; write them as {{\"type\": \"image\", \"image\": PATH}} / {{\"type\": "
                f"\"video\", \"video\": [FRAMES]}} parts (see {SCHEMA})")
         raise ValueError(f"{where}: the chat template of {self.tok.folder} wrote {found[0]} "
@@ -218,7 +225,14 @@ class VLChatEncoder:
             out.append(text[done:])
             return "".join(out), [(shift(a), shift(b)) for a, b in spans], hidden
 
-        ids, mask = self.renderer.encode(conv.messages, where, rewrite)
+        try:
+            ids, mask = self.renderer.encode(conv.messages, where, rewrite)
+        except ValueError as e:
+            k = system_visual(conv)
+            if k is None or "refuses this conversation" not in str(e):
+                raise
+            raise ValueError(f"{e}; it cannot render images or videos in a system turn "
+                             f"(message {k}): move them to a user turn") from None
         mask[np.isin(ids, list(self.tok.placeholder_ids))] = 0  # rows from the tower
         return Encoded(ids.tolist(), mask.tolist(), [r for r, _ in images],
                        [g for _, g in images], [r for r, _, _ in videos],

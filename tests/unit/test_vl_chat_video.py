@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,10 @@ from PIL import Image
 
 from mpcore.data import VLDataset
 from mpcore.data.hf_folder import TokenizerFolder
+from mpcore.data.vl_chat import prepare_vl_conversations
 from mpcore.launch import prepare_vl_data
+from mpcore.models import family_named
+from mpcore.vl_release import release_image_settings, release_video_settings, release_vl_tokenizer
 from tests.unit.test_vl_chat import assistant_mask, image, text, write_images, write_jsonl
 from tests.unit.vl_releases import ARCHES, hf_processor, make_release
 from tests.unit.vl_video_reference import processor_inputs, video_processor, write_video_config
@@ -228,4 +232,43 @@ def test_qwen2_5_vl_videos_at_another_rate_are_refused_by_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "chat.jsonl:2: a Qwen2.5-VL video's positions follow its time, 0.0833333 s" in err
     assert "chat.jsonl:1" not in err and '(\"fps\": 2)' in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("part", [image("a.png"), video("walk")], ids=["image", "video"])
+def test_a_system_turn_the_template_cannot_render_is_refused(part, tmp_path, capsys):
+    """GLM-4V's template writes a system turn's content as a string: an image or a video
+    there is refused by line with the fix, nothing written."""
+    release = make_release("glm4v", tmp_path / "release")
+    write_images(tmp_path)
+    write_frames(tmp_path)
+    row = {"messages": [{"role": "system", "content": [text("Look:"), part]},
+                        {"role": "user", "content": "What is it?"},
+                        {"role": "assistant", "content": "A fox."}]}
+    source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}, row])
+    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
+                                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "chat.jsonl:2: the chat template of" in err
+    assert "cannot render images or videos in a system turn (message 0): move them to a user " \
+           "turn" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_family_without_video_rules_refuses_videos_by_line(qwen3_release, tmp_path):
+    """A family record whose processor has no video rules (none ships today: every VL family
+    takes videos) gets no video settings, and a video line is refused by line."""
+    tmp, release = qwen3_release
+    family = family_named("qwen3_vl")
+    still = replace(family, image_processing=replace(family.image_processing, video=None))
+    settings = release_image_settings(release, still)
+    assert release_video_settings(release, family, settings) is not None
+    assert release_video_settings(release, still, settings) is None
+    source = write_jsonl(tmp / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+        GOOD])
+    with pytest.raises(ValueError, match=r"chat.jsonl:2: a video, but the qwen3_vl family takes "
+                                         r"no videos \(its processor has no video rules\)"):
+        prepare_vl_conversations(source, tmp_path / "out", release_vl_tokenizer(release, family),
+                                 settings, progress=False, video=None)
     assert not (tmp_path / "out").exists()
