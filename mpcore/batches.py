@@ -43,7 +43,7 @@ from mpcore.parallel.labels import IGNORE_INDEX
 from mpcore.parallel.state import ParallelState
 from mpcore.vl_data import build_vl_loaders
 
-VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid")
 
 
 def dataset_sources(cfg: Config) -> tuple[Path, list[Path]]:
@@ -202,11 +202,13 @@ def local_inputs(batch: dict[str, torch.Tensor], state: ParallelState, cfg: Conf
     The family's ``local_inputs`` shifts labels on the GLOBAL stream and splits every
     per-token tensor with one ``ContextPlan`` (module docstring); the results go to
     ``device`` (``to_device``) except the family's host-side planning inputs. A batch with
-    videos (``pixel_values_videos`` and ``video_grid_thw``, as transformers names them) passes
-    them on too (prepared data carries them when its samples hold videos).
+    videos (``pixel_values_videos`` and ``video_grid_thw``, as transformers names them, and
+    ``second_per_grid``, each video's seconds per temporal patch) passes them on too (prepared
+    data carries them when its samples hold videos).
     """
     sp = cfg.parallel.sequence_parallel and state.tp > 1
-    videos = {k: batch[k] for k in VIDEO_KEYS if batch.get("video_grid_thw") is not None}
+    videos = {k: batch[k] for k in VIDEO_KEYS
+              if k in batch and batch.get("video_grid_thw") is not None}
     _, local = family.local_inputs(
         state, batch["input_ids"], batch["cu_seqlens"], model_cfg,
         loss_mask=batch.get("loss_mask"), sequence_parallel=sp, layout=cfg.parallel.cp_layout,

@@ -116,6 +116,4 @@ def release_video_settings(folder: str | Path, family: Family, image: ImageSetti
               "std": tuple(given["image_std"]) if "image_std" in given else None}
     values.update({k: v for k, v in {"min_pixels": min_pixels,
                                      "max_pixels": max_pixels}.items() if v is not None})
-    hf = read_hf_config(folder_of(folder))
-    return VideoSettings.for_family(family, **values).with_model(family,
-                                                                 family.config_from_hf(hf))
+    return VideoSettings.for_family(family, **values)

@@ -79,12 +79,15 @@ def local_glm4v_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens
                        cfg: Glm4vConfig, *, pixel_values: torch.Tensor | None = None,
                        image_grid_thw=None, pixel_values_videos: torch.Tensor | None = None,
                        video_grid_thw=None, loss_mask=None, sequence_parallel: bool = False,
-                       layout: str | None = None) -> tuple[ContextPlan, dict]:
+                       layout: str | None = None, second_per_grid=None
+                       ) -> tuple[ContextPlan, dict]:
     """The cp plan of one packed stream and this rank's ``Glm4vModel.forward`` keyword arguments
     (all but ``output``): the per-token tensors made on the GLOBAL stream, then split together
     by one ``ContextPlan`` (zigzag when cp > 1 unless ``layout`` says otherwise; a multiple of tp
     under SP); the vision input (images, then videos) passed whole to every rank
-    (``mpcore.models.common.vl_split``)."""
+    (``mpcore.models.common.vl_split``). ``second_per_grid`` is unused: a video's time is in
+    its text (timestamps), not in its positions."""
+    del second_per_grid
     batch = glm4v_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                          video_grid_thw=video_grid_thw, loss_mask=loss_mask)
     return split_vl_stream(state, batch, cu_seqlens, pixels=[pixel_values, pixel_values_videos],

@@ -26,7 +26,7 @@ into the text between frames (``VideoProcessing.layout``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from mpcore.models.common.resize import smart_resize
 from mpcore.models.registry import FAMILIES
 
 DEFAULT_FPS = 24.0  # transformers' Qwen3-VL / GLM-4V processors assume it without metadata
-NOT_STORED = {"size_rule", "layout", "wrap", "seconds_problem"}  # the family's functions, not the data's values
+NOT_STORED = {"size_rule", "layout", "wrap"}  # the family's functions, not the data's values
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,6 @@ class VideoSettings:
     wrap: tuple[str, str] | None = field(default=None, compare=False, repr=False)
     """``VideoProcessing.wrap``: the ids a release's chat template writes around its video
     placeholder. Not stored."""
-    seconds_problem: Callable | None = field(default=None, compare=False, repr=False)
-    """``(seconds per temporal patch) -> problem or None``: ``VideoProcessing.
-    seconds_problem`` bound to the release's model config (``with_model``). Not stored."""
 
     @classmethod
     def for_family(cls, family, **overrides) -> VideoSettings:
@@ -87,21 +84,6 @@ class VideoSettings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(family=family.name, hf_class=proc.hf_class, size_rule=proc.size_rule,
                    layout=proc.layout, wrap=proc.wrap, **values)
-
-    def with_model(self, family, cfg) -> VideoSettings:
-        """These settings with ``family``'s ``seconds_problem`` bound to the model config
-        ``cfg`` (a release's), so that a video whose time the model would read differently
-        is refused by line."""
-        check = family.image_processing.video.seconds_problem
-        bound = None if check is None else (lambda seconds: check(cfg, seconds))
-        return replace(self, seconds_problem=bound)
-
-    def problem(self, fps: float | None, temporal_patch_size: int) -> str | None:
-        """What is wrong with a video's ``fps`` (None: not given) for the bound model, or
-        None (see ``seconds_problem``)."""
-        if self.seconds_problem is None:
-            return None
-        return self.seconds_problem(temporal_patch_size / (fps or DEFAULT_FPS))
 
     @classmethod
     def from_json(cls, d: dict) -> VideoSettings:
@@ -215,6 +197,12 @@ def frame_times(grid_t: int, num_frames: int, temporal_patch_size: int, fps: flo
     """Seconds of each frame, ``i / fps``, the last repeated up to ``grid_t * T`` frames."""
     times = [i / fps for i in range(num_frames)]
     return times + times[-1:] * (grid_t * temporal_patch_size - num_frames)
+
+
+def seconds_per_grid(fps: float | None, temporal_patch_size: int) -> float:
+    """Seconds one temporal patch of a video spans, as Qwen2.5-VL's processor computes its
+    ``second_per_grid_ts``: ``temporal_patch_size / fps`` (``DEFAULT_FPS`` when not given)."""
+    return temporal_patch_size / (fps or DEFAULT_FPS)
 
 
 def video_parts(grid: tuple[int, int, int], num_frames: int, fps: float | None, image,

@@ -182,9 +182,6 @@ def _scan_visuals(conv: Conversation, where: str, settings: ImageSettings,
                          f"a release of a family that takes them")
     for item in conv.videos:
         t, gh, gw = video_header(item, settings, video, where)
-        problem = video.problem(item.fps, settings.temporal_patch_size)
-        if problem:
-            raise ValueError(f"{where}: {problem}")
         for frame in item.frames:
             h.update(hashlib.sha256(frame.read_bytes()).digest())
         h.update(json.dumps(item.fps).encode())
@@ -252,6 +249,6 @@ def prepare_vl_conversations(path: str | Path, out_dir: str | Path, tok: Release
                 raise ValueError(problem)
             e = encoder.encode(conv, where)
             yield conv.line, EncodedSample(e.ids, e.mask, e.rows, e.grids, e.video_rows,
-                                           e.video_grids)
+                                           e.video_grids, e.video_seconds)
 
     return write_vl_dataset(path, out_dir, tok, settings, video, summary, samples(), progress)

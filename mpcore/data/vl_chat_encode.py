@@ -36,7 +36,7 @@ import numpy as np
 from mpcore.data.chat import ChatRenderer
 from mpcore.data.hf_encode import HFTokenizer
 from mpcore.data.images import load_image, num_placeholders, process_image
-from mpcore.data.videos import VideoSettings, process_video, video_parts
+from mpcore.data.videos import VideoSettings, process_video, seconds_per_grid, video_parts
 from mpcore.data.vl_manifest import ImageSettings, Video
 from mpcore.data.vl_release import ReleaseVLTokenizer
 
@@ -98,7 +98,8 @@ class _Renderer(ChatRenderer):
 
 class Encoded(NamedTuple):
     """One conversation: ``ids``, ``mask`` (lists, same length), image ``rows`` and ``grids``
-    and ``video_rows`` / ``video_grids``, each in placeholder order."""
+    and ``video_rows`` / ``video_grids`` / ``video_seconds`` (seconds per temporal patch,
+    ``videos.seconds_per_grid``), each in placeholder order."""
 
     ids: list[int]
     mask: list[int]
@@ -106,6 +107,7 @@ class Encoded(NamedTuple):
     grids: list[tuple[int, int, int]]
     video_rows: list[np.ndarray]
     video_grids: list[tuple[int, int, int]]
+    video_seconds: tuple[float, ...]
 
 
 def system_visual(conv) -> int | None:
@@ -236,4 +238,6 @@ class VLChatEncoder:
         mask[np.isin(ids, list(self.tok.placeholder_ids))] = 0  # rows from the tower
         return Encoded(ids.tolist(), mask.tolist(), [r for r, _ in images],
                        [g for _, g in images], [r for r, _, _ in videos],
-                       [g for _, g, _ in videos])
+                       [g for _, g, _ in videos],
+                       tuple(seconds_per_grid(item.fps, self.settings.temporal_patch_size)
+                             for item in conv.videos))

@@ -29,6 +29,10 @@ Folder layout (sample ``i`` = manifest sample ``i``, in manifest order; ``V`` th
     video_grids.bin/.idx, video_pixels.bin, video_row_offsets.i64
                        the same for the samples' videos (grids (t, h, w) per video, rows of
                        ``process_video``, same patch_dim), videos in stream order
+    video_seconds.f64  float64 [num_videos]: each video's seconds per temporal patch,
+                       ``temporal_patch_size / fps`` (24 fps when none was given), which
+                       Qwen2.5-VL's positions read (``second_per_grid``); absent in folders
+                       prepared before it, whose videos then read as 1 s per patch
 
 A video's tokens are its family's layout (``VideoProcessing.layout``), text parts encoded like
 any text; GLM-4V's layout writes two ids after the tokenizer's (its video start / end), so its
@@ -54,7 +58,7 @@ import numpy as np
 from mpcore.atomic import fsync_dir
 from mpcore.data.images import load_image, num_placeholders, process_image
 from mpcore.data.indexed import IndexedDataset, IndexedWriter
-from mpcore.data.videos import VideoSettings, process_video, video_parts
+from mpcore.data.videos import VideoSettings, process_video, seconds_per_grid, video_parts
 from mpcore.data.vl_manifest import (
     ImageSettings,
     ManifestSample,
@@ -77,7 +81,8 @@ class VLSample(NamedTuple):
     """One prepared sample (numpy): ``input_ids`` int64 [n], ``loss_mask`` bool [n],
     ``pixel_values`` float32 [N, patch_dim], ``grid_thw`` int64 [I, 3] (images), and its
     videos' ``pixel_values_videos`` float32 [M, patch_dim], ``video_grid_thw`` int64 [V, 3]
-    (None for a sample built without them)."""
+    (None for a sample built without them), ``video_seconds`` float64 [V] (seconds per
+    temporal patch of each video; None: 1 each)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -85,10 +90,12 @@ class VLSample(NamedTuple):
     grid_thw: np.ndarray
     pixel_values_videos: np.ndarray | None = None
     video_grid_thw: np.ndarray | None = None
+    video_seconds: np.ndarray | None = None
 
 
 class EncodedSample(NamedTuple):
-    """One sample's ids, mask, rows and grids (images, then videos), as written."""
+    """One sample's ids, mask, rows and grids (images, then videos), and each video's seconds
+    per temporal patch, as written."""
 
     ids: list[int]
     mask: list[int]
@@ -96,6 +103,7 @@ class EncodedSample(NamedTuple):
     grids: list[tuple[int, int, int]]
     video_rows: list[np.ndarray]
     video_grids: list[tuple[int, int, int]]
+    video_seconds: tuple[float, ...] = ()
 
 
 def _encode_video(item, tok: VLTokenizer, settings: ImageSettings, video: VideoSettings | None,
@@ -120,7 +128,7 @@ def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings,
     """The ids, mask, rows and grids (images, then videos) of one manifest sample."""
     ids: list[int] = []
     mask: list[int] = []
-    rows, grids, video_rows, video_grids = [], [], [], []
+    rows, grids, video_rows, video_grids, seconds = [], [], [], [], []
     for kind, value, target in sample.parts:
         if kind == "text":
             enc = tok.encode(value)
@@ -133,6 +141,7 @@ def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings,
             mask += [0] * len(enc)  # timestamps included: the processor's, not targets
             video_rows.append(pixels)
             video_grids.append(grid)
+            seconds.append(seconds_per_grid(value.fps, settings.temporal_patch_size))
             continue
         try:
             pixels, grid = process_image(
@@ -157,7 +166,7 @@ def _encode(sample: ManifestSample, tok: VLTokenizer, settings: ImageSettings,
         grids.append(grid)
     ids.append(tok.eos_id)
     mask.append(1)
-    return EncodedSample(ids, mask, rows, grids, video_rows, video_grids)
+    return EncodedSample(ids, mask, rows, grids, video_rows, video_grids, tuple(seconds))
 
 
 def _fingerprint_extra(settings: ImageSettings, tok: VLTokenizer,
@@ -189,6 +198,7 @@ def dataset_fingerprint(
 CONTENT_FILES = ("tokens.bin", "tokens.idx", "mask.bin", "grids.bin", "pixels.bin",
                  "row_offsets.i64", "tokenizer.json")
 VIDEO_FILES = ("video_grids.bin", "video_pixels.bin", "video_row_offsets.i64")
+SECONDS_FILE = "video_seconds.f64"  # in folders prepared since videos carry their time
 
 
 def folder_fingerprint(folder: str | Path, file_fingerprint) -> str:
@@ -198,6 +208,7 @@ def folder_fingerprint(folder: str | Path, file_fingerprint) -> str:
     their meta.json differ too). A missing or foreign folder raises ``ValueError``."""
     meta = VLDataset(folder).meta
     names = CONTENT_FILES + (VIDEO_FILES if meta["version"] >= 2 else ())
+    names += (SECONDS_FILE,) if (Path(folder) / SECONDS_FILE).is_file() else ()
     parts = [f"prepared {str(meta.get('fingerprint'))[:16]}"]
     parts += [f"{name} {file_fingerprint(Path(folder) / name)}" for name in names]
     return "; ".join(parts)
@@ -330,8 +341,11 @@ def _write(manifest: Path, folder: Path, encoded, tok, settings: ImageSettings,
             IndexedWriter(folder / "tokens", vocab, progress=False) as ids_w,
             IndexedWriter(folder / "mask", 2, progress=False) as mask_w,
             open(folder / "lines.i64", "wb") as lines,
+            open(folder / SECONDS_FILE, "wb") as seconds,
         ):
             for line, enc in encoded:
+                assert len(enc.video_seconds) == len(enc.video_grids), line
+                seconds.write(np.asarray(enc.video_seconds, "<f8").tobytes())
                 ids_w.add(enc.ids)
                 mask_w.add(enc.mask)
                 parts[0].add(enc.rows, enc.grids)
@@ -345,8 +359,9 @@ def _write(manifest: Path, folder: Path, encoded, tok, settings: ImageSettings,
                                     for g in enc.video_grids)
                 if meter:
                     meter.update(samples, tokens, parts[0].num_items)
-            lines.flush()
-            os.fsync(lines.fileno())
+            for f in (lines, seconds):
+                f.flush()
+                os.fsync(f.fileno())
         ok = True
     finally:
         for part in parts:
@@ -502,6 +517,11 @@ class VLDataset:
         if m["version"] >= 2:
             self.videos = _RowsView(self.folder, "video_", m["num_video_rows"], n,
                                     self.patch_dim, dtype)
+        self.seconds, self.first_video = None, None
+        if self.videos is not None and (self.folder / SECONDS_FILE).is_file():
+            self.seconds = _raw(self.folder / SECONDS_FILE, "<f8", (m["num_videos"],))
+            per_sample = np.asarray(self.videos.grids.doc_lengths, np.int64) // 3
+            self.first_video = np.concatenate([[0], np.cumsum(per_sample)])
         self.pixels, self.grids = self.images.pixels, self.images.grids
         self.row_offsets = self.images.offsets
         self.lines = _raw(self.folder / "lines.i64", "<i8", (n,))
@@ -519,8 +539,12 @@ class VLDataset:
                                                                                       np.int64)
         else:
             videos, video_grids = self.videos.sample(i)
+        seconds = None
+        if self.seconds is not None:
+            lo, hi = int(self.first_video[i]), int(self.first_video[i + 1])
+            seconds = np.asarray(self.seconds[lo:hi], dtype=np.float64)
         return VLSample(np.asarray(self.tokens[i], dtype=np.int64), np.asarray(self.mask[i]) != 0,
-                        pixels, grids, videos, video_grids)
+                        pixels, grids, videos, video_grids, seconds)
 
     def describe(self, i: int) -> str:
         """``"sample i (manifest:line)"``, for messages."""

@@ -26,6 +26,8 @@ their placeholder runs:
     image_grid_thw  int64 [I, 3]
     pixel_values_videos  float32 [M, patch_dim]   the samples' videos (None: none)
     video_grid_thw       int64 [V, 3]              videos in the order of their runs
+    second_per_grid      float64 [V]               each video's seconds per temporal patch
+                                                   (Qwen2.5-VL's positions read it)
 
 :class:`TextAsVL` turns a text ``PackedDataset`` into such samples (every token a target, no
 images), so text corpora blend with image-text budgets in a ``BlendedDataset`` by weight.
@@ -60,16 +62,21 @@ class VLPackedSample:
     image_grid_thw: np.ndarray
     pixel_values_videos: np.ndarray | None = None
     video_grid_thw: np.ndarray | None = None
+    second_per_grid: np.ndarray | None = None
 
 
-def _videos(parts) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``(rows, grids)`` of the videos of ``parts`` (VLSamples; tuples of four have none),
-    or ``(None, None)`` when there are none."""
+def _videos(parts) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """``(rows, grids, seconds per temporal patch)`` of the videos of ``parts`` (VLSamples;
+    tuples of four have none; a sample without recorded seconds: 1 per video), or ``(None,
+    None, None)`` when there are none."""
     given = [p for p in parts if len(p) > 4 and p[5] is not None and len(p[5])]
     if not given:
-        return None, None
+        return None, None, None
+    grids = [np.asarray(p[5], np.int64).reshape(-1, 3) for p in given]
+    seconds = [np.ones(len(g)) if len(p) < 7 or p[6] is None else np.asarray(p[6], np.float64)
+               for p, g in zip(given, grids, strict=True)]
     return (np.concatenate([np.asarray(p[4], np.float32) for p in given]),
-            np.concatenate([np.asarray(p[5], np.int64).reshape(-1, 3) for p in given]))
+            np.concatenate(grids), np.concatenate(seconds))
 
 
 def sample_lengths(dataset) -> np.ndarray:
@@ -248,7 +255,8 @@ def collate_vl(samples: Sequence[VLPackedSample]) -> dict[str, torch.Tensor]:
     ``cu_seqlens`` int32 [segments+1], ``position_ids`` int64 [B*S] (as ``loader.collate``),
     ``loss_mask`` bool [B*S], ``pixel_values`` float32 [N, patch_dim], ``image_grid_thw``
     int64 [I, 3] (images in stream order), and when any sample has a video
-    ``pixel_values_videos`` float32 [M, patch_dim] and ``video_grid_thw`` int64 [V, 3]."""
+    ``pixel_values_videos`` float32 [M, patch_dim], ``video_grid_thw`` int64 [V, 3] and
+    ``second_per_grid`` float64 [V]."""
     videos = [s for s in samples if s.video_grid_thw is not None]
     widths = {s.pixel_values.shape[1] for s in samples}
     widths |= {s.pixel_values_videos.shape[1] for s in videos}
@@ -268,6 +276,9 @@ def collate_vl(samples: Sequence[VLPackedSample]) -> dict[str, torch.Tensor]:
             np.concatenate([s.pixel_values_videos for s in videos]))
         batch["video_grid_thw"] = torch.from_numpy(
             np.concatenate([s.video_grid_thw for s in videos]).astype(np.int64))
+        batch["second_per_grid"] = torch.from_numpy(np.concatenate(
+            [np.ones(len(s.video_grid_thw)) if s.second_per_grid is None
+             else s.second_per_grid for s in videos]).astype(np.float64))
     return batch
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from PIL import Image
 from mpcore.data import VLDataset
 from mpcore.data.hf_folder import TokenizerFolder
 from mpcore.data.vl_chat import prepare_vl_conversations
+from mpcore.data.vl_packing import VLPackedDataset, collate_vl
 from mpcore.launch import prepare_vl_data
 from mpcore.models import family_named
 from mpcore.vl_release import release_image_settings, release_video_settings, release_vl_tokenizer
@@ -49,17 +51,6 @@ CONVERSATIONS = [
 ]
 
 
-def conversations(arch: str) -> list:
-    """``CONVERSATIONS``; for Qwen2.5-VL every video at 2 fps, the one rate whose positions
-    prepared data keeps (its positions follow the video's time; others are refused)."""
-    if arch != "qwen2_5_vl":
-        return CONVERSATIONS
-    return [[{**m, "content": [{**p, "fps": 2} if p["type"] == "video" else p
-                               for p in m["content"]]}
-             if isinstance(m["content"], list) else m for m in messages]
-            for messages in CONVERSATIONS]
-
-
 def write_frames(folder: Path) -> None:
     rng = np.random.default_rng(11)
     for name, (n, h, w) in CLIPS.items():
@@ -77,7 +68,7 @@ def prepared(request, tmp_path_factory):
     config = write_video_config(arch, release)
     write_images(tmp)
     write_frames(tmp)
-    source = write_jsonl(tmp / "chat.jsonl", [{"messages": m} for m in conversations(arch)])
+    source = write_jsonl(tmp / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
     assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
                                  "--out", str(tmp / "data")]) == 0
     return arch, tmp, release, config, VLDataset(tmp / "data")
@@ -103,7 +94,7 @@ def test_ids_rows_grids_and_mask_equal_the_release_processor(prepared):
     arch, tmp, release, config, ds = prepared
     processor = hf_processor(arch, release, video_processor(arch, config))
     assert ds.meta["num_videos"] == 3
-    for i, messages in enumerate(conversations(arch)):
+    for i, messages in enumerate(CONVERSATIONS):
         want = processor_inputs(processor, messages, tmp)
         check_sample(arch, ds[i], want, release)
     recorded = ds.meta["video_settings"]
@@ -132,7 +123,7 @@ def test_video_ids_are_the_releases_own(prepared):
 
 def test_video_pixel_flags_override_the_release(prepared, tmp_path):
     arch, tmp, release, config, _ = prepared
-    messages = conversations(arch)[0]
+    messages = CONVERSATIONS[0]
     source = write_jsonl(tmp / "one.jsonl", [{"messages": messages}])
     low = {**config, "size": {"shortest_edge": 16, "longest_edge": 256}}
     assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
@@ -221,20 +212,6 @@ def test_a_video_in_an_assistant_turn_is_never_a_target(qwen3_release, tmp_path)
     assert sample.loss_mask.astype(int).tolist() == expected.tolist()
 
 
-def test_qwen2_5_vl_videos_at_another_rate_are_refused_by_line(tmp_path, capsys):
-    release = make_release("qwen2_5_vl", tmp_path / "release")
-    write_video_config("qwen2_5_vl", release)
-    write_frames(tmp_path)
-    rows = [{"messages": conversations("qwen2_5_vl")[0]}, GOOD]  # 2 fps, then none given
-    source = write_jsonl(tmp_path / "chat.jsonl", rows)
-    assert prepare_vl_data.main(["--manifest", str(source), "--tokenizer", str(release),
-                                 "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "chat.jsonl:2: a Qwen2.5-VL video's positions follow its time, 0.0833333 s" in err
-    assert "chat.jsonl:1" not in err and '(\"fps\": 2)' in err
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("part", [image("a.png"), video("walk")], ids=["image", "video"])
 def test_a_system_turn_the_template_cannot_render_is_refused(part, tmp_path, capsys):
     """GLM-4V's template writes a system turn's content as a string: an image or a video
@@ -272,3 +249,25 @@ def test_a_family_without_video_rules_refuses_videos_by_line(qwen3_release, tmp_
         prepare_vl_conversations(source, tmp_path / "out", release_vl_tokenizer(release, family),
                                  settings, progress=False, video=None)
     assert not (tmp_path / "out").exists()
+
+
+def test_each_video_carries_its_seconds_per_temporal_patch_into_the_batch(prepared, tmp_path):
+    """``temporal_patch_size / fps`` (24 fps when none is given), what Qwen2.5-VL's processor
+    passes as ``second_per_grid_ts``, travels with the samples into the micro-batch in stream
+    order; a folder prepared before it was recorded reads as 1 s per patch."""
+    _, tmp, _, _, ds = prepared
+    assert ds[0].video_seconds.tolist() == [2 / 24]
+    assert ds[1].video_seconds.tolist() == [2 / 2.0, 2 / 0.5]
+    packed = VLPackedDataset(ds, 1024, seed=0, pad_id=ds.tokenizer.eos_id)
+    batch = collate_vl([packed[b] for b in range(len(packed))])
+    order = [int(i) for b in range(len(packed)) for i in packed.members(b)]
+    want = [s for i in order for s in ds[i].video_seconds.tolist()]
+    assert batch["second_per_grid"].dtype == torch.float64
+    assert batch["second_per_grid"].tolist() == want
+    old = tmp_path / "old"
+    shutil.copytree(tmp / "data", old)
+    (old / "video_seconds.f64").unlink()
+    legacy = VLDataset(old)
+    assert legacy[1].video_seconds is None
+    batch = collate_vl([VLPackedDataset(legacy, 1024, 0, legacy.tokenizer.eos_id)[0]])
+    assert batch["second_per_grid"].tolist() == [1.0] * len(batch["video_grid_thw"])

@@ -16,7 +16,7 @@ from mpcore.launch import prepare_vl_data
 from mpcore.train import train
 from tests.unit.test_vl_chat import assistant_mask, write_images, write_jsonl
 from tests.unit.test_vl_chat_train import sft_config
-from tests.unit.test_vl_chat_video import conversations, write_frames
+from tests.unit.test_vl_chat_video import CONVERSATIONS, write_frames
 from tests.unit.vl_releases import ARCHES, hf_processor, make_release
 from tests.unit.vl_video_reference import processor_inputs, video_processor, write_video_config
 
@@ -25,7 +25,7 @@ def train_conversations(arch: str) -> list:
     """The test's conversations; for GLM-4V without the image beside a video:
     transformers' Glm4vModel takes no sample holding both (its image and video masks are the
     same placeholder tokens, so their counts never match), while ours does."""
-    rows = conversations(arch)
+    rows = CONVERSATIONS
     if arch != "glm4v":
         return rows
     return [[{**m, "content": [p for p in m["content"] if p["type"] != "image"]}

@@ -17,7 +17,7 @@ from mpcore.launch import prepare_data, prepare_vl_data
 from mpcore.launch.score import checkpoint_spec
 from mpcore.launch.score_io import read_input
 from tests.unit.test_vl_chat import write_images, write_jsonl
-from tests.unit.test_vl_chat_video import conversations, write_frames
+from tests.unit.test_vl_chat_video import CONVERSATIONS, write_frames
 from tests.unit.vl_releases import make_release
 from tests.unit.vl_video_reference import write_video_config
 
@@ -30,7 +30,7 @@ def prepared(request, tmp_path_factory):
     write_video_config(arch, release)
     write_images(tmp)
     write_frames(tmp)
-    rows = [{"messages": m} for m in conversations(arch)]
+    rows = [{"messages": m} for m in CONVERSATIONS]
     rows.append({"messages": [{"role": "user", "content": "Only text."},
                               {"role": "assistant", "content": "Fine."}]})
     source = write_jsonl(tmp / "chat.jsonl", rows)

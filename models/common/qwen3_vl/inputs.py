@@ -82,12 +82,16 @@ def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, cfg:
                  *, pixel_values: torch.Tensor | None = None, image_grid_thw=None,
                  pixel_values_videos: torch.Tensor | None = None, video_grid_thw=None,
                  loss_mask=None, sequence_parallel: bool = False, mm_token_type_ids=None,
-                 layout: str | None = None) -> tuple[ContextPlan, dict]:
+                 layout: str | None = None, second_per_grid=None
+                 ) -> tuple[ContextPlan, dict]:
     """The cp plan of one packed stream and this rank's ``Qwen3VLModel.forward`` keyword
     arguments (all but ``output``): the per-token tensors of the GLOBAL stream split together
     by one ``ContextPlan`` (zigzag when cp > 1; a multiple of tp under SP), the vision input
     (images then videos) whole on every rank (``mpcore.models.common.vl_split``). Signature of
-    ``mpcore.models.qwen2_vl.inputs.local_vl_inputs`` (plus ``mm_token_type_ids``)."""
+    ``mpcore.models.qwen2_vl.inputs.local_vl_inputs`` (plus ``mm_token_type_ids``);
+    ``second_per_grid`` is unused: a video's time is in its text (timestamps), not in its
+    positions."""
+    del second_per_grid
     batch = global_inputs(input_ids, cu_seqlens, cfg, image_grid_thw=image_grid_thw,
                           video_grid_thw=video_grid_thw, loss_mask=loss_mask,
                           mm_token_type_ids=mm_token_type_ids)
