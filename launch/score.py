@@ -74,19 +74,22 @@ def score_stream(model, state: ParallelState, input_ids: torch.Tensor,
                  image_grid_thw: torch.Tensor | None = None,
                  pixel_values_videos: torch.Tensor | None = None,
                  video_grid_thw: torch.Tensor | None = None,
+                 second_per_grid: torch.Tensor | None = None,
                  mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs [T], entropy [T])`` fp32 of one packed stream, in stream order, on every rank
     of this replica's tp x cp group (collective over ``state.tp_group`` and ``state.cp_group``).
     Position t scores ``input_ids[t+1]`` (0 at each document's last token). A vision-language
     model also takes the stream's ``pixel_values [N, patch_dim]`` and ``image_grid_thw [I, 3]``
     (every image of the stream, in placeholder order; may be None) and likewise its videos'
-    ``pixel_values_videos`` / ``video_grid_thw``. The model's family
+    ``pixel_values_videos`` / ``video_grid_thw`` (and ``second_per_grid [V]`` float64, seconds
+    per temporal patch of each video; None: 1 each). The model's family
     (``mpcore.models.family_of(model.cfg)``) makes this rank's inputs. ``mtp``: the outputs of
     the model's multi-token-prediction head instead (position t scores ``input_ids[t+2]``; the
     model must have been loaded with its MTP block, ``mtp_loss_weight > 0``)."""
     family = family_of(model.cfg)
     videos = {} if video_grid_thw is None else {"pixel_values_videos": pixel_values_videos,
-                                                "video_grid_thw": video_grid_thw}
+                                                "video_grid_thw": video_grid_thw,
+                                                "second_per_grid": second_per_grid}
     plan, inputs = family.local_inputs(state, input_ids, cu_seqlens, model.cfg,
                                        loss_mask=loss_mask,
                                        sequence_parallel=model.sequence_parallel,
@@ -129,6 +132,10 @@ def score_items(model, state: ParallelState, items: list[ScoreItem],
             if grids:
                 vision[pixels] = torch.cat(rows).to(device)
                 vision[grid] = torch.tensor(grids, dtype=torch.int64).view(-1, 3)
+        if "video_grid_thw" in vision:
+            vision["second_per_grid"] = torch.tensor(
+                [s for i in keep for s in (items[i].second_per_grid or [1.0] * items[i].num_videos)],
+                dtype=torch.float64)
         logprobs, entropy = score_stream(model, state, ids, cu.to(device), mask, temperature,
                                          **vision, mtp=mtp)
         logprobs, entropy = logprobs.cpu(), entropy.cpu()

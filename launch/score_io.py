@@ -18,7 +18,9 @@ of ``h x w``), and ``input_ids`` laid out as that family's processor lays a vide
 one run of ``t*h*w / merge^2`` video_token_ids; Qwen3-VL and GLM-4V: one run per frame with its
 timestamp text between, GLM's inside video start/end and with the image id). The family's own
 placeholder rule checks the line (``InputSpec.check_stream``: the position rule the model uses).
-Qwen2.5-VL's ``second_per_grid_ts`` is taken as 1 (its processor's default at 2 fps).
+Optional beside them, ``"second_per_grid_ts": [s, ...]`` (one positive number per video: the
+seconds one temporal patch spans, ``temporal_patch_size / fps``, as Qwen2.5-VL's processor
+returns it; its positions read it, the other families' do not); absent, 1 per video.
 
 ``images`` form: paths of PNG or JPEG files (relative to the input file's folder unless
 absolute). Each image stands in ``input_ids`` as ONE image_token_id, in the order of the list;
@@ -49,7 +51,8 @@ from mpcore.data.images import (
 )
 from mpcore.data.jsonl import json_lines
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "images", "pixel_values_videos", "video_grid_thw")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "images", "pixel_values_videos", "video_grid_thw",
+              "second_per_grid_ts")
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class ScoreItem:
     pixel_values_videos: torch.Tensor | None = None
     """``[N, patch_dim]`` float32 rows of the line's videos, or None."""
     video_grid_thw: list[tuple[int, int, int]] = field(default_factory=list)
+    second_per_grid: list[float] = field(default_factory=list)
+    """Seconds per temporal patch of each video (``second_per_grid_ts``; empty: 1 each)."""
 
     @property
     def num_images(self) -> int:
@@ -184,6 +189,9 @@ def parse_line(row, spec: InputSpec, where: str, folder: Path, cache: dict | Non
         return ScoreItem(ids, mask)
     if "pixel_values_videos" in row or "video_grid_thw" in row:
         return parse_videos(row, ids, mask, spec, where)
+    if "second_per_grid_ts" in row:
+        raise ValueError(f"{where}: second_per_grid_ts without videos; it goes with "
+                         f"pixel_values_videos and video_grid_thw (one number per video)")
     if spec.video_token_id in ids:
         raise ValueError(f"{where}: input_ids[{ids.index(spec.video_token_id)}] is the video "
                          f"placeholder id {spec.video_token_id} but the line gives no video; add "
@@ -230,7 +238,21 @@ def parse_videos(row: dict, ids: list[int], mask: list[int] | None, spec: InputS
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
     return ScoreItem(ids, mask, image_pixels, images, pixel_values_videos=video_pixels,
-                     video_grid_thw=videos)
+                     video_grid_thw=videos, second_per_grid=seconds(row, len(videos), where))
+
+
+def seconds(row: dict, num_videos: int, where: str) -> list[float]:
+    """The line's ``second_per_grid_ts`` (module docstring) as floats, or [] when absent."""
+    given = row.get("second_per_grid_ts")
+    if given is None:
+        return []
+    if not (isinstance(given, list) and len(given) == num_videos and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0 for v in given)):
+        raise ValueError(f"{where}: second_per_grid_ts must be a list of {num_videos} positive "
+                         f"numbers (one per video: temporal_patch_size / fps), got "
+                         f"{json.dumps(given)[:80]}")
+    return [float(v) for v in given]
 
 
 def token_ids(ids, name: str, vocab_size: int, where: str) -> list[int]:

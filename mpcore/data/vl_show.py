@@ -5,7 +5,8 @@
 One JSON line per sample, in score.py's input schema (launch/score_io.py), so a line can be
 scored as it is: ``input_ids``, ``loss_mask``, and when the sample has them ``pixel_values`` with
 ``image_grid_thw`` (its images' rows and grids) and ``pixel_values_videos`` with
-``video_grid_thw`` (its videos'). Rows are float32 values written as JSON numbers (each reads
+``video_grid_thw`` (its videos', with ``second_per_grid_ts``: each video's seconds per temporal
+patch, which Qwen2.5-VL's positions read). Rows are float32 values written as JSON numbers (each reads
 back to the same float32). With ``text``: ``{"text": ...}``, the sample decoded with the
 folder's own tokenizer copy, trained spans between ``[[`` and ``]]`` and each run of a
 placeholder id written once with its length (``<|image_pad|>*64``).
@@ -36,6 +37,8 @@ def _row(sample) -> dict:
     if sample.video_grid_thw is not None and len(sample.video_grid_thw):
         row["pixel_values_videos"] = sample.pixel_values_videos.astype(np.float32).tolist()
         row["video_grid_thw"] = sample.video_grid_thw.tolist()
+        if sample.video_seconds is not None:
+            row["second_per_grid_ts"] = sample.video_seconds.tolist()
     return row
 
 
