@@ -271,3 +271,27 @@ def test_each_video_carries_its_seconds_per_temporal_patch_into_the_batch(prepar
     assert legacy[1].video_seconds is None
     batch = collate_vl([VLPackedDataset(legacy, 1024, 0, legacy.tokenizer.eos_id)[0]])
     assert batch["second_per_grid"].tolist() == [1.0] * len(batch["video_grid_thw"])
+
+
+def test_video_settings_are_read_as_transformers_reads_them(tmp_path):
+    """video_preprocessor_config.json before preprocessor_config.json (transformers'
+    AutoVideoProcessor order), the family's defaults for what neither says, the flags last; a
+    patch geometry other than the images' is refused naming the file."""
+    release = make_release("qwen3_vl", tmp_path / "release")
+    family = family_named("qwen3_vl")
+    image = release_image_settings(release, family)
+    fallback = release_video_settings(release, family, image)  # preprocessor_config.json only
+    pre = json.loads((release / "preprocessor_config.json").read_text())
+    assert (fallback.min_pixels, fallback.max_pixels) == (pre["size"]["shortest_edge"],
+                                                          pre["size"]["longest_edge"])
+    config = write_video_config("qwen3_vl", release)
+    own = release_video_settings(release, family, image)
+    assert (own.min_pixels, own.max_pixels, list(own.mean)) == (
+        config["size"]["shortest_edge"], config["size"]["longest_edge"], config["image_mean"])
+    flags = release_video_settings(release, family, image, min_pixels=16, max_pixels=99)
+    assert (flags.min_pixels, flags.max_pixels) == (16, 99)
+    (release / "video_preprocessor_config.json").write_text(json.dumps({**config,
+                                                                        "patch_size": 4}))
+    with pytest.raises(ValueError, match=r"video_preprocessor_config.json: the video "
+                                         r"processor's patch_size is 4 but the images' is 2"):
+        release_video_settings(release, family, image)
