@@ -48,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.section import DecoderSection
 
@@ -179,3 +181,16 @@ class Family:
     def hf_image_processor(self) -> str | None:
         """The transformers image processor class an export names (None for text)."""
         return self.image_processing.hf_class if self.image_processing else None
+
+
+def describe_kernels(model: torch.nn.Module, device: torch.device | str,
+                     dtype: torch.dtype) -> list[str]:
+    """One line per distinct kernel choice that ``model``'s layers report for ``dtype``
+    operands on ``device`` (layers with a ``describe_kernel(device, dtype)`` method, such as
+    Qwen3.5's Gated DeltaNet): what score.py and pretrain log once at start-up."""
+    lines = []
+    for module in model.modules():
+        describe = getattr(module, "describe_kernel", None)
+        if describe is not None and (line := describe(device, dtype)) not in lines:
+            lines.append(line)
+    return lines
