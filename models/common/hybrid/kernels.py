@@ -162,11 +162,12 @@ def check_available(name: str, device: torch.device | str) -> None:
 
 def resolve(name: str, x: torch.Tensor, key_dim: int | None = None,
             value_dim: int | None = None) -> str:
-    """``"fla"`` or ``"reference"`` for operands like ``x`` (``choose``); heads of
-    ``key_dim`` / ``value_dim`` (default: the last dim of ``x``). A fallback under ``auto``
-    that costs speed (CUDA, half precision) warns once per reason."""
-    width = x.shape[-1] if x.dim() else FLA_KEY_DIMS[1]
-    kernel, why = choose(name, x.device, x.dtype, key_dim or width, value_dim or width)
+    """``"fla"`` or ``"reference"`` for operands like ``x`` (``choose``) in heads of ``key_dim``
+    / ``value_dim`` (not checked when not given). A fallback under ``auto`` that costs speed
+    (CUDA, half precision) warns once per reason."""
+    if key_dim is None or value_dim is None:
+        key_dim = value_dim = FLA_KEY_DIMS[1]
+    kernel, why = choose(name, x.device, x.dtype, key_dim, value_dim)
     if kernel == "reference" and name == "auto" and x.is_cuda and x.dtype in _HALF:
         _warn_fallback(why)
     return kernel
