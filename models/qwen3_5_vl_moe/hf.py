@@ -48,7 +48,7 @@ def load_hf_model(folder: str | Path, state: ParallelState, **options
     table = shard_map(cfg, state.tp, state.tp_rank)
     moe_hf.load_moe_weights(model, folder, state, cfg.text, table, ours="text.",
                             hf=TEXT_PREFIX)
-    log_skipped(folder, table, TEXT_PREFIX, "vision-language model")
+    log_skipped(folder, table, (TEXT_PREFIX,), "vision-language model")
     return model, cfg
 
 

@@ -74,9 +74,18 @@ def _rope(x, rotary: int, theta: float):  # x (T, heads, D): the first `rotary` 
     return torch.cat([r * cos + half * sin, rest], -1)
 
 
-def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+def swiglu(w: dict, m: torch.Tensor) -> torch.Tensor:
+    """The release's dense MTP feed-forward (``mtp.layers.0.mlp.*``) of ``m [n, H]``."""
+    p = "mtp.layers.0.mlp."
+    return (F.silu(m @ w[p + "gate_proj.weight"].T) * (m @ w[p + "up_proj.weight"].T)
+            ) @ w[p + "down_proj.weight"].T
+
+
+def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor,
+               ffn=swiglu) -> torch.Tensor:
     """The MTP block's normalised output ``[n, H]`` of one document's first n positions:
-    ``hidden [n, H]`` the decoder's final hidden states, ``next_ids [n]`` the tokens t+1."""
+    ``hidden [n, H]`` the decoder's final hidden states, ``next_ids [n]`` the tokens t+1;
+    ``ffn(w, m)``: the layer's feed-forward (Qwen3.5-MoE's: a MoE block)."""
     eps, d, heads, kv = c["rms_norm_eps"], c["head_dim"], c["num_attention_heads"], c[
         "num_key_value_heads"]
     rope = c["rope_parameters"]
@@ -101,8 +110,7 @@ def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor) -
     out = torch.einsum("hqk,khd->qhd", attn, v).reshape(n, heads * d)
     x = x + (out * torch.sigmoid(gate)) @ w[p + "self_attn.o_proj.weight"].T
     m = _norm(x, w[p + "post_attention_layernorm.weight"], eps)
-    up = F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)
-    x = x + up @ w[p + "mlp.down_proj.weight"].T
+    x = x + ffn(w, m)
     return _norm(x, w["mtp.norm.weight"], eps)
 
 
