@@ -134,3 +134,24 @@ def test_packed_mtp_experts_load_as_the_per_expert_ones(release, tmp_path):
     assert set(full[0]) == set(full[1])
     for name in full[0]:  # same seed: the same values, stored two ways
         assert torch.equal(full[0][name], full[1][name]), name
+
+
+def test_score_mtp_gives_the_mtp_heads_logprobs(release, tmp_path):
+    from mpcore.launch.score import main
+
+    folder, ids, cu = release
+    state = ParallelState()
+    model, cfg = load_hf(folder, state, gdn_kernel="reference", mtp_loss_weight=1.0)
+    with torch.no_grad():
+        _, inputs = FAMILY.local_inputs(state, ids, cu, cfg)
+        (_, _), (want, _) = model(**inputs, output="logprobs")  # checked vs float64 above
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    (tmp_path / "in.jsonl").write_text("".join(
+        json.dumps({"input_ids": ids[a:b].tolist()}) + "\n" for a, b in bounds))
+    assert main(["--hf-checkpoint", str(folder), "--input", str(tmp_path / "in.jsonl"),
+                 "--mtp", "--output", str(tmp_path / "mtp.jsonl")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "mtp.jsonl").read_text().splitlines()]
+    for (a, b), row in zip(bounds, rows, strict=True):
+        assert len(row["logprobs"]) == b - a - 1
+        got = torch.tensor(row["logprobs"], dtype=torch.float64)
+        assert torch.allclose(got, want[a:b - 1].double(), rtol=0, atol=1e-5), (a, b)
