@@ -19,6 +19,7 @@ DeltaNet all-to-all, ``mpcore.models.common.hybrid.cp``): both counts must divid
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mpcore.models.common.config import ModelConfig
@@ -128,6 +129,11 @@ class Qwen35Config(ModelConfig):
                              f"weights, or a model section without it); set "
                              f"model.mtp_loss_weight=0, or set model.mtp_num_hidden_layers=1 "
                              f"for a model trained from scratch")
+
+    def with_mtp_weight(self, weight: float) -> Qwen35Config:
+        """This config with ``mtp_loss_weight`` set (its checks: ``ValueError`` naming the
+        fix); the run-level weight a checkpoint's config does not hold."""
+        return dataclasses.replace(self, mtp_loss_weight=weight)
 
     @property
     def uses_mtp(self) -> bool:

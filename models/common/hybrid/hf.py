@@ -28,7 +28,6 @@ and the embedding, norms, MLP and head as ``mpcore.models.common.decoder_hf``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
@@ -233,12 +232,13 @@ def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> No
 
 
 def with_mtp_weight(cfg, weight: float, folder: str | Path):
-    """``cfg`` (a checkpoint's ``Qwen35Config`` or a subclass) trained with MTP weight
+    """``cfg`` (a checkpoint's ``Qwen35Config``, a subclass, or a VL config holding one)
+    trained with MTP weight
     ``weight``; ``ValueError`` naming ``folder`` when the weight is bad, when the checkpoint
     has no MTP layer (or a depth other than 1) and the weight is > 0, or when its config.json
     declares the layer but its weights hold no ``mtp.*`` tensors."""
     try:
-        cfg = dataclasses.replace(cfg, mtp_loss_weight=weight)
+        cfg = cfg.with_mtp_weight(weight)
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
     if cfg.uses_mtp and "mtp.fc.weight" not in Checkpoint(Path(folder)).files:
