@@ -37,7 +37,6 @@ error: output line i belongs to input line i. Errors are printed once, not once 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -273,7 +272,10 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
             raise ValueError(f"--mtp: {args.hf_checkpoint} has no multi-token-prediction "
                              f"layers (config.json mtp_num_hidden_layers); drop --mtp")
         mtp = {"mtp_loss_weight": 1.0}
-        cfg = dataclasses.replace(cfg, **mtp)
+        try:
+            cfg = cfg.with_mtp_weight(1.0)
+        except ValueError as e:
+            raise ValueError(f"--mtp: {args.hf_checkpoint}: {e}") from None
     model, _ = family.load(args.hf_checkpoint, state, cfg, cp_mode=args.cp_mode,
                            sequence_parallel=args.sequence_parallel, device=device,
                            dtype=DTYPES[args.dtype], **mtp)
