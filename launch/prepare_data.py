@@ -25,7 +25,10 @@ progress bar on stderr; nothing is left half-written on an error.
 ``--show PREFIX``: the first ``--limit`` documents as JSON lines in score.py's input schema
 (``{"input_ids": [...], "loss_mask": [...]}``); with ``--text`` instead
 ``{"text": ...}`` with the trained spans between ``[[`` and ``]]`` (decoded with the
-tokenizer recorded in ``.meta.json``). Also runs as ``python -m mpcore.launch.prepare_data``.
+tokenizer recorded in ``.meta.json``). ``PREFIX`` may be a prepared VL dataset folder
+(launch/prepare_vl_data.py): its samples with their ``pixel_values`` / ``image_grid_thw`` and
+``pixel_values_videos`` / ``video_grid_thw`` (``mpcore.data.vl_show``), lines score.py reads as
+they are. Also runs as ``python -m mpcore.launch.prepare_data``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from mpcore.data.corpus import tokenize_to_indexed
 from mpcore.data.hf_encode import HFTokenizer, prepare_text
 from mpcore.data.indexed import IndexedDataset
 from mpcore.data.tokenizer import Tokenizer, iter_documents, train_tokenizer
+from mpcore.data.vl_show import is_vl_folder, show_vl
 from mpcore.io_errors import writing
 from mpcore.progress import ProgressBar
 
@@ -63,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat-split-rewritten", action="store_true",
                         help="--chat: a conversation whose template rewrites earlier turns "
                              "(Qwen3 <think>) becomes one document per assistant turn")
-    parser.add_argument("--show", type=Path, metavar="PREFIX", help="print prepared documents")
+    parser.add_argument("--show", type=Path, metavar="PREFIX",
+                        help="print prepared documents (a text prefix or a VL folder)")
     parser.add_argument("--limit", type=int, default=5, help="--show: how many documents")
     parser.add_argument("--text", action="store_true", help="--show: decoded, spans marked")
     args = parser.parse_args(argv)
@@ -92,8 +97,12 @@ def is_sentencepiece(path: Path | None) -> bool:
     return path is not None and path.suffix == ".model"
 
 
-def show(prefix: Path, limit: int, text: bool, out=sys.stdout) -> int:
-    """Print the first ``limit`` documents of ``prefix`` (module docstring); returns how many."""
+def show(prefix: Path, limit: int, text: bool, out=None) -> int:
+    """Print the first ``limit`` documents of ``prefix`` (module docstring) to ``out`` (None:
+    the current ``sys.stdout``); returns how many."""
+    out = out or sys.stdout
+    if is_vl_folder(prefix):
+        return show_vl(prefix, limit, text, out)
     ds = IndexedDataset(prefix)
     tok = None
     if text:

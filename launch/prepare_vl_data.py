@@ -27,10 +27,13 @@ are appended after its vocab), a prepared dataset's ``tokenizer.json``, or ``def
 default corpus's model, prepared under ``--data-dir`` on first use).
 
 With a released folder the manifest holds VL conversations (``{"messages": [...]}`` with
-image parts, mpcore/data/vl_chat.py): rendered with the release's chat template, each image's
-placeholder expanded by the family's resize rule, the release's OWN vision token ids (its
-config.json's), an assistant-only loss mask; ``--family`` defaults to the release's, and the
-image settings to its preprocessor_config.json. The manifest schema is in mpcore/data/vl_manifest.py (and
+image parts and video parts as frame lists, mpcore/data/vl_chat.py): rendered with the
+release's chat template, each image's and video's placeholder expanded by the family's
+processor rules, the release's OWN vision token ids (its config.json's), an assistant-only loss
+mask; ``--family`` defaults to the release's, the image settings to its
+preprocessor_config.json, the video settings to its video processor config
+(video_preprocessor_config.json, else preprocessor_config.json, as transformers reads them;
+``--video-min-pixels`` / ``--video-max-pixels`` override its bounds). The manifest schema is in mpcore/data/vl_manifest.py (and
 launch/data/images/README.md); the folder layout in mpcore/data/vl_dataset.py. The manifest is
 checked first (every problem reported as ``file:line``, nothing written), then streamed with a
 progress line on stderr; the folder appears only when complete. Also runs as
@@ -51,7 +54,12 @@ from mpcore.data.vl_manifest import ImageSettings
 from mpcore.data.vl_release import is_release_tokenizer
 from mpcore.io_errors import writing
 from mpcore.models import FAMILIES, family_named
-from mpcore.vl_release import release_family, release_image_settings, release_vl_tokenizer
+from mpcore.vl_release import (
+    release_family,
+    release_image_settings,
+    release_video_settings,
+    release_vl_tokenizer,
+)
 
 VL_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.modality == "image-text")
 
@@ -113,8 +121,12 @@ def prepare_release(args: argparse.Namespace) -> Path:
                          f'conversations ({{"messages": [...]}}, mpcore/data/vl_chat.py); for '
                          f"caption lines pass a SentencePiece --tokenizer")
     settings = release_image_settings(args.tokenizer, family, **_image_overrides(args))
-    return prepare_vl_conversations(args.manifest, args.out, tok, settings,
-                                    overwrite=args.overwrite)
+    video = release_video_settings(args.tokenizer, family, settings,
+                                   min_pixels=args.video_min_pixels,
+                                   max_pixels=args.video_max_pixels)
+    with writing(args.out, "--out"):  # a read-only or full disk: one line
+        return prepare_vl_conversations(args.manifest, args.out, tok, settings,
+                                        overwrite=args.overwrite, video=video)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@
     release_vl_tokenizer(folder, f)   its tokenizer with the vision ids its config.json names
     release_image_settings(folder, f) the image settings of its preprocessor_config.json (the
                                       family's defaults for keys it lacks)
+    release_video_settings(folder, f, image)  the video settings of its video processor config
+                                      (None for a family that takes no videos)
 
 The ids are the family config's ``*_token_id`` fields as ``family.config_from_hf`` reads them
 from the release (so ``mpcore.build`` compares the same names with ``model.init_from``).
@@ -16,6 +18,7 @@ import json
 from pathlib import Path
 
 from mpcore.data.hf_folder import folder_of
+from mpcore.data.videos import VideoSettings
 from mpcore.data.vl_manifest import ImageSettings
 from mpcore.data.vl_release import NOT_VISION, ReleaseVLTokenizer
 from mpcore.models import family_of_hf
@@ -73,3 +76,46 @@ def release_image_settings(folder: str | Path, family: Family, **overrides) -> I
               "std": tuple(given["image_std"]) if "image_std" in given else None}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ImageSettings.for_family(family, **values)
+
+
+def _video_config(folder: Path) -> tuple[dict, str]:
+    """The release's video processor settings and the file they came from, in transformers'
+    order: processor_config.json's ``video_processor``, video_preprocessor_config.json, then
+    preprocessor_config.json (what ``AutoVideoProcessor`` falls back to); ``{}`` if none."""
+    nested = folder / "processor_config.json"
+    if nested.is_file() and isinstance(json.loads(nested.read_text()).get("video_processor"),
+                                       dict):
+        return json.loads(nested.read_text())["video_processor"], str(nested)
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            return json.loads((folder / name).read_text()), str(folder / name)
+    return {}, "the family's defaults"
+
+
+def release_video_settings(folder: str | Path, family: Family, image: ImageSettings,
+                           min_pixels: int | None = None, max_pixels: int | None = None
+                           ) -> VideoSettings | None:
+    """``VideoSettings.for_family(family)`` with the release's video processor values (size's
+    shortest_edge / longest_edge or min_pixels / max_pixels, image_mean, image_std), then
+    ``min_pixels`` / ``max_pixels`` (``--video-min-pixels`` / ``--video-max-pixels``; None
+    keeps). None when ``family`` takes no videos (a video line is then refused by line).
+    ``ValueError`` naming the file when its patch geometry differs from the images' (``image``):
+    the rows of both feed one tower."""
+    if family.image_processing is None or family.image_processing.video is None:
+        return None
+    given, source = _video_config(folder_of(folder))
+    for key in ("patch_size", "temporal_patch_size", "merge_size"):
+        if given.get(key) is not None and given[key] != getattr(image, key):
+            raise ValueError(f"{source}: the video processor's {key} is {given[key]} but the "
+                             f"images' is {getattr(image, key)}; one vision tower reads both, "
+                             f"so the release's processor configs must agree")
+    size = given.get("size") or {}
+    values = {"min_pixels": size.get("shortest_edge", given.get("min_pixels")),
+              "max_pixels": size.get("longest_edge", given.get("max_pixels")),
+              "mean": tuple(given["image_mean"]) if "image_mean" in given else None,
+              "std": tuple(given["image_std"]) if "image_std" in given else None}
+    values.update({k: v for k, v in {"min_pixels": min_pixels,
+                                     "max_pixels": max_pixels}.items() if v is not None})
+    hf = read_hf_config(folder_of(folder))
+    return VideoSettings.for_family(family, **values).with_model(family,
+                                                                 family.config_from_hf(hf))

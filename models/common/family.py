@@ -90,7 +90,11 @@ class VideoProcessing:
     ...]``, what the family's transformers processor writes for it; ``frame_times``: seconds of
     each frame, padded to ``t * temporal_patch_size``; ``token_ids``: the data tokenizer's
     ``*_token_id`` ids). ``extra_ids``: ids after the tokenizer's that the layout writes
-    (GLM-4V's video start / end). The patch geometry is the image processor's."""
+    (GLM-4V's video start / end, for a tokenizer made from scratch only). ``wrap``: the
+    ``*_token_id`` names of the two tokens a release's chat template writes around its one
+    video placeholder (Qwen: vision start / end; GLM-4V: its video begin / end), which the
+    layout replaces together with the placeholder; ``seconds_problem`` below. The patch
+    geometry is the image processor's."""
 
     hf_class: str
     min_pixels: int
@@ -100,6 +104,11 @@ class VideoProcessing:
     layout: Callable[..., list]
     size_rule: Callable[..., tuple[int, int]] | None = None
     extra_ids: int = 0
+    wrap: tuple[str, str] = ("vision_start_token_id", "vision_end_token_id")
+    seconds_problem: Callable[[Any, float], str | None] | None = None
+    """``(cfg, seconds per temporal patch) -> problem or None``: prepared data places a
+    video's temporal patches 1 s apart; a model whose positions follow the video's time
+    (Qwen2.5-VL) names the fix when a video's frames say otherwise (None: time unused)."""
 
 
 def _no_placeholders(cfg) -> tuple[int, ...]:

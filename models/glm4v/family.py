@@ -27,24 +27,30 @@ from mpcore.models.glm4v.tower import Glm4vVisionTower
 
 
 def video_span_ids(token_ids: dict) -> tuple[int, int]:
-    """GLM-4V's video start / end ids from the data tokenizer's: the two ids after its own (it
-    names none)."""
+    """GLM-4V's video start / end ids: a release's own (its config's ``video_start_token_id``
+    / ``video_end_token_id``); a tokenizer made from scratch names none, so there the two ids
+    after its own."""
+    if "video_start_token_id" in token_ids:
+        return token_ids["video_start_token_id"], token_ids["video_end_token_id"]
     top = max(token_ids.values())
     return top + 1, top + 2
 
 
 def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int | str]:
     """A video in the text, as Glm4vProcessor writes it: video start, then per temporal patch
-    a run of ``h*w / merge^2`` image placeholders between image start/end (the tokenizer's
-    vision start/end) followed by its timestamp as text (``int`` seconds of every second frame,
+    a run of ``h*w / merge^2`` image placeholders between image start/end (a release's
+    ``image_start_token_id`` / ``image_end_token_id``; a from-scratch tokenizer's vision
+    start/end) followed by its timestamp as text (``int`` seconds of every second frame,
     ``timestamps[::2]``), then video end."""
     t, h, w = grid
     start, end = video_span_ids(ids)
+    begin = ids.get("image_start_token_id", ids.get("vision_start_token_id"))
+    close = ids.get("image_end_token_id", ids.get("vision_end_token_id"))
     times = frame_times[::2][:t]
     out: list[int | str] = [start]
     for k in range(t):
-        out += [ids["vision_start_token_id"], *[ids["image_token_id"]] * (h * w // merge ** 2),
-                ids["vision_end_token_id"], str(int(times[k]))]
+        out += [begin, *[ids["image_token_id"]] * (h * w // merge ** 2), close,
+                str(int(times[k]))]
     return [*out, end]
 
 
@@ -52,7 +58,8 @@ def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int | str]:
 VIDEO_PROCESSING = VideoProcessing("Glm4vVideoProcessor", min_pixels=112 * 112,
                                    max_pixels=28 * 28 * 2 * 30000, mean=CLIP_MEAN, std=CLIP_STD,
                                    layout=video_layout, size_rule=smart_resize_video,
-                                   extra_ids=2)
+                                   extra_ids=2,
+                                   wrap=("video_start_token_id", "video_end_token_id"))
 # transformers' Glm4vImageProcessor defaults: GLM-4V's own resize rule, CLIP mean/std
 IMAGE_PROCESSING = ImageProcessing("Glm4vImageProcessor", patch_size=14, min_pixels=MIN_PIXELS,
                                    max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD,

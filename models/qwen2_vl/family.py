@@ -33,10 +33,23 @@ def video_layout(grid, merge: int, frame_times, ids: dict) -> list[int]:
             ids["vision_end_token_id"]]
 
 
+def seconds_problem(cfg: VLConfig, seconds: float) -> str | None:
+    """Qwen2.5-VL steps a video's temporal position by ``tokens_per_second * seconds`` per
+    temporal patch (transformers: ``temporal_patch_size / fps`` seconds, 24 fps when the
+    frames come without one); prepared data and score.py place patches 1 s apart, so another
+    fps would train positions transformers never gives. Qwen2-VL steps by 1 regardless."""
+    if cfg.arch != "qwen2_5_vl" or seconds == 1.0:
+        return None
+    return (f"a Qwen2.5-VL video's positions follow its time, {seconds:g} s per temporal patch "
+            f"here (temporal_patch_size / fps, 24 fps when none is given), but prepared data "
+            f"places patches 1 s apart; sample the frames at temporal_patch_size frames per "
+            f"second and give that fps (\"fps\": {cfg.vision.temporal_patch_size})")
+
+
 # transformers' Qwen2VLVideoProcessor defaults (its size: 128 to 768 merged tokens a frame)
 VIDEO_PROCESSING = VideoProcessing("Qwen2VLVideoProcessor", min_pixels=128 * 28 * 28,
                                    max_pixels=28 * 28 * 768, mean=CLIP_MEAN, std=CLIP_STD,
-                                   layout=video_layout)
+                                   layout=video_layout, seconds_problem=seconds_problem)
 # transformers' Qwen2VLImageProcessor defaults (Qwen2-VL and Qwen2.5-VL checkpoints ship them)
 IMAGE_PROCESSING = ImageProcessing("Qwen2VLImageProcessor", patch_size=14, min_pixels=MIN_PIXELS,
                                    max_pixels=MAX_PIXELS, mean=CLIP_MEAN, std=CLIP_STD,

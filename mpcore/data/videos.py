@@ -26,7 +26,7 @@ into the text between frames (``VideoProcessing.layout``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from mpcore.models.common.resize import smart_resize
 from mpcore.models.registry import FAMILIES
 
 DEFAULT_FPS = 24.0  # transformers' Qwen3-VL / GLM-4V processors assume it without metadata
+NOT_STORED = {"size_rule", "layout", "wrap", "seconds_problem"}  # the family's functions, not the data's values
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,12 @@ class VideoSettings:
     """``VideoProcessing.size_rule`` (None: Qwen2-VL's smart_resize of one frame). Not stored."""
     layout: Callable | None = field(default=None, compare=False, repr=False)
     """``VideoProcessing.layout``. Not stored: a prepared dataset's settings leave it None."""
+    wrap: tuple[str, str] | None = field(default=None, compare=False, repr=False)
+    """``VideoProcessing.wrap``: the ids a release's chat template writes around its video
+    placeholder. Not stored."""
+    seconds_problem: Callable | None = field(default=None, compare=False, repr=False)
+    """``(seconds per temporal patch) -> problem or None``: ``VideoProcessing.
+    seconds_problem`` bound to the release's model config (``with_model``). Not stored."""
 
     @classmethod
     def for_family(cls, family, **overrides) -> VideoSettings:
@@ -79,11 +86,26 @@ class VideoSettings:
                       mean=tuple(proc.mean), std=tuple(proc.std), extra_ids=proc.extra_ids)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(family=family.name, hf_class=proc.hf_class, size_rule=proc.size_rule,
-                   layout=proc.layout, **values)
+                   layout=proc.layout, wrap=proc.wrap, **values)
+
+    def with_model(self, family, cfg) -> VideoSettings:
+        """These settings with ``family``'s ``seconds_problem`` bound to the model config
+        ``cfg`` (a release's), so that a video whose time the model would read differently
+        is refused by line."""
+        check = family.image_processing.video.seconds_problem
+        bound = None if check is None else (lambda seconds: check(cfg, seconds))
+        return replace(self, seconds_problem=bound)
+
+    def problem(self, fps: float | None, temporal_patch_size: int) -> str | None:
+        """What is wrong with a video's ``fps`` (None: not given) for the bound model, or
+        None (see ``seconds_problem``)."""
+        if self.seconds_problem is None:
+            return None
+        return self.seconds_problem(temporal_patch_size / (fps or DEFAULT_FPS))
 
     @classmethod
     def from_json(cls, d: dict) -> VideoSettings:
-        names = {f.name for f in fields(cls)} - {"size_rule", "layout"}
+        names = {f.name for f in fields(cls)} - NOT_STORED
         values = {k: tuple(v) if k in ("mean", "std") else v for k, v in d.items() if k in names}
         return cls(**values)
 
@@ -102,7 +124,7 @@ class VideoSettings:
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("size_rule", "layout")}
+               if f.name not in NOT_STORED}
         return {**out, "mean": list(self.mean), "std": list(self.std)}
 
 

@@ -239,7 +239,9 @@ def _image(value, folder: Path, where: str) -> Path:
     return folder / value
 
 
-def _video(value, fps, folder: Path, where: str) -> Video:
+def parse_video(value, fps, folder: Path, where: str) -> Video:
+    """A video item: ``value`` a non-empty list of frame paths (relative to ``folder``),
+    ``fps`` a positive number or None; ``ValueError`` naming ``where``."""
     if not isinstance(value, list) or not value:
         raise _fail(where, f"a video must be a non-empty list of frame paths, got {value!r}")
     frames = tuple(_image(frame, folder, where) for frame in value)
@@ -263,7 +265,7 @@ def _content(items, folder: Path, where: str) -> list[tuple[str, str | Path, boo
         if keys == {"image"}:
             parts.append(("image", _image(item["image"], folder, at), False))
         elif "video" in keys and keys <= {"video", "fps"}:
-            parts.append(("video", _video(item["video"], item.get("fps"), folder, at), False))
+            parts.append(("video", parse_video(item["video"], item.get("fps"), folder, at), False))
         elif "text" in keys and keys <= {"text", "target"}:
             target = item.get("target", True)
             if not isinstance(target, bool):
@@ -327,7 +329,7 @@ def parse_line(obj, folder: Path, where: str) -> tuple[str, list, int | None]:
         ]
     elif kind == "video_caption":
         parts = [
-            ("video", _video(obj["video"], obj.get("fps"), folder, where), False),
+            ("video", parse_video(obj["video"], obj.get("fps"), folder, where), False),
             ("text", _text(obj["caption"], where, "caption"), True),
         ]
     elif kind == "interleaved":
@@ -410,6 +412,10 @@ def video_header(item: Video, settings: ImageSettings, video: VideoSettings | No
                            f"family's prepared data takes none); prepare it with "
                            f"launch/prepare_vl_data.py --family of a family with a video "
                            f"processor, or drop the video")
+    for k, frame in enumerate(item.frames):
+        if not frame.is_file():
+            raise _fail(where, f"frame {k} of a video ({frame}) does not exist; frame paths are "
+                               f"relative to the file's folder unless absolute")
     sizes = [image_header(frame, where) for frame in item.frames]
     for k, size in enumerate(sizes):
         if size != sizes[0]:

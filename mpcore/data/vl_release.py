@@ -98,6 +98,10 @@ class ReleaseVLTokenizer:
     def token_text(self, i: int) -> str:
         return self.info.rust.id_to_token(int(i))
 
+    def decode(self, ids) -> str:
+        """Text of ``ids``, special tokens (``<|image_pad|>``, ...) written out."""
+        return self.info.rust.decode([int(i) for i in ids], skip_special_tokens=False)
+
     def to_json(self) -> dict:
         """What ``meta.json`` records: the format, the source folder, the fingerprint (by
         content) and the vision ids."""

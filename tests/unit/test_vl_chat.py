@@ -146,9 +146,17 @@ GOOD = {"messages": CONVERSATIONS[0]}
     ({"messages": [{"role": "user", "content": [{"type": "image"}]},
                    {"role": "assistant", "content": "ok"}]},
      r"chat.jsonl:2: message 0 part 0 is an image part without a path"),
-    ({"messages": [{"role": "user", "content": [{"type": "video", "video": ["a.png"]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
                    {"role": "assistant", "content": "ok"}]},
-     r"chat.jsonl:2: message 0 part 0 is a video; videos in conversations are not supported"),
+     r"chat.jsonl:2: message 0 part 0 gives the video as one file \('clip.mp4'\); give its "
+     r"frames instead"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
+                   {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: message 0 part 0 has type 'audio'; use text, image or video parts"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "video", "video": ["a.png", "gone.png"]}]},
+        {"role": "assistant", "content": "ok"}]},
+     r"chat.jsonl:2: frame 1 of a video \(.*gone.png\) does not exist"),
     ({"image": "a.png", "caption": "x"}, r"chat.jsonl:2: expected \{\"messages\": \[...\]\}"),
 ])
 def test_bad_lines_name_file_and_line_and_write_nothing(qwen_release, row, error, capsys):

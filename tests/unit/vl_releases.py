@@ -230,18 +230,19 @@ def _make_glm4v(folder: Path, seed: int, pieces: int) -> Path:
     return folder
 
 
-def hf_processor(arch: str, folder):
+def hf_processor(arch: str, folder, video_processor=None):
     """transformers' processor of the release at ``folder`` (module docstring): its tokenizer
-    and its preprocessor_config.json through the family's image processor class."""
+    and its preprocessor_config.json through the family's image processor class;
+    ``video_processor``: the one it holds (tests/unit/vl_video_reference.py), or None."""
     import transformers
 
     name = "Glm4vProcessor" if arch == "glm4v" else CLASSES[arch][2]
 
     class Processor(getattr(transformers, name)):
         def check_argument_for_proper_class(self, argument_name, argument):
-            return type(argument)  # the video processor is None (no torchvision)
+            return type(argument)  # no transformers video processor class (no torchvision)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     images = type(_image_processor(arch)).from_pretrained(str(folder))  # preprocessor_config
     return Processor(image_processor=images, tokenizer=tokenizer,
-                     video_processor=None, chat_template=tokenizer.chat_template)
+                     video_processor=video_processor, chat_template=tokenizer.chat_template)
