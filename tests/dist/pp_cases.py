@@ -4,7 +4,7 @@ next step's loss too).
 
 A case is a dict: ``family`` (registry name), ``cfg`` (the family config), ``pp``, ``tp``,
 ``cp``, ``cp_mode``, ``sp``, ``schedule``, ``virtual``, ``split``, ``num_microbatches``,
-``steps``. Micro-batches differ in length and document count (so the stages' capacity padding
+``steps``, ``dp`` (the reference runs every dp replica's micro-batches as one step). Micro-batches differ in length and document count (so the stages' capacity padding
 is exercised), some documents have a loss mask with holes.
 
 Gradients are compared in the logical (HF) form: each rank's gradient shards, summed over dp x cp
@@ -25,9 +25,10 @@ from mpcore.parallel.state import ParallelState, group_size
 LR = 0.5
 
 
-def micro_batch(step: int, index: int, vocab: int) -> dict:
-    """A packed micro-batch: ids ``[T]``, ``cu_seqlens``, ``loss_mask [T]`` (seeded)."""
-    gen = torch.Generator().manual_seed(1000 * step + index)
+def micro_batch(step: int, index: int, vocab: int, replica: int = 0) -> dict:
+    """A packed micro-batch of data-parallel ``replica``: ids ``[T]``, ``cu_seqlens``,
+    ``loss_mask [T]`` (seeded)."""
+    gen = torch.Generator().manual_seed(1000 * step + 100 * replica + index)
     lengths = [[7, 12, 3], [20, 5], [4, 9, 6, 2], [16], [3, 3, 11]][(step + index) % 5]
     total = sum(lengths)
     ids = torch.randint(0, vocab, (total,), generator=gen)
@@ -54,8 +55,8 @@ def reference(case: dict) -> dict:
     model = family.build(cfg, state, seed=0, **case.get("options", {}))
     out = {"loss": [], "grads": []}
     for step in range(case["steps"]):
-        inputs = [_inputs(family, cfg, state, micro_batch(step, i, cfg.vocab_size), False)
-                  for i in range(case["num_microbatches"])]
+        inputs = [_inputs(family, cfg, state, micro_batch(step, i, cfg.vocab_size, d), False)
+                  for d in range(case.get("dp", 1)) for i in range(case["num_microbatches"])]
         count = global_valid_count([i["labels"] for i in inputs], None)
         loss = sum(loss_share(model(**i, output="loss"), i["labels"], count) for i in inputs)
         loss.backward()
@@ -85,7 +86,8 @@ def pipelined(rank: int, world: int, case: dict) -> dict:
     params = {n.removeprefix("model."): p for s in stages for n, p in s.named_parameters()}
     out = {"loss": [], "grads": [], "rank": rank}
     for step in range(case["steps"]):
-        inputs = [_inputs(family, cfg, state, micro_batch(step, i, cfg.vocab_size), sp)
+        inputs = [_inputs(family, cfg, state,
+                          micro_batch(step, i, cfg.vocab_size, state.dp_rank), sp)
                   for i in range(case["num_microbatches"])]
         count = global_valid_count([i["labels"] for i in inputs], state.dp_cp_group)
         loss = pipe.step(pipe.micro_batches(inputs, count))
@@ -105,6 +107,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+def grad_tol(name: str, tol: float) -> float:
+    """``tol``, times 5 for the DeltaNet's ``A_log`` and ``dt_bias``: their gradient is one sum
+    per head over every token whose terms nearly cancel, so the same terms summed in another
+    order (here: one backward per micro-batch, accumulated, against one backward of the summed
+    loss) move it by ~1e-5 relative (as in tests/dist/test_qwen35_dist.py); a wrong gradient
+    moves it by orders of magnitude more."""
+    return 5 * tol if name.endswith(("A_log", "dt_bias")) else tol
+
+
 def check_against(ref: dict, ranks: list[dict], tol: float = 1e-5) -> None:
     """Every rank's loss equals the reference's each step; every logical gradient is held by
     some rank and each holder's equals the reference's; the global gradient norm (each tensor
@@ -116,7 +127,7 @@ def check_against(ref: dict, ranks: list[dict], tol: float = 1e-5) -> None:
         seen: dict[str, torch.Tensor] = {}
         for r in ranks:
             for name, g in r["grads"][step].items():
-                assert rel(g, ref["grads"][step][name]) <= tol, (r["rank"], step, name,
+                assert rel(g, ref["grads"][step][name]) <= grad_tol(name, tol), (r["rank"], step, name,
                                                                  rel(g, ref["grads"][step][name]))
                 seen[name] = g
         assert sorted(seen) == sorted(ref["grads"][step]), sorted(
