@@ -157,6 +157,9 @@ class Family:
     host_inputs: tuple[str, ...] = ()
     section: type = DecoderSection
     image_processing: ImageProcessing | None = None
+    pipeline_stages: Callable[..., list] | None = None
+    """``mpcore.models.common.stage.build_stages`` (or the family's own of that signature) when
+    the family can be cut into pipeline stages; None: pp = 1 only."""
     hf_skipped: tuple[str, ...] = ()
     """Glob patterns of checkpoint tensors the family knowingly does not read (listed once in
     the log; every other unread tensor is refused: ``mpcore.models.common.hf_check``)."""
@@ -173,6 +176,17 @@ class Family:
         (``mpcore.models.common.hf_check``)."""
         check_tensor_names(folder, self, cfg)
         return self.load_hf(folder, state, **options)
+
+    def stages(self, cfg, state, *, schedule: str, virtual: int = 1, split=None,
+               **options) -> list:
+        """This pp rank's pipeline stage modules (``mpcore.parallel.pp``), each built by
+        ``build(cfg, state, keep_layers=..., **options)``; ``ValueError`` for a family that
+        cannot be pipelined yet."""
+        if self.pipeline_stages is None:
+            raise ValueError(f"the {self.name} family cannot be cut into pipeline stages yet; "
+                             f"train it with pp = 1")
+        return self.pipeline_stages(self.build, cfg, state, schedule=schedule,
+                                    virtual=virtual, split=split, **options)
 
     @property
     def section_extras(self) -> tuple[str, ...]:
