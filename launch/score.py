@@ -37,7 +37,6 @@ error: output line i belongs to input line i. Errors are printed once, not once 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -49,7 +48,7 @@ import torch.distributed as dist
 from mpcore.checkpoint import from_rank0
 from mpcore.launch.score_io import InputSpec, ScoreItem, read_input, vl_spec
 from mpcore.launch.score_output import check_paths, lock_output, write_output
-from mpcore.models import Family, family_of, family_of_hf, read_hf_config
+from mpcore.models import Family, describe_kernels, family_of, family_of_hf, read_hf_config
 from mpcore.models.common.hybrid.mtp import MTP_KEYS, MtpOutput
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import (
@@ -234,7 +233,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="context-parallel attention when cp > 1 (default ring; ulysses "
                              "needs heads divisible by cp)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="weights and compute dtype (default float32); outputs are float32")
+                        help="weights and compute dtype (default float32); outputs are float32. "
+                             "Qwen3.5's Gated DeltaNet runs the PyTorch reference in float32 "
+                             "(fla's chunk kernels take float32 dots in TF32) and fla-core's "
+                             "kernels in bfloat16 on CUDA when installed; the choice is printed")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="Megatron sequence parallelism inside the tp group (same results)")
     parser.add_argument("--temperature", type=float, default=1.0,
@@ -277,7 +279,10 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
             raise ValueError(f"--mtp: {args.hf_checkpoint} has no multi-token-prediction "
                              f"layers (config.json mtp_num_hidden_layers); drop --mtp")
         mtp = {"mtp_loss_weight": 1.0}
-        cfg = dataclasses.replace(cfg, **mtp)
+        try:
+            cfg = cfg.with_mtp_weight(1.0)
+        except ValueError as e:
+            raise ValueError(f"--mtp: {args.hf_checkpoint}: {e}") from None
     model, _ = family.load(args.hf_checkpoint, state, cfg, cp_mode=args.cp_mode,
                            sequence_parallel=args.sequence_parallel, device=device,
                            dtype=DTYPES[args.dtype], **mtp)
@@ -310,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = checkpoint_spec(args.hf_checkpoint, args.ep)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
         model = load_model(args, state, device)
+        if state.rank == 0:
+            for line in describe_kernels(model, device, DTYPES[args.dtype]):
+                print(f"score.py: {line}", flush=True)
         start = time.perf_counter()
         mine = list(range(state.dp_rank, len(items), state.dp))
         results = score_items(model, state, [items[i] for i in mine], device, args.temperature,

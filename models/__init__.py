@@ -16,7 +16,7 @@ if __name__ != "mpcore.models":  # reached by the bare name; mpcore/_names.py sa
 else:
     from mpcore.models.common.config import ModelConfig
     from mpcore.models.common.decoder import Transformer, build_model
-    from mpcore.models.common.family import Family
+    from mpcore.models.common.family import Family, describe_kernels
     from mpcore.models.common.hf_io import read_hf_config
     from mpcore.models.common.inputs import local_text_inputs
     from mpcore.models.llama import (
@@ -55,6 +55,7 @@ __all__ = [
     "VisionTower",
     "build_model",
     "build_vl_model",
+    "describe_kernels",
     "config_from_hf",
     "export_hf",
     "export_hf_vl",

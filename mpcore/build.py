@@ -147,7 +147,11 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
     if m.init_from:
         model_cfg = family.config_from_hf(read_hf_config(m.init_from))
         if getattr(m, "mtp_loss_weight", 0):  # a run-level key: the checkpoint has no say
-            model_cfg = dataclasses.replace(model_cfg, mtp_loss_weight=m.mtp_loss_weight)
+            try:
+                model_cfg = model_cfg.with_mtp_weight(m.mtp_loss_weight)
+            except ValueError as e:
+                raise ValueError(f"model.mtp_loss_weight with model.init_from={m.init_from}: "
+                                 f"{e}") from None
         cfg = _section_of(cfg, model_cfg)
         theirs = {k: getattr(model_cfg, k, None) for k in token_ids or {}}
         if token_ids and theirs != token_ids:

@@ -21,6 +21,7 @@ from torch import nn
 from mpcore.batches import local_inputs
 from mpcore.build import Run
 from mpcore.metrics import num_params
+from mpcore.models import describe_kernels
 from mpcore.models.common.hybrid.mtp import MTP_KEYS
 from mpcore.parallel import global_valid_count
 from mpcore.parallel.loss import sum_over_group
@@ -66,6 +67,10 @@ def startup_block(run: Run, tokens_per_step: int, source: str) -> str:
             lines.append(f"held out: {run.data.valid_docs:,} documents, "
                          f"{run.data.valid_tokens:,} tokens (data.valid_fraction="
                          f"{d.valid_fraction}); validation loss {when}")
+    # the DeltaNet operands' dtype: bf16 under the step's autocast (CUDA, training.dtype)
+    compute = (torch.bfloat16 if run.device.type == "cuda" and t.dtype == "bfloat16"
+               else torch.float32)
+    lines += describe_kernels(run.model, run.device, compute)
     every = cfg.checkpoint.every
     lines += [f"run dir: {cfg.logging.run_dir}",
               f"checkpoints: {cfg.checkpoint_dir} ("

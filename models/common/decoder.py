@@ -102,7 +102,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, state: ParallelState, *,
                  sequence_parallel: bool = False, cp_mode: str = "none",
                  activation_checkpointing: bool = False, attention_backend: str = "auto",
-                 fp8: str = "none", dtype=None, layer: Callable[..., nn.Module] | None = None):
+                 fp8: str = "none", dtype=None, layer: Callable[..., nn.Module] | None = None,
+                 keep_layers: range | None = None):
         super().__init__()
         cfg.check_parallel(state.tp, state.cp, cp_mode)
         self.attention_backend, self.fp8 = check_name(attention_backend), fp8
@@ -116,28 +117,36 @@ class Transformer(nn.Module):
         # under autocast; "autocast": cast to the autocast dtype after the embedding (as
         # Megatron-core and torchtitan keep it), half its memory and traffic (``decode``).
         self.residual_dtype = "float32"
+        keep = check_keep_layers(keep_layers, cfg)
+        self.is_first, self.is_last = keep.start == 0, keep.stop == cfg.num_layers
         self.tok_embeddings = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group,
-            sequence_parallel=self.sequence_parallel, dtype=dtype)
+            sequence_parallel=self.sequence_parallel, dtype=dtype) if self.is_first else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                      cfg.mrope_section, cfg.mrope_interleaved,
                                      rotary_dim=cfg.rotary_dim)
         layer = layer or DecoderLayer  # a family's block: same constructor and forward
-        self.layers = nn.ModuleList(
-            layer(cfg, state, sequence_parallel=self.sequence_parallel, fp8=fp8, dtype=dtype,
-                  index=i)
-            for i in range(cfg.num_layers))
+        made = {i: layer(cfg, state, sequence_parallel=self.sequence_parallel, fp8=fp8,
+                         dtype=dtype, index=i) for i in keep}
+        # A pipeline stage keys its layers by GLOBAL index, so parameter names (and
+        # checkpoints) are those of the whole model; the whole model keeps its list.
+        self.layers = nn.ModuleList(made.values()) if keep_layers is None else LayerDict(
+            {str(i): m for i, m in made.items()})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
-                            sum_grad_over_tp=self.sequence_parallel, dtype=dtype)
-        self.output = None if cfg.tie_embeddings else OutputWeight(
+                            sum_grad_over_tp=self.sequence_parallel, dtype=dtype
+                            ) if self.is_last else None
+        self.output = None if cfg.tie_embeddings or not self.is_last else OutputWeight(
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group, dtype=dtype)
 
     def fsdp_units(self) -> list[nn.Module]:
         """The modules FSDP2 shards one by one (then the model itself): the decoder layers."""
-        return list(self.layers)
+        return [layer for _, layer in self.layer_items()]
 
     def head_weight(self) -> torch.Tensor:
         """``[V_pad / tp, hidden]``: the embedding's weight when tied, else ``output.weight``."""
+        if self.output is None and self.tok_embeddings is None:
+            raise ValueError("this pipeline stage holds no head weight: a tied head needs "
+                             "the embedding, which only the first stage holds")
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def check_inputs(self, input_ids, position_ids, packing: Packing, labels, output: str):
@@ -209,7 +218,13 @@ class Transformer(nn.Module):
         [L(/tp), hidden]`` (what the residual stream gains there) and returns it, e.g. with
         rows added at visual positions (DeepStack); it must be the same function on every tp
         rank of a cp rank and join the same collectives."""
-        # Checked and planned once for all layers (no per-layer sync or cp metadata gather).
+        plan, cos, sin, h = self.layer_inputs(h, position_ids, packing)
+        h, delta = self.run_layers(h, None, cos, sin, plan, after_layer)
+        return self.finish(h, delta, labels, output, temperature)
+
+    def layer_inputs(self, h: torch.Tensor, position_ids: torch.Tensor, packing: Packing):
+        """``(plan, cos, sin, h)``: what every layer reads, planned once for all of them (no
+        per-layer sync or cp metadata gather), and ``h`` in the residual stream's dtype."""
         plan = AttentionPlan(packing.doc_id, packing.positions_in_doc, packing.cu_seqlens,
                              mode=self.cp_mode, group=self.cp_group,
                              backend=self.attention_backend)
@@ -217,23 +232,60 @@ class Transformer(nn.Module):
         compute = matmul_dtype(h)
         if self.residual_dtype == "autocast" and compute is not None:
             h = h.to(compute)  # the residual stream and its gradient in the autocast dtype
-        delta = None  # each layer's output, added to h inside the next norm
-        for i, layer in enumerate(self.layers):
+        return plan, cos, sin, h
+
+    def layer_items(self) -> list[tuple[int, nn.Module]]:
+        """``(global index, layer)`` of the layers this module holds, in order."""
+        if isinstance(self.layers, LayerDict):
+            return [(int(k), m) for k, m in self.layers.items()]
+        return list(enumerate(self.layers))
+
+    def run_layers(self, h: torch.Tensor, delta: torch.Tensor | None, cos, sin,
+                   plan: AttentionPlan, after_layer=None):
+        """``(h, delta)`` after this module's layers (``DecoderLayer.forward``'s pair);
+        ``after_layer(i, out)`` with i the GLOBAL layer index (``decode``)."""
+        for i, layer in self.layer_items():
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h, delta = checkpoint(layer, h, delta, cos, sin, plan, use_reentrant=False)
             else:
                 h, delta = layer(h, delta, cos, sin, plan)
             if after_layer is not None:
                 delta = after_layer(i, delta)
+        return h, delta
+
+    def finish(self, h: torch.Tensor, delta: torch.Tensor | None,
+               labels: torch.Tensor | None, output: str, temperature: float = 1.0):
+        """The final norm and the head on the residual pair ``(h, delta)`` (``forward``'s
+        outputs); only on the module holding the last layer."""
         # The last add stays a plain one: the final norm is called as a module (its forward
         # hooks see the hidden states the head reads), at the cost of one add per forward.
-        h = self.norm(h if delta is None else h + delta, compute)
+        h = self.norm(h if delta is None else h + delta, matmul_dtype(h))
         # The head's kernels return partial hidden grads: both mappings sum them over tp.
         h = sp_all_gather(h, self.tp_group) if self.sequence_parallel else copy_to_tp(
             h, self.tp_group)  # (L, hidden)
         return head_forward(h, self.head_weight(), labels, output=output,
                             vocab_size=self.cfg.vocab_size, group=self.tp_group,
                             temperature=temperature)
+
+
+class LayerDict(nn.ModuleDict):
+    """A pipeline stage's layers keyed by global index (``"5"``): iterated as modules, like the
+    whole model's ``nn.ModuleList``, so code that walks ``model.layers`` runs on either."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
+def check_keep_layers(keep_layers: range | None, cfg) -> range:
+    """The layers a module builds: all (None), or a non-empty contiguous ``range`` of global
+    indices inside ``[0, num_layers)``; ``ValueError`` naming the numbers otherwise."""
+    if keep_layers is None:
+        return range(cfg.num_layers)
+    if not isinstance(keep_layers, range) or keep_layers.step != 1 or not len(keep_layers) or (
+            keep_layers.start < 0 or keep_layers.stop > cfg.num_layers):
+        raise ValueError(f"keep_layers must be a non-empty range(start, stop) inside "
+                         f"[0, {cfg.num_layers}) ({cfg.num_layers} layers), got {keep_layers!r}")
+    return keep_layers
 
 
 def make_packing(num: int, doc_id, positions_in_doc, cu_seqlens) -> Packing:
@@ -261,9 +313,10 @@ def build_model(cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bo
                 cp_mode: str = "none", activation_checkpointing: bool = False,
                 attention_backend: str = "auto", fp8: str = "none",
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> Transformer:
+                seed: int = 0, keep_layers: range | None = None) -> Transformer:
     """Create the model on the meta device, materialise this rank's shards on ``device`` and
     initialise them (the same function at any tp degree for a given ``seed``).
+    ``keep_layers``: a pipeline stage's layers (``Transformer``; each weight the whole model's).
 
     ``attention_backend`` and ``fp8``: the kernels (module docstring). Raises ``ValueError``
     when ``cfg`` does not fit ``state`` (heads, kv heads, intermediate size vs tp; Ulysses
@@ -274,7 +327,8 @@ def build_model(cfg: ModelConfig, state: ParallelState, *, sequence_parallel: bo
     with torch.device("meta"):
         model = Transformer(cfg, state, sequence_parallel=sequence_parallel, cp_mode=cp_mode,
                             activation_checkpointing=activation_checkpointing,
-                            attention_backend=attention_backend, fp8=fp8, dtype=dtype)
+                            attention_backend=attention_backend, fp8=fp8, dtype=dtype,
+                            keep_layers=keep_layers)
     model.to_empty(device=device)
     init_weights(model, seed)
     return model

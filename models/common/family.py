@@ -48,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.section import DecoderSection
 
@@ -151,6 +153,9 @@ class Family:
     host_inputs: tuple[str, ...] = ()
     section: type = DecoderSection
     image_processing: ImageProcessing | None = None
+    pipeline_stages: Callable[..., list] | None = None
+    """``mpcore.models.common.stage.build_stages`` (or the family's own of that signature) when
+    the family can be cut into pipeline stages; None: pp = 1 only."""
     hf_skipped: tuple[str, ...] = ()
     """Glob patterns of checkpoint tensors the family knowingly does not read (listed once in
     the log; every other unread tensor is refused: ``mpcore.models.common.hf_check``)."""
@@ -168,6 +173,17 @@ class Family:
         check_tensor_names(folder, self, cfg)
         return self.load_hf(folder, state, **options)
 
+    def stages(self, cfg, state, *, schedule: str, virtual: int = 1, split=None,
+               **options) -> list:
+        """This pp rank's pipeline stage modules (``mpcore.parallel.pp``), each built by
+        ``build(cfg, state, keep_layers=..., **options)``; ``ValueError`` for a family that
+        cannot be pipelined yet."""
+        if self.pipeline_stages is None:
+            raise ValueError(f"the {self.name} family cannot be cut into pipeline stages yet; "
+                             f"train it with pp = 1")
+        return self.pipeline_stages(self.build, cfg, state, schedule=schedule,
+                                    virtual=virtual, split=split, **options)
+
     @property
     def section_extras(self) -> tuple[str, ...]:
         """The YAML model keys beyond the shared decoder's (``vision``, ``moe``)."""
@@ -184,3 +200,16 @@ class Family:
     def hf_image_processor(self) -> str | None:
         """The transformers image processor class an export names (None for text)."""
         return self.image_processing.hf_class if self.image_processing else None
+
+
+def describe_kernels(model: torch.nn.Module, device: torch.device | str,
+                     dtype: torch.dtype) -> list[str]:
+    """One line per distinct kernel choice that ``model``'s layers report for ``dtype``
+    operands on ``device`` (layers with a ``describe_kernel(device, dtype)`` method, such as
+    Qwen3.5's Gated DeltaNet): what score.py and pretrain log once at start-up."""
+    lines = []
+    for module in model.modules():
+        describe = getattr(module, "describe_kernel", None)
+        if describe is not None and (line := describe(device, dtype)) not in lines:
+            lines.append(line)
+    return lines

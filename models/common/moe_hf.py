@@ -17,12 +17,15 @@ the fused names at ep = 1 (:func:`expert_pieces`). Export goes through the commo
 (``hf_io.write_hf``): the tp group of rank 0 gathers the dense tensors, the ep group of rank 0
 the experts, written by the family's layout (:func:`released_experts` or
 :func:`fused_experts`); rank 0 writes. ``cfg`` below is a MoE decoder config (``hidden_size``,
-``moe_intermediate_size``, ``num_experts``, ``moe_layers``).
+``moe_intermediate_size``, ``num_experts``, ``moe_layers``). ``extra``: MoE layers outside the
+decoder's stack, as ``(our feed_forward prefix, HF mlp prefix)`` pairs (Qwen3.5-MoE's
+multi-token-prediction layer: ``("mtp.layers.0.feed_forward.", "mtp.layers.0.mlp.")``), read
+and written like the decoder's, in either layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -80,21 +83,29 @@ def read_experts(ckpt: Checkpoint, cfg, mlp: str, first: int, count: int
     return torch.stack(w13), torch.stack(w2)
 
 
+def expert_layers(cfg, ours: str = "", hf: str = "model.",
+                  extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """``(our feed_forward prefix, HF mlp prefix)`` of every MoE layer: decoder ``cfg``'s
+    sparse layers, then ``extra`` (module docstring)."""
+    return [(f"{ours}layers.{i}.feed_forward.", f"{hf}layers.{i}.mlp.")
+            for i in cfg.moe_layers] + list(extra)
+
+
 @torch.no_grad()
 def load_moe_weights(model: nn.Module, folder: str | Path, state: ParallelState,
                      cfg, table: dict[str, list[Piece]], ours: str = "",
-                     hf: str = "model.") -> None:
+                     hf: str = "model.", extra: Sequence[tuple[str, str]] = ()) -> None:
     """Fill this rank's shards of ``model``: the experts of decoder ``cfg``'s sparse layers
-    (our ``{ours}layers.i.feed_forward.experts.*``, HF ``{hf}layers.i.mlp.experts*``) with
-    this ep rank's experts, every other parameter with its tp pieces of ``table``."""
+    (our ``{ours}layers.i.feed_forward.experts.*``, HF ``{hf}layers.i.mlp.experts*``) and of
+    ``extra`` with this ep rank's experts, every other parameter with its tp pieces of
+    ``table``."""
     ckpt = Checkpoint(Path(folder))
     params = dict(model.named_parameters())
     assert set(params) == set(table), sorted(set(params) ^ set(table))
     local = cfg.num_experts // state.ep
-    for i in cfg.moe_layers:
-        name = f"{ours}layers.{i}.feed_forward.experts."
-        w13, w2 = read_experts(ckpt, cfg, f"{hf}layers.{i}.mlp.", state.ep_rank * local,
-                                local)
+    for ff, mlp in expert_layers(cfg, ours, hf, extra):
+        name = ff + "experts."
+        w13, w2 = read_experts(ckpt, cfg, mlp, state.ep_rank * local, local)
         params[name + "w13"].copy_(w13.to(params[name + "w13"].dtype))
         params[name + "w2"].copy_(w2.to(params[name + "w2"].dtype))
     for name, pieces in table.items():
@@ -125,22 +136,22 @@ def fused_experts(w13: torch.Tensor, w2: torch.Tensor, mlp: str) -> dict[str, to
 def export_moe(model: nn.Module, state: ParallelState, out_dir: str | Path, hf_dict: dict,
                cfg, maps: list[dict[str, list[Piece]]],
                experts: Callable[[torch.Tensor, torch.Tensor, str], dict], ours: str = "",
-               hf: str = "model.", progress: Callable[[int, int], None] | None = None) -> None:
+               hf: str = "model.", progress: Callable[[int, int], None] | None = None,
+               extra: Sequence[tuple[str, str]] = ()) -> None:
     """``config.json`` (``hf_dict``) + ``model.safetensors`` in ``out_dir`` through
     ``hf_io.write_hf``: the tp group of rank 0 gathers every parameter but the experts
     (``maps[r]``: tp rank r's shard map), the ep group of rank 0 the experts of decoder
-    ``cfg`` (names as in ``load_moe_weights``), written by ``experts(w13 [E, 2I, H],
+    ``cfg`` and of ``extra`` (names as in ``load_moe_weights``), written by ``experts(w13 [E, 2I, H],
     w2 [E, H, I], mlp prefix)``. Collective over the world; a barrier at the end."""
     params = dict(model.named_parameters())
 
     def gathered_experts() -> dict[str, torch.Tensor]:
         full = {}
         if state.tp_rank == 0 and state.edp_rank == 0:
-            for i in cfg.moe_layers:
-                name = f"{ours}layers.{i}.feed_forward.experts."
-                w13, w2 = (all_gather(params[name + w].detach(), 0, state.ep_group).cpu()
-                           for w in ("w13", "w2"))
-                full.update(experts(w13, w2, f"{hf}layers.{i}.mlp."))
+            for ff, mlp in expert_layers(cfg, ours, hf, extra):
+                w13, w2 = (all_gather(params[ff + "experts." + w].detach(), 0,
+                                      state.ep_group).cpu() for w in ("w13", "w2"))
+                full.update(experts(w13, w2, mlp))
         return full
 
     write_hf(model, state, out_dir, hf_dict, maps, progress,

@@ -55,8 +55,9 @@ class MoeRouting:
         return [m for m in self.modules() if isinstance(m, MoeBlock)]
 
     def router_stats(self) -> RouterStats:
-        """The MoE layers' statistics of the last forward, pooled (``moe_loss.pool_layers``)."""
-        return pool_layers(b.last_stats for b in self.moe_blocks())
+        """The MoE layers' statistics of the last forward, pooled (``moe_loss.pool_layers``);
+        a block that did not run in it (an MTP layer the forward skipped: None) is left out."""
+        return pool_layers(b.last_stats for b in self.moe_blocks() if b.last_stats is not None)
 
     def set_moe_mask(self, moe_mask: torch.Tensor | None, input_ids: torch.Tensor) -> None:
         """Every block counts the tokens of ``moe_mask [L]`` bool (None: all) in its

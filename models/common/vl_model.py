@@ -128,6 +128,45 @@ class VisionLanguageModel(nn.Module):
                              f"whole pixel_values and grid_thw on every cp rank")
         return vision_rows, host_rows if on_host else None
 
+    def embed(self, streams: list[tuple[torch.Tensor, torch.Tensor | None]], pixel_values,
+              grids: list[tuple[int, int, int]]):
+        """Embed each ``(input_ids [L], vision_rows [L] or None)`` of ``streams`` with the
+        tower's rows merged at its placeholders, the rows of every stream from ONE tower call
+        (``vision_rows_for_rank``: rows shared by several streams get their gradients summed).
+        Returns ``(h per stream [L(/tp), hidden], slots per stream, deep)``: ``slots`` the local
+        placeholder positions, ``deep`` the DeepStack rows of the FIRST stream's slots."""
+        embedded, slots, needed = [], [], []
+        for ids, rows in streams:
+            rows, host_rows = self._check_vision(ids, rows, pixel_values, grids)
+            h = self.text.tok_embeddings(ids)  # (L or L/tp, hidden)
+            if self.sequence_parallel:  # this tp rank's token slice, as the reduce-scatter left it
+                rows = rows.chunk(self.tp)[self.tp_rank]
+                host_rows = None if host_rows is None else host_rows.chunk(self.tp)[self.tp_rank]
+            # Local positions of placeholders. Their count is data: found on the host when the
+            # rows are known there, else by the device's nonzero (a CPU-GPU sync).
+            if host_rows is not None:
+                where = host_checked.copy_to((host_rows >= 0).nonzero().view(-1), rows.device)
+            else:
+                where = (rows >= 0).nonzero().view(-1)
+            embedded.append(h)
+            slots.append(where)
+            needed.append(rows.index_select(0, where))
+        if pixel_values is None:
+            pixel_values = embedded[0].new_zeros(0, self.cfg.vision.patch_dim)
+        tower = getattr(self.visual, "rows", self.visual)  # rows with DeepStack features beside
+        rows, zero = vision_rows_for_rank(
+            tower, pixel_values, grids, torch.cat(needed),
+            merge=self.cfg.vision.spatial_merge_size,
+            mode=self.vision_cp, cp_group=self.cp_group,
+            sum_grad_group=self.tp_group if self.sequence_parallel else None)
+        out, deep = [], None
+        for h, where, part in zip(embedded, slots, rows.split([n.numel() for n in needed]),
+                                  strict=True):
+            main, *features = part.split(self.cfg.text.hidden_size, dim=1)  # (n, hidden) each
+            deep = features if deep is None else deep
+            out.append(h.index_copy(0, where, main.to(h.dtype)) + zero.to(h.dtype))
+        return out, slots, deep
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
                 doc_id: torch.Tensor | None = None,
                 positions_in_doc: torch.Tensor | None = None,
@@ -142,27 +181,7 @@ class VisionLanguageModel(nn.Module):
         grids = check_grid(grid_thw, "grid_thw", self.cfg.vision.spatial_merge_size)
         packing = make_packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
         self.text.check_inputs(input_ids, position_ids, packing, labels, output)
-        vision_rows, host_rows = self._check_vision(input_ids, vision_rows, pixel_values, grids)
-        h = self.text.tok_embeddings(input_ids)  # (L or L/tp, hidden)
-        if self.sequence_parallel:  # this tp rank's token slice, as the reduce-scatter left it
-            vision_rows = vision_rows.chunk(self.tp)[self.tp_rank]
-            host_rows = None if host_rows is None else host_rows.chunk(self.tp)[self.tp_rank]
-        # Local positions of placeholders. Their count is data: found on the host when the
-        # rows are known there, else by the device's nonzero (a CPU-GPU sync).
-        if host_rows is not None:
-            slots = host_checked.copy_to((host_rows >= 0).nonzero().view(-1), vision_rows.device)
-        else:
-            slots = (vision_rows >= 0).nonzero().view(-1)
-        if pixel_values is None:
-            pixel_values = h.new_zeros(0, self.cfg.vision.patch_dim)
-        tower = getattr(self.visual, "rows", self.visual)  # rows with DeepStack features beside
-        rows, zero = vision_rows_for_rank(
-            tower, pixel_values, grids, vision_rows.index_select(0, slots),
-            merge=self.cfg.vision.spatial_merge_size,
-            mode=self.vision_cp, cp_group=self.cp_group,
-            sum_grad_group=self.tp_group if self.sequence_parallel else None)
-        main, *deep = rows.split(self.cfg.text.hidden_size, dim=1)  # (n, hidden) each
-        h = h.index_copy(0, slots, main.to(h.dtype)) + zero.to(h.dtype)
+        (h,), (slots,), deep = self.embed([(input_ids, vision_rows)], pixel_values, grids)
 
         def deepstack(i: int, out: torch.Tensor) -> torch.Tensor:
             # DeepStack: feature i joins the visual positions after decoder layer i.

@@ -30,7 +30,7 @@ def split_vl_stream(state: ParallelState, batch: dict[str, torch.Tensor], cu_seq
     plan = ContextPlan(cu_seqlens, input_ids.numel(), state.cp, layout,
                        pad_multiple=state.tp if sequence_parallel else 1)
     local = split_batch({**batch, "cu_seqlens": cu_seqlens}, plan, state.cp_rank,
-                        pad_values={"vision_rows": -1})
+                        pad_values={"vision_rows": -1, "mtp_vision_rows": -1})
     rank_layout = plan.rank_layout(state.cp_rank)
     device = input_ids.device
     parts = [p for p in pixels if p is not None]

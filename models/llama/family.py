@@ -9,6 +9,7 @@ from mpcore.models.common.decoder_hf import shard_map
 from mpcore.models.common.family import Family
 from mpcore.models.common.hf_config import SUPPORTED, config_from_hf, hf_config_dict
 from mpcore.models.common.inputs import local_text_inputs
+from mpcore.models.common.stage import build_stages
 from mpcore.models.llama.hf import export_hf, load_hf_model
 
 
@@ -41,6 +42,7 @@ FAMILY = Family(
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=_export, shard_map=shard_map,
     local_inputs=local_text_inputs, num_params=counts.num_params,
-    flops_per_token=counts.flops_per_token, decoder=_decoder)
+    flops_per_token=counts.flops_per_token, decoder=_decoder,
+    pipeline_stages=build_stages)
 
 __all__ = ["FAMILY", "config_from_dict"]

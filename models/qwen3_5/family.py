@@ -23,6 +23,7 @@ from mpcore.models.common.hybrid.section import (
     config_from_dict,
     config_from_section,
 )
+from mpcore.models.common.stage import build_stages
 
 TEXT_ARCH = "Qwen3_5ForCausalLM"
 
@@ -39,7 +40,7 @@ FAMILY = Family(
     build=build, load_hf=load_hf, export_hf=export_hf, shard_map=full_map,
     local_inputs=local_inputs, num_params=counts.num_params,
     flops_per_token=counts.flops_per_token, decoder=_decoder, section=Qwen35Section,
-    options=("gdn_kernel",),
+    options=("gdn_kernel",), pipeline_stages=build_stages,
     hf_skipped=("mtp.*",))  # multi-token prediction: read only when trained (mtp_loss_weight)
 
 __all__ = ["FAMILY", "config_from_dict", "config_from_section"]

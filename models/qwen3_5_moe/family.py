@@ -17,9 +17,9 @@ from mpcore.models.common.hybrid.moe_hf import (
     TEXT_ARCH,
     config_from_hf,
     export_hf,
+    full_map,
     hf_config_dict,
     load_hf,
-    shard_map,
 )
 from mpcore.models.common.hybrid.moe_model import build
 from mpcore.models.common.moe_family import moe_variant
@@ -51,7 +51,7 @@ FAMILY = moe_variant(
     hf_model_types=(ARCHITECTURES[TEXT_ARCH],),
     config_from_hf=config_from_hf, hf_config_dict=hf_config_dict,
     config_from_dict=config_from_dict, config_from_section=config_from_section,
-    build=build, load_hf=load_hf, export_hf=export_hf, shard_map=shard_map,
+    build=build, load_hf=load_hf, export_hf=export_hf, shard_map=full_map,
     num_params=num_params, flops_per_token=flops_per_token, section=Qwen35MoeSection)
 
 __all__ = ["FAMILY", "config_from_dict", "config_from_section", "with_experts"]

@@ -37,6 +37,12 @@ class Qwen35VLSection(VLSection):
     """The tower trained from scratch: ``Qwen3VisionConfig``'s fields (depth, hidden_size,
     num_heads, intermediate_size, num_position_embeddings, ...; no DeepStack;
     out_hidden_size defaults to hidden_size); needs mrope_section."""
+    mtp_num_hidden_layers: int = 0
+    """Multi-token-prediction layers of a model from scratch (1: the release's one; a
+    checkpoint brings its own, config.json's ``mtp_num_hidden_layers``)."""
+    mtp_loss_weight: float = 0.0
+    """Weight of the MTP loss (``mpcore.models.common.hybrid.mtp``): total = main + weight *
+    mtp; 0: the block is neither built nor run."""
 
 
 def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qwen35VLConfig:
@@ -53,7 +59,8 @@ def config_from_section(section, token_ids: dict | None, name: str = NAME) -> Qw
                          f"fields) and model.mrope_section (summing to head_dim / 8, the pairs "
                          "of the rotated quarter: e.g. [2, 1, 1] for head_dim 32); or set "
                          "model.init_from")
-    text = decoder_from_fields(section.shape_fields(), name, mrope=True)
+    mtp = {k: getattr(section, k) for k in ("mtp_num_hidden_layers", "mtp_loss_weight")}
+    text = decoder_from_fields({**section.shape_fields(), **mtp}, name, mrope=True)
     return Qwen35VLConfig(text=text, vision=vision_from_section(given(section.vision),
                                                                 text.hidden_size),
                           **token_ids)
@@ -69,4 +76,4 @@ FAMILY = Family(
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp", "gdn_kernel"), host_inputs=("grid_thw",),
     section=Qwen35VLSection, image_processing=IMAGE_PROCESSING,
-    hf_skipped=("mtp.*",))  # multi-token prediction: not built yet
+    hf_skipped=("mtp.*",))  # multi-token prediction: read only when trained (mtp_loss_weight)

@@ -74,15 +74,30 @@ def _rope(x, rotary: int, theta: float):  # x (T, heads, D): the first `rotary` 
     return torch.cat([r * cos + half * sin, rest], -1)
 
 
-def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+def swiglu(w: dict, m: torch.Tensor) -> torch.Tensor:
+    """The release's dense MTP feed-forward (``mtp.layers.0.mlp.*``) of ``m [n, H]``."""
+    p = "mtp.layers.0.mlp."
+    return (F.silu(m @ w[p + "gate_proj.weight"].T) * (m @ w[p + "up_proj.weight"].T)
+            ) @ w[p + "down_proj.weight"].T
+
+
+def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor | None,
+               ffn=swiglu, embedded: torch.Tensor | None = None, rope=None) -> torch.Tensor:
     """The MTP block's normalised output ``[n, H]`` of one document's first n positions:
-    ``hidden [n, H]`` the decoder's final hidden states, ``next_ids [n]`` the tokens t+1."""
+    ``hidden [n, H]`` the decoder's final hidden states, ``next_ids [n]`` the tokens t+1 (or
+    ``embedded [n, H]``, their embeddings: a VL model's with the tower rows merged);
+    ``ffn(w, m)``: the layer's feed-forward (Qwen3.5-MoE's: a MoE block); ``rope(q, k)``:
+    the rotation of ``[n, heads, D]`` queries and keys (None: 1-D RoPE at 0..n-1)."""
     eps, d, heads, kv = c["rms_norm_eps"], c["head_dim"], c["num_attention_heads"], c[
         "num_key_value_heads"]
-    rope = c["rope_parameters"]
-    rotary = int(d * rope["partial_rotary_factor"])
+    params = c["rope_parameters"]
+    rotary = int(d * params["partial_rotary_factor"])
+    if rope is None:
+        def rope(q, k):
+            return (_rope(q, rotary, params["rope_theta"]),
+                    _rope(k, rotary, params["rope_theta"]))
     p = "mtp.layers.0."
-    e = w["model.embed_tokens.weight"][next_ids]
+    e = w["model.embed_tokens.weight"][next_ids] if embedded is None else embedded
     x = torch.cat([_norm(e, w["mtp.pre_fc_norm_embedding.weight"], eps),
                    _norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], -1)
     x = x @ w["mtp.fc.weight"].T  # (n, H): the residual stream
@@ -92,8 +107,8 @@ def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor) -
     q, gate = qg[..., :d], qg[..., d:].reshape(n, heads * d)
     k = (a @ w[p + "self_attn.k_proj.weight"].T).view(n, kv, d)
     v = (a @ w[p + "self_attn.v_proj.weight"].T).view(n, kv, d)
-    q = _rope(_norm(q, w[p + "self_attn.q_norm.weight"], eps), rotary, rope["rope_theta"])
-    k = _rope(_norm(k, w[p + "self_attn.k_norm.weight"], eps), rotary, rope["rope_theta"])
+    q, k = rope(_norm(q, w[p + "self_attn.q_norm.weight"], eps),
+                _norm(k, w[p + "self_attn.k_norm.weight"], eps))
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5
     causal = torch.ones(n, n, dtype=torch.bool).tril()
@@ -101,8 +116,7 @@ def mtp_hidden(w: dict, c: dict, hidden: torch.Tensor, next_ids: torch.Tensor) -
     out = torch.einsum("hqk,khd->qhd", attn, v).reshape(n, heads * d)
     x = x + (out * torch.sigmoid(gate)) @ w[p + "self_attn.o_proj.weight"].T
     m = _norm(x, w[p + "post_attention_layernorm.weight"], eps)
-    up = F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)
-    x = x + up @ w[p + "mlp.down_proj.weight"].T
+    x = x + ffn(w, m)
     return _norm(x, w["mtp.norm.weight"], eps)
 
 

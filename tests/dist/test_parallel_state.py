@@ -101,3 +101,31 @@ def test_ep_that_does_not_divide_dp_cp_raises():
     with pytest.raises(ValueError, match="ep = 3 must be a positive integer dividing dp\\*cp"):
         ParallelState.build(ep=3)
     assert ParallelState.build().ep_group is None and ParallelState().edp == 1
+
+
+def _pp_layout(rank, world, tp, cp, pp, ep):
+    s = ParallelState.build(tp=tp, cp=cp, pp=pp, ep=ep)
+    assert rank == s.tp_rank + tp * (s.cp_rank + cp * (s.dp_rank + s.dp * s.pp_rank))
+    names = ("tp", "cp", "dp", "dp_cp", "tp_cp", "pp") + (("ep", "edp") if ep > 1 else ())
+    return {name: _members(s.groups[name]) for name in names}
+
+
+def test_pp_is_slowest_and_every_other_group_stays_in_its_stage():
+    # tp=2, pp=2 over 4: rank = tp_rank + 2 * pp_rank
+    got = run_distributed(_pp_layout, 4, 2, 1, 2, 1)
+    assert [g["pp"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [g["tp"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["dp_cp"] for g in got] == [[0], [1], [2], [3]]
+    # cp=1, dp=2, pp=2, ep=2: rank = dp_rank + 2 * pp_rank; ep groups are a stage's dp ranks
+    got = run_distributed(_pp_layout, 4, 1, 1, 2, 2)
+    assert [g["pp"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [g["dp"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["ep"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["tp_cp"] for g in got] == [[0], [1], [2], [3]]
+
+
+def test_pp_that_does_not_divide_the_world_raises():
+    with pytest.raises(ValueError, match=r"tp\*cp\*pp = 1\*1\*2 = 2"):
+        ParallelState.build(pp=2)
+    s = ParallelState.build()
+    assert (s.pp, s.pp_rank, s.pp_group) == (1, 0, None)

@@ -1,33 +1,42 @@
 """Benchmark: Qwen3.5 text training steps, mpcore vs transformers, and the DeltaNet layer vs fla.
 
-Usage (one GPU; fla-core installed so both sides take its kernels):
+Usage (one GPU; fla-core and flash-linear-attention installed so both sides take fla's kernels):
     python -m tests.perf.bench_qwen35 [OUT.json] [--config HF_CONFIG.json] [--seq 8192]
-        [--steps 10] [--warmup 3] [--skip-hf]
+        [--steps 10] [--warmup 3] [--skip-hf] [--profile PROFILE.txt]
 
 ``--config``: a Qwen3.5 ``config.json`` (default: the Qwen3.5-0.8B shape,
 tests/dist/qwen35_0p8b_config.json; its text decoder is what runs). Both sides: fp32 parameters,
 bf16 autocast on CUDA (fp32 on CPU), one document of ``--seq`` random tokens per step, AdamW
 (fused on CUDA) with lr 1e-4, gradient clipping at 1.0. mpcore: ``mpcore.models.common.hybrid.model.build``
-(``gdn_kernel=auto``: fla when installed), the training head's ``loss_sum`` output over the
+(``gdn_kernel=auto``: fla when it runs), the training head's ``loss_sum`` output over the
 valid tokens. transformers: ``Qwen3_5ForCausalLM`` of the same config (SDPA attention; its own
-fla path when fla is installed), ``labels`` loss.
+fla path when flash-linear-attention is installed), ``labels`` loss. ``hf_paths`` records what
+transformers' fast path found (fla, causal_conv1d) and its fallback warnings; a side that runs
+out of memory is recorded as ``{"error": "out of memory", ...}`` and the other side kept.
 
 Reported per side: median step time over ``--steps`` (after ``--warmup``), tokens/s, peak
 allocated memory (reset between sides; null on CPU), first and last loss. ``layer``: one
-``GatedDeltaNet`` forward + backward on ``[seq, hidden]`` bf16 vs fla's ``causal_conv1d`` +
-``chunk_gated_delta_rule`` called directly on the same shapes (``overhead`` = ours / fla - 1:
-the projections, gates, norm and layout around the kernels); null without CUDA and fla.
+``GatedDeltaNet`` forward + backward on ``[seq, hidden]`` bf16 (``ours_ms``) against
+``floor_ms``: the same work composed straight from fla's pieces (the two projections as plain
+bf16 matmuls, fla's conv, its delta rule with the gates and L2 norm, its fused gated RMSNorm,
+no layout changes) and ``fla_ms``: fla's conv + rule alone (the earlier definition);
+``overhead`` = ours / floor - 1 (the <= 10% target), ``overhead_vs_kernels`` = ours / fla - 1.
+null without CUDA and fla. The JSON is rewritten after each part (a timeout keeps what ran).
 JSON goes to OUT (default tests/perf/results/qwen35_h200.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
+import logging
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hybrid import kernels
@@ -43,6 +52,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "qwen35_h200.json"
 DEFAULT_CONFIG = REPO / "tests" / "dist" / "qwen35_0p8b_config.json"
+
+
+def oom_row(e: Exception, device) -> dict:
+    """A side that ran out of memory: the error and the peak it reached (then freed)."""
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {"error": "out of memory", "detail": str(e).splitlines()[0][:300], "peak_gib": peak}
 
 
 def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
@@ -65,14 +80,40 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
         return float(loss.detach())
 
     out = timed(step, steps, warmup, device)
-    out["gdn_kernel"] = kernels.resolve("auto", torch.empty(1, device=device,
-                                                            dtype=torch.bfloat16))
+    x = torch.empty(1, device=device, dtype=torch.bfloat16)
+    out["gdn_kernel"] = kernels.resolve("auto", x, cfg.linear_key_head_dim,
+                                        cfg.linear_value_head_dim)
     return out
+
+
+class _Captured(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "fall" in message.lower() and message not in self.lines:
+            self.lines.append(message[:300])
+
+
+def hf_paths() -> dict:
+    """What transformers' Qwen3.5 fast path looks for, as installed here."""
+    found = {}
+    for dist in ("flash-linear-attention", "fla-core", "causal-conv1d"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    found["causal_conv1d importable"] = importlib.util.find_spec("causal_conv1d") is not None
+    return found
 
 
 def bench_hf(hf: dict, batches, device, steps, warmup) -> dict:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    captured = _Captured()
+    logging.getLogger("transformers").addHandler(captured)
     text = {k: v for k, v in text_fields(hf).items()
             if k not in ("attn_output_gate", "mtp_num_hidden_layers", "model_type")}
     model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**text),
@@ -91,14 +132,17 @@ def bench_hf(hf: dict, batches, device, steps, warmup) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return timed(step, steps, warmup, device)
+    try:
+        out = timed(step, steps, warmup, device)
+    except torch.cuda.OutOfMemoryError as e:
+        out = oom_row(e, device)
+    finally:
+        logging.getLogger("transformers").removeHandler(captured)
+    out["fallback_warnings"] = captured.lines
+    return out
 
 
-def bench_layer(hf: dict, seq: int, device, steps, warmup) -> dict | None:
-    """Our DeltaNet layer vs fla's two kernels alone, forward + backward, bf16."""
-    if device.type != "cuda" or kernels.fla_ops() is None:
-        return None
-    cfg = config_from_hf(hf)
+def _layer_inputs(cfg, seq, device):
     with torch.device("meta"):
         layer = GatedDeltaNet(cfg, tp_group=None, sequence_parallel=False, gdn_kernel="fla")
     layer = layer.to_empty(device=device)
@@ -107,6 +151,47 @@ def bench_layer(hf: dict, seq: int, device, steps, warmup) -> dict | None:
     plan = AttentionPlan(torch.zeros(seq, dtype=torch.int64, device=device),
                          torch.arange(seq, device=device),
                          torch.tensor([0, seq], dtype=torch.int32, device=device))
+    return layer, x, plan
+
+
+def _floor(layer, x, seq):
+    """The layer's work straight from fla's pieces (module docstring): one step's closure."""
+    chunk_rule, conv, gated_norm = kernels.fla_ops()
+    hk, hv = layer.num_key_heads, layer.num_value_heads
+    dk, dv = layer.key_dim, layer.value_dim
+    cu = torch.tensor([0, seq], device=x.device)
+    sizes = [hk * dk, hk * dk, hv * dv, hv * dv, hv, hv]
+    conv_w = layer.conv_weight[:, 0]
+
+    def step() -> float:
+        with autocast(x.device):
+            proj = F.linear(x, layer.w_in.weight)
+        q, k, v, z, b, a = proj.split(sizes, dim=-1)
+        mixed = conv(proj[None, :, :sum(sizes[:3])], conv_w.to(proj.dtype), activation="silu",
+                     cu_seqlens=cu)
+        mixed = mixed[0] if isinstance(mixed, tuple) else mixed
+        qc, kc, vc = mixed[0].split(sizes[:3], dim=-1)
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+        o, _ = chunk_rule(qc.reshape(1, seq, hk, dk), kc.reshape(1, seq, hk, dk),
+                          vc.reshape(1, seq, hv, dv), g[None], b.sigmoid()[None],
+                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        o = gated_norm(o[0], z.reshape(seq, hv, dv), layer.norm.norm.weight, None,
+                       activation="silu", eps=layer.norm.norm.eps)
+        with autocast(x.device):
+            y = F.linear(o.reshape(seq, hv * dv), layer.out_proj.weight)
+        y.float().sum().backward()
+        return 0.0
+
+    return step
+
+
+def bench_layer(hf: dict, seq: int, device, steps, warmup, profile: str | None) -> dict | None:
+    """Our DeltaNet layer vs the same work from fla's pieces and vs fla's two kernels alone,
+    forward + backward, bf16."""
+    if device.type != "cuda" or kernels.fla_ops() is None:
+        return None
+    cfg = config_from_hf(hf)
+    layer, x, plan = _layer_inputs(cfg, seq, device)
 
     def ours() -> float:
         with autocast(device):
@@ -132,10 +217,41 @@ def bench_layer(hf: dict, seq: int, device, steps, warmup) -> dict | None:
         o.float().sum().backward()
         return 0.0
 
-    a, b = timed(ours, steps, warmup, device), timed(fla, steps, warmup, device)
-    return {"ours_ms": 1e3 * a["step_s"], "fla_ms": 1e3 * b["step_s"],
-            "overhead": a["step_s"] / b["step_s"] - 1, "ours_peak_gib": a["peak_gib"],
-            "fla_peak_gib": b["peak_gib"]}
+    floor = _floor(layer, x, seq)
+    a, f, b = (timed(fn, steps, warmup, device) for fn in (ours, floor, fla))
+    out = {"ours_ms": 1e3 * a["step_s"], "floor_ms": 1e3 * f["step_s"],
+           "fla_ms": 1e3 * b["step_s"], "overhead": a["step_s"] / f["step_s"] - 1,
+           "overhead_vs_kernels": a["step_s"] / b["step_s"] - 1,
+           "ours_peak_gib": a["peak_gib"], "floor_peak_gib": f["peak_gib"],
+           "fla_peak_gib": b["peak_gib"]}
+    if profile:
+        write_profile(profile, {"ours": ours, "floor": floor})
+    return out
+
+
+def write_profile(path: str, steps: dict) -> None:
+    """Each step's CUDA kernels (3 runs, after one warm run), by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    parts = []
+    for name, fn in steps.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                          max_name_column_width=70)
+        parts.append(f"== {name} (3 steps)\n{table}")
+    Path(path).write_text("\n".join(parts))
+    print("\n".join(p[:4000] for p in parts), flush=True)
+
+
+def _save(result: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
 
 
 def main(argv=None) -> int:
@@ -146,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-layer", action="store_true")
+    p.add_argument("--profile", default=None, help="write the layer's kernel profile here")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf = json.loads(Path(args.config).read_text())
@@ -154,21 +272,34 @@ def main(argv=None) -> int:
     batches = [torch.randint(0, vocab, (args.seq,), generator=gen)
                for _ in range(args.steps + args.warmup)]
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "config": str(args.config), "seq": args.seq,
-              "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup)}
-    result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
+              "config": str(args.config), "seq": args.seq, "torch": torch.__version__,
+              "hf_paths": hf_paths()}
+    if device.type == "cuda":
+        import triton
+        result["triton"] = triton.__version__
+    if not args.skip_layer:
+        result["layer"] = bench_layer(hf, args.seq, device, args.steps, args.warmup,
+                                      args.profile)
+        _save(result, args.out)
+    try:
+        result["mpcore"] = bench_mpcore(hf, batches, device, args.steps, args.warmup)
+        result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
+    except torch.cuda.OutOfMemoryError as e:
+        result["mpcore"] = oom_row(e, device)
+    _save(result, args.out)
     if not args.skip_hf:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         result["hf"] = bench_hf(hf, batches, device, args.steps, args.warmup)
-        result["hf"]["tokens_per_s"] = args.seq / result["hf"]["step_s"]
-        result["speedup"] = result["hf"]["step_s"] / result["mpcore"]["step_s"]
-        if device.type == "cuda":
-            result["memory_ratio"] = result["mpcore"]["peak_gib"] / result["hf"]["peak_gib"]
-    result["layer"] = bench_layer(hf, args.seq, device, args.steps, args.warmup)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+        if "step_s" in result["hf"] and "step_s" in result["mpcore"]:
+            result["hf"]["tokens_per_s"] = args.seq / result["hf"]["step_s"]
+            result["speedup"] = result["hf"]["step_s"] / result["mpcore"]["step_s"]
+            if device.type == "cuda":
+                result["memory_ratio"] = result["mpcore"]["peak_gib"] / result["hf"]["peak_gib"]
+        _save(result, args.out)
+    if args.skip_layer:
+        result["layer"] = None
+        _save(result, args.out)
     return 0
 
 

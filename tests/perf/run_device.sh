@@ -8,6 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
+#   bash tests/perf/run_device.sh qwen35 tests|score|bench|bench32   # issue 36 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -132,6 +133,44 @@ elif [ "${1:-}" = vl ]; then
   run vl_qwen3 200 python3 -m tests.perf.bench_vl "$out/vl_qwen3_h200.json" --family qwen3_vl
   run vl_glm4v 240 python3 -m tests.perf.bench_vl "$out/vl_glm4v_h200.json" --family glm4v
   for name in vl vl_qwen3 vl_glm4v; do tail -3 "$out/$name.log"; done
+elif [ "${1:-}" = qwen35 ]; then
+  # Issue 36 on nvidia-h200, after the four-part Triton 3.7.1 + fla install of
+  # ../shared/notes/GPU.md (the last part call: `bash /tmp/tri-parts/triton-device-install &&
+  # export PYTHONPATH=/tmp/tri-site:$PWD && bash tests/perf/run_device.sh qwen35 tests`), then
+  # `bench` and `bench32` in the next calls of the same warm machine (fla's Triton compile and
+  # autotuning, minutes when cold, stay cached there). Each part fits one 600 s call.
+  python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, \
+    'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', \
+    fla.__version__)" 2>&1 | tail -1
+  case "${2:-tests}" in
+    tests)
+      run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
+        -o addopts="" tests/gpu/test_qwen35_fla_gpu.py
+      grep -E "rel error|loss:|A_log|worst|: reference bf16|passed|failed|Error" \
+        "$out/gpu_tests_qwen35.log" | cut -c1-600 | head -60 ;;
+    score)
+      run gpu_tests_qwen35_score 300 python3 -m pytest -q -s -p no:cacheprovider \
+        -o addopts="" tests/gpu/test_qwen35_score_gpu.py
+      grep -E "max \||fp32|bf16:|passed|failed|Error" "$out/gpu_tests_qwen35_score.log" \
+        | cut -c1-400 | head -40 ;;
+    bench)
+      run bench_qwen35_8k ${QWEN35_BENCH_S:-280} python3 -m tests.perf.bench_qwen35 "$out/qwen35_h200.json" \
+        --seq 8192 --profile "$out/profile_qwen35_layer_h200.txt"
+      tail -c 1500 "$out/bench_qwen35_8k.log"
+      grep -E "^== |Self CUDA time total" "$out/profile_qwen35_layer_h200.txt" ;;
+    bench32)
+      run bench_qwen35_32k 300 python3 -m tests.perf.bench_qwen35 \
+        "$out/qwen35_h200_seq32k.json" --seq 32768 --steps 5 --warmup 2
+      tail -c 1500 "$out/bench_qwen35_32k.log"
+      if [ -f tests/perf/bench_qwen35_mtp.py ]; then
+        run bench_qwen35_mtp 180 python3 -m tests.perf.bench_qwen35_mtp "$out/qwen35_mtp_h200.json"
+        tail -c 1500 "$out/bench_qwen35_mtp.log"
+      fi
+      # Triton's cache (fla's compiled kernels and autotuning results) for a later machine:
+      # carried back, it spares that machine the cold compile.
+      tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
+        && ls -l /tmp/triton_cache.tgz && split -b 15M -d /tmp/triton_cache.tgz "$out/tcache" ;;
+  esac
 else
   run model 240 python -m tests.perf.bench_model "$out/model_h200.json" --steps 10 --warmup 3
   run train 240 python -m tests.perf.bench_train "$out/train_h200.json" --steps 10 --warmup 3

@@ -38,4 +38,6 @@ def test_bench_qwen35_cpu_smoke(tmp_path):
         for loss in (r["loss_first"], r["loss_last"]):
             assert abs(loss - math.log(VOCAB)) < 1.0, (side, loss)
     assert result["mpcore"]["gdn_kernel"] == "reference"
+    assert set(result["hf_paths"]) >= {"flash-linear-attention", "causal_conv1d importable"}
+    assert isinstance(result["hf"]["fallback_warnings"], list)
     assert math.isclose(result["speedup"], result["hf"]["step_s"] / result["mpcore"]["step_s"])

@@ -125,8 +125,14 @@ def test_without_mtp_weights_trains_as_today_and_bad_input_is_refused(tmp_path):
                 intermediate_size=8)
     with pytest.raises(ValueError, match="mtp_loss_weight must be a finite number >= 0"):
         Qwen35Config(**base, mtp_num_hidden_layers=1, mtp_loss_weight=-0.1)
-    with pytest.raises(ValueError, match="mtp_num_hidden_layers must be 0 or 1"):
-        Qwen35Config(**base, mtp_num_hidden_layers=2)
+    for bad in (float("nan"), float("inf"), -1e-9):
+        with pytest.raises(ValueError, match="mtp_loss_weight must be a finite number >= 0"):
+            Qwen35Config(**base, mtp_num_hidden_layers=1, mtp_loss_weight=bad)
+    assert not Qwen35Config(**base, mtp_num_hidden_layers=2).uses_mtp  # loads at weight 0
+    with pytest.raises(ValueError, match="trains one MTP layer .* mtp_num_hidden_layers=2"):
+        Qwen35Config(**base, mtp_num_hidden_layers=2, mtp_loss_weight=0.5)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers must be an integer >= 0"):
+        Qwen35Config(**base, mtp_num_hidden_layers=-1)
     ids, cu = packed_docs([4, 5], seed=1)
     _, inputs = local_inputs(state, ids, cu, cfg)
     inputs["mtp_input_ids"] = inputs["input_ids"]
@@ -163,13 +169,12 @@ def test_families_without_mtp_refuse_the_weight_with_the_fix():
     from mpcore.build import resolve_model_config
     from mpcore.config import load_config
 
-    for family in ("llama", "qwen3_5_vl"):  # no such key in their sections
+    for family in ("llama", "qwen3_vl", "qwen3_moe"):  # no such key in their sections
         with pytest.raises(ValueError, match="model.mtp_loss_weight is set but the"):
             load_config(None, [f"model.family={family}", "model.mtp_loss_weight=0.5"])
-    with pytest.raises(ValueError, match="not supported on Qwen3.5-MoE yet"):
-        resolve_model_config(load_config(None, [
-            "model.family=qwen3_5_moe", "model.mtp_num_hidden_layers=1",
-            "model.mtp_loss_weight=0.5"]))
+    with pytest.raises(ValueError, match="needs an MTP layer but this model has none"):
+        resolve_model_config(load_config(None, ["model.family=qwen3_5_moe",
+                                                "model.mtp_loss_weight=0.5"]))
     with pytest.raises(ValueError, match="needs an MTP layer but this model has none"):
         resolve_model_config(load_config(None, ["model.family=qwen3_5",
                                                 "model.mtp_loss_weight=0.5"]))

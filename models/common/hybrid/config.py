@@ -19,6 +19,7 @@ DeltaNet all-to-all, ``mpcore.models.common.hybrid.cp``): both counts must divid
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mpcore.models.common.config import ModelConfig
@@ -48,7 +49,8 @@ class Qwen35Config(ModelConfig):
     """Taps of the DeltaNet short convolution."""
     mtp_num_hidden_layers: int = 0
     """Multi-token-prediction layers of the checkpoint (config.json's ``mtp_num_hidden_layers``;
-    the released Qwen3.5 checkpoints have 1, the only count supported; 0: none)."""
+    the released Qwen3.5 checkpoints have 1, the only depth trained; 0: none; a deeper
+    checkpoint loads with ``mtp_loss_weight = 0``, its ``mtp.*`` skipped)."""
     mtp_loss_weight: float = 0.0
     """Weight of the MTP loss: total = main + weight * mtp (``mpcore.models.common.hybrid.mtp``).
     0: no MTP block is built or run (the main model exactly as without it). Qwen does not
@@ -108,20 +110,30 @@ class Qwen35Config(ModelConfig):
 
     def _check_mtp(self) -> None:
         layers, weight = self.mtp_num_hidden_layers, self.mtp_loss_weight
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers not in (0, 1):
-            raise ValueError(f"mtp_num_hidden_layers must be 0 or 1 (the released Qwen3.5 "
-                             f"checkpoints have 1; deeper MTP is not supported), got {layers!r}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise ValueError(f"mtp_num_hidden_layers must be an integer >= 0 (the released "
+                             f"Qwen3.5 checkpoints have 1), got {layers!r}")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
                 0 <= weight < float("inf")):
             raise ValueError(f"mtp_loss_weight must be a finite number >= 0 (0 turns "
                              f"multi-token prediction off), got {weight!r}")
         object.__setattr__(self, "mtp_loss_weight", float(weight))
+        if weight > 0 and layers > 1:  # a deeper checkpoint still loads (and scores) at 0
+            raise ValueError(f"mtp_loss_weight={weight} trains one MTP layer (the released "
+                             f"depth) but this model has mtp_num_hidden_layers={layers}; "
+                             f"deeper MTP is not supported: set model.mtp_loss_weight=0 (its "
+                             f"mtp.* tensors are then skipped)")
         if weight > 0 and layers == 0:
             raise ValueError(f"mtp_loss_weight={weight} needs an MTP layer but this model has "
                              f"none (mtp_num_hidden_layers=0: a checkpoint without mtp.* "
                              f"weights, or a model section without it); set "
                              f"model.mtp_loss_weight=0, or set model.mtp_num_hidden_layers=1 "
                              f"for a model trained from scratch")
+
+    def with_mtp_weight(self, weight: float) -> Qwen35Config:
+        """This config with ``mtp_loss_weight`` set (its checks: ``ValueError`` naming the
+        fix); the run-level weight a checkpoint's config does not hold."""
+        return dataclasses.replace(self, mtp_loss_weight=weight)
 
     @property
     def uses_mtp(self) -> bool:

@@ -45,9 +45,9 @@ def flops_per_token(cfg: Qwen35Config, seq_len: int) -> float:
     dense = counts["total"] - (counts["embedding"] if not cfg.tie_embeddings else 0)
     if cfg.uses_mtp:  # the shared head runs twice; the MTP layer attends once more
         dense += cfg.vocab_size * cfg.hidden_size
-    num_full = cfg.layer_types.count("full_attention") + (1 if cfg.uses_mtp else 0)
+    num_linear = cfg.layer_types.count("linear_attention")  # the MTP layer is full attention
+    num_full = cfg.num_layers - num_linear + (1 if cfg.uses_mtp else 0)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     per_head = 3 * (4 * dk * dv + 2 * CHUNK * (dk + dv))
-    num_linear = cfg.num_layers - num_full
     return (6.0 * dense + 12.0 * num_full * cfg.q_size * seq_len
             + num_linear * cfg.linear_num_value_heads * per_head)

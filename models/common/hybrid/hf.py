@@ -28,7 +28,6 @@ and the embedding, norms, MLP and head as ``mpcore.models.common.decoder_hf``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
@@ -232,6 +231,23 @@ def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> No
                  len(unused), what, ", ".join(f"{k}.*: {c}" for k, c in sorted(kinds.items())))
 
 
+def with_mtp_weight(cfg, weight: float, folder: str | Path):
+    """``cfg`` (a checkpoint's ``Qwen35Config``, a subclass, or a VL config holding one)
+    trained with MTP weight
+    ``weight``; ``ValueError`` naming ``folder`` when the weight is bad, when the checkpoint
+    has no MTP layer (or a depth other than 1) and the weight is > 0, or when its config.json
+    declares the layer but its weights hold no ``mtp.*`` tensors."""
+    try:
+        cfg = cfg.with_mtp_weight(weight)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    if cfg.uses_mtp and "mtp.fc.weight" not in Checkpoint(Path(folder)).files:
+        raise ValueError(f"{folder}: config.json declares mtp_num_hidden_layers="
+                         f"{cfg.mtp_num_hidden_layers} but the weights hold no mtp.* tensors; "
+                         f"set model.mtp_loss_weight=0, or use a checkpoint with its MTP weights")
+    return cfg
+
+
 def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32, fp8: str = "none", mtp_loss_weight: float = 0.0,
             **options) -> tuple[Qwen35Transformer, Qwen35Config]:
@@ -240,16 +256,8 @@ def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | 
     ``mtp.*`` block (``ValueError`` when the checkpoint has none). Returns ``(model, cfg)``."""
     hf = read_hf_config(folder)
     prefix = PREFIX[_architecture(hf)]
-    cfg = config_from_hf(hf)
-    try:
-        cfg = dataclasses.replace(cfg, mtp_loss_weight=mtp_loss_weight)
-    except ValueError as e:
-        raise ValueError(f"{folder}: {e}") from None
+    cfg = with_mtp_weight(config_from_hf(hf), mtp_loss_weight, folder)
     ckpt = Checkpoint(Path(folder))
-    if cfg.uses_mtp and "mtp.fc.weight" not in ckpt.files:
-        raise ValueError(f"{folder}: config.json declares mtp_num_hidden_layers="
-                         f"{cfg.mtp_num_hidden_layers} but the weights hold no mtp.* tensors; "
-                         f"set model.mtp_loss_weight=0, or use a checkpoint with its MTP weights")
     model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     model.rope.reset_parameters()
     table = full_map(cfg, state.tp, state.tp_rank, prefix)

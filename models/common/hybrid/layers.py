@@ -87,7 +87,15 @@ class GatedRMSNorm(nn.Module):
         self.norm = RMSNorm(dim, eps, group=group, sum_grad_over_tp=group_size(group) > 1,
                             dtype=dtype)
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor, kernel: str = "reference"
+                ) -> torch.Tensor:
+        """``x, z [..., dim]`` -> ``[..., dim]`` in x's dtype. ``kernel="fla"``: fla-core's fused
+        gated RMSNorm (one pass each way, rounded once at the end, where the reference rounds
+        the normalised row before the gate: both within bf16 rounding of transformers')."""
+        if kernel == "fla":
+            weight = self.norm._weight()  # through copy_to_tp when tp > 1
+            return kernels.fla_ops()[2](x, z, weight, None, activation="silu",
+                                        eps=self.norm.eps)
         y = self.norm(x)  # weight * normalised x (rounded to x's dtype first), mpcore.kernels.rmsnorm
         return (y.float() * F.silu(z.float())).to(x.dtype)
 
@@ -106,6 +114,10 @@ class GatedDeltaNet(nn.Module):
         kd, vd, hv = cfg.linear_key_size, cfg.linear_value_size, cfg.linear_num_value_heads
         self.num_key_heads, self.num_value_heads = cfg.linear_num_key_heads // tp, hv // tp
         self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        refusal = kernels.head_refusal(self.key_dim, self.value_dim)
+        if gdn_kernel == "fla" and refusal is not None:  # auto falls back at run time, warned
+            raise ValueError(f"gdn_kernel='fla' cannot run this model: {refusal}; use "
+                             f"gdn_kernel='auto' or 'reference' (the PyTorch reference)")
         self.parts = [kd, kd, vd, vd, hv, hv]  # q, k, v, z, b, a
         self.w_in = ColumnParallelLinear(cfg.hidden_size, sum(self.parts), group=tp_group,
                                          sequence_parallel=sequence_parallel,
@@ -139,28 +151,46 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.dt_bias.fill_(1.0)
 
+    def kernel(self, x: torch.Tensor) -> str:
+        """``"fla"`` or ``"reference"`` for operands like ``x`` (``kernels.resolve``)."""
+        return kernels.resolve(self.gdn_kernel, x, self.key_dim, self.value_dim)
+
+    def describe_kernel(self, device: torch.device | str, dtype: torch.dtype) -> str:
+        """The log line naming the kernel that runs for ``dtype`` operands on ``device``."""
+        return kernels.describe(self.gdn_kernel, device, dtype, self.key_dim, self.value_dim)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, beta) [L, Hv]`` fp32: the log decay and the write strength."""
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, beta
+
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """``x [L(/tp), hidden]`` -> ``[L(/tp), hidden]``."""
         hk, hv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
-        q, k, v, z, b, a = self.w_in(x).split([p // self.tp for p in self.parts], dim=-1)
-        num = q.shape[0]
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        projected = self.w_in(x)
+        sizes = [p // self.tp for p in self.parts]
+        q, k, v, z, b, a = projected.split(sizes, dim=-1)
+        kernel = self.kernel(projected)
+        num, cp = q.shape[0], plan.cp
+        g, beta = self._gates(b, a)
         seq = deltanet_cp.sequence_of(plan, x.device)
-        mixed, gates = deltanet_cp.heads_split(
-            [q.reshape(num, hk, dk), k.reshape(num, hk, dk), v.reshape(num, hv, dv)],
-            torch.stack([g, beta], dim=-1), plan, seq)  # (N, C/cp), (N, Hv/cp, 2)
+        if cp == 1:  # no head split: the conv reads [q | k | v] in place (a strided view)
+            mixed = projected[:, :sum(sizes[:3])]
+        else:
+            mixed, gates = deltanet_cp.heads_split(
+                [q.reshape(num, hk, dk), k.reshape(num, hk, dk), v.reshape(num, hv, dv)],
+                torch.stack([g, beta], dim=-1), plan, seq)  # (N, C/cp), (N, Hv/cp, 2)
+            g, beta = gates[..., 0], gates[..., 1]
         weight = deltanet_cp.rank_channels(self.conv_weight[:, 0], self.conv_sizes, plan)
-        mixed = kernels.short_conv(mixed, weight, seq.positions, seq.cu_seqlens,
-                                   self.gdn_kernel)
-        cp = plan.cp
+        mixed = kernels.short_conv(mixed, weight, seq.positions, seq.cu_seqlens, kernel)
         qc, kc, vc = mixed.split([s // cp for s in self.conv_sizes], dim=-1)
         n = mixed.shape[0]
         core = kernels.gated_delta_rule(
             qc.reshape(n, hk // cp, dk), kc.reshape(n, hk // cp, dk), vc.reshape(n, hv // cp, dv),
-            gates[..., 0], gates[..., 1].to(vc.dtype), seq.cu_seqlens, self.gdn_kernel)
+            g, beta.to(vc.dtype), seq.cu_seqlens, kernel)
         core = deltanet_cp.tokens_split(core, plan, seq)  # (L, Hv, Dv)
-        out = self.norm(core, z.reshape(num, hv, dv))
+        out = self.norm(core, z.reshape(num, hv, dv), kernel)
         return self.out_proj(out.reshape(num, hv * dv))
 
 

@@ -32,11 +32,15 @@ class Qwen35Transformer(Transformer):
         if not isinstance(cfg, Qwen35Config):
             raise TypeError(f"Qwen35Transformer needs a Qwen35Config, got {type(cfg).__name__}")
         check_kernel(gdn_kernel)
+        if cfg.uses_mtp and kwargs.get("keep_layers") is not None:
+            raise ValueError("the MTP block reads the embedding and the last hidden state, "
+                             "which a pipeline stage does not both hold; train MTP at pp = 1 "
+                             "(set the MTP weight to 0 to train at pp > 1)")
         super().__init__(cfg, state, layer=functools.partial(Qwen35Block, gdn_kernel=gdn_kernel),
                          **kwargs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, group=state.tp_group,
                             sum_grad_over_tp=self.sequence_parallel, zero_centred=True,
-                            dtype=kwargs.get("dtype"))
+                            dtype=kwargs.get("dtype")) if self.is_last else None
         # Multi-token prediction (mpcore.models.common.hybrid.mtp): built only when trained.
         self.mtp = MtpBlock(cfg, state, sequence_parallel=self.sequence_parallel,
                             fp8=kwargs.get("fp8", "none"), dtype=kwargs.get("dtype")
@@ -59,14 +63,15 @@ class Qwen35Transformer(Transformer):
 def make_model(cfg: Qwen35Config, state: ParallelState, *, sequence_parallel: bool = False,
                cp_mode: str = "none", activation_checkpointing: bool = False,
                attention_backend: str = "auto", fp8: str = "none", gdn_kernel: str = "auto",
-               dtype: torch.dtype = torch.float32) -> Qwen35Transformer:
+               dtype: torch.dtype = torch.float32,
+               keep_layers: range | None = None) -> Qwen35Transformer:
     """The model on the meta device (``build`` and ``load_hf`` materialise it)."""
     with torch.device("meta"):
         return Qwen35Transformer(cfg, state, sequence_parallel=sequence_parallel,
                                  cp_mode=cp_mode,
                                  activation_checkpointing=activation_checkpointing,
                                  attention_backend=attention_backend, fp8=fp8,
-                                 gdn_kernel=gdn_kernel, dtype=dtype)
+                                 gdn_kernel=gdn_kernel, dtype=dtype, keep_layers=keep_layers)
 
 
 def build(cfg: Qwen35Config, state: ParallelState, *, seed: int = 0,

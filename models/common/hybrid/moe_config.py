@@ -5,6 +5,7 @@ Every layer's feed-forward is a MoE block (transformers' ``Qwen3_5MoeSparseMoeBl
 softmax router over ``num_experts``, the top ``num_experts_per_tok`` weights always
 renormalised (``norm_topk_prob`` is true and cannot be set false), SwiGLU experts of
 ``moe_intermediate_size``, and one shared expert gated by ``sigmoid(shared_expert_gate)``.
+The multi-token-prediction layer (``mtp.layers.0``) has the same MoE feed-forward.
 Qwen3.5-MoE has no dense MLP, so ``intermediate_size`` here IS the shared expert's width
 (transformers' ``shared_expert_intermediate_size``); ``decoder_sparse_step`` is 1 and
 ``mlp_only_layers`` empty. The MoE fields' checks and ``check_experts`` are Qwen3-MoE's.
@@ -29,11 +30,6 @@ class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
 
     def __post_init__(self):
         super().__post_init__()  # Qwen35Config's checks, then Qwen3MoeConfig's
-        if self.uses_mtp:
-            raise ValueError("multi-token prediction is not supported on Qwen3.5-MoE yet (its "
-                             "mtp.layers.0 feed-forward is a MoE block, which "
-                             "mpcore.models.common.hybrid.mtp does not build); set "
-                             "model.mtp_loss_weight=0 (the mtp.* tensors are then skipped)")
         for name, fixed in (("norm_topk_prob", True), ("decoder_sparse_step", 1),
                             ("mlp_only_layers", ())):
             if getattr(self, name) != fixed:

@@ -3,9 +3,12 @@ export.
 
 Reads ``Qwen3_5MoeForCausalLM`` (keys ``model.layers.*``) and, as a library call, the text
 decoder of a released ``Qwen3_5MoeForConditionalGeneration`` (Qwen/Qwen3.5-35B-A3B: nested
-``text_config``, keys ``model.language_model.*``; the tower ``model.visual.*`` and the
-multi-token-prediction ``mtp.*`` tensors are skipped with one log line; the registry gives that
-architecture to ``mpcore.models.qwen3_5_vl_moe``, which reads it whole). The text fields are read as Qwen3.5's
+``text_config``, keys ``model.language_model.*``; the tower ``model.visual.*`` is skipped with
+one log line; the registry gives that architecture to ``mpcore.models.qwen3_5_vl_moe``, which
+reads it whole). The multi-token-prediction ``mtp.*`` tensors (top-level in every layout; the
+layer's MLP a MoE block, ``mtp.layers.0.mlp.gate`` / ``experts`` / ``shared_expert*``) are read,
+per rank sliced, when the model trains them (``load_hf(..., mtp_loss_weight > 0)``) and exported
+in the release's layout; otherwise skipped in that one log line. The text fields are read as Qwen3.5's
 (``mpcore.models.common.hybrid.hf.config_from_hf``: the same keys, both transformers forms), the shared
 expert's width standing in for the dense MLP's; the MoE keys are transformers'
 ``Qwen3_5MoeTextConfig``'s (its defaults where absent).
@@ -24,8 +27,9 @@ Shard map: Qwen3.5's (``mpcore.models.common.hybrid.hf.shard_map``) with each la
     feed_forward.shared_expert_gate.weight  [1, hidden]       M shared_expert_gate.weight
 
 Released Qwen3.5-MoE checkpoints store one tensor per expert (transformers 5.x fuses them on
-load and splits them again on save: its conversion mapping for ``qwen3_5_moe_text``); both
-layouts load, found per layer by name, each ep rank reading only its experts' slices
+load and splits them again on save: its conversion mapping for ``qwen3_5_moe_text``; the MTP
+layer's experts are per expert in Qwen3.5 releases and packed in Qwen3.6's, as Megatron-Bridge's
+qwen35_vl_bridge.py reads them); both layouts load, the MTP layer's too, found per layer by name, each ep rank reading only its experts' slices
 (``mpcore.models.common.moe_hf.load_moe_weights``). Export writes ``Qwen3_5MoeForCausalLM`` in the
 released per-expert layout (``mpcore.models.common.moe_hf.export_moe``).
 """
@@ -40,10 +44,11 @@ import torch
 
 from mpcore.models.common import moe_hf
 from mpcore.models.common.hf_io import Checkpoint, Piece, read_hf_config, whole
+from mpcore.models.common.hybrid import mtp
 from mpcore.models.common.hybrid.config import Qwen35Config
 from mpcore.models.common.hybrid.hf import config_from_hf as dense_config_from_hf
 from mpcore.models.common.hybrid.hf import hf_config_dict as dense_hf_config_dict
-from mpcore.models.common.hybrid.hf import log_unused, text_fields
+from mpcore.models.common.hybrid.hf import log_unused, text_fields, with_mtp_weight
 from mpcore.models.common.hybrid.hf import shard_map as dense_shard_map
 from mpcore.models.common.hybrid.model import materialise
 from mpcore.models.common.hybrid.moe_config import Qwen35MoeConfig
@@ -118,28 +123,47 @@ def shard_map(cfg: Qwen35MoeConfig, tp: int, rank: int, prefix: str = "model."
     return out
 
 
+def full_map(cfg: Qwen35MoeConfig, tp: int, rank: int, prefix: str = "model."
+             ) -> dict[str, list[Piece]]:
+    """``shard_map`` plus the ``mtp.*`` block's pieces when the model has it (``uses_mtp``;
+    its MoE feed-forward named as the decoder's, under ``mtp.layers.0.mlp.``)."""
+    out = shard_map(cfg, tp, rank, prefix)
+    if cfg.uses_mtp:
+        out.update(mtp.shard_map(cfg, tp, rank, shard_map))
+    return out
+
+
+def mtp_experts(cfg: Qwen35MoeConfig) -> tuple[tuple[str, str], ...]:
+    """The MTP layer as ``moe_hf``'s ``extra`` expert layer when the model has it."""
+    return (("mtp.layers.0.feed_forward.", "mtp.layers.0.mlp."),) if cfg.uses_mtp else ()
+
+
 def load_hf(folder: str | Path, state: ParallelState, *, device: torch.device | str = "cpu",
-            dtype: torch.dtype = torch.float32, fp8: str = "none", **options
-            ) -> tuple[Qwen35MoeTransformer, Qwen35MoeConfig]:
+            dtype: torch.dtype = torch.float32, fp8: str = "none", mtp_loss_weight: float = 0.0,
+            **options) -> tuple[Qwen35MoeTransformer, Qwen35MoeConfig]:
     """The model of a Qwen3.5-MoE checkpoint folder for ``state``, each rank reading its
-    slices (``build``'s keyword arguments, no seed). Returns ``(model, cfg)``."""
+    slices (``build``'s keyword arguments, no seed). ``mtp_loss_weight > 0`` builds and reads
+    the ``mtp.*`` block (``ValueError`` naming the folder when the checkpoint has none).
+    Returns ``(model, cfg)``."""
     hf = read_hf_config(folder)
     prefix = PREFIX[_architecture(hf)]
-    cfg = config_from_hf(hf)
+    cfg = with_mtp_weight(config_from_hf(hf), mtp_loss_weight, folder)
     model = materialise(make_model, cfg, state, device=device, dtype=dtype, fp8=fp8, **options)
     model.rope.reset_parameters()
-    table = shard_map(cfg, state.tp, state.tp_rank, prefix)
-    moe_hf.load_moe_weights(model, folder, state, cfg, table, hf=prefix)
-    log_skipped(folder, table, prefix, "text decoder")
+    table = full_map(cfg, state.tp, state.tp_rank, prefix)
+    moe_hf.load_moe_weights(model, folder, state, cfg, table, hf=prefix,
+                            extra=mtp_experts(cfg))
+    log_skipped(folder, table, ("mtp.", prefix) if cfg.uses_mtp else (prefix,), "text decoder")
     return model, cfg
 
 
-def log_skipped(folder: str | Path, table: dict[str, list[Piece]], prefix: str,
+def log_skipped(folder: str | Path, table: dict[str, list[Piece]], prefixes: tuple[str, ...],
                 what: str) -> None:
     """``log_unused``'s one line for a checkpoint whose experts (``{prefix}layers.i.mlp.
-    experts.*``, either layout) were read apart from ``table``."""
+    experts.*`` of each of ``prefixes``, either layout) were read apart from ``table``."""
     ckpt = Checkpoint(Path(folder))
-    experts = re.compile(rf"{re.escape(prefix)}layers\.\d+\.mlp\.experts\.")
+    either = "|".join(re.escape(p) for p in prefixes)
+    experts = re.compile(rf"(?:{either})layers\.\d+\.mlp\.experts\.")
     ckpt.files = {n: f for n, f in ckpt.files.items() if not experts.match(n)}
     log_unused(ckpt, table, what)
 
@@ -151,5 +175,5 @@ def export_hf(model: Qwen35MoeTransformer, state: ParallelState, out_dir: str | 
     layout) of ``model`` in ``out_dir``; collective over the world."""
     cfg = model.cfg
     moe_hf.export_moe(model, state, out_dir, hf_config_dict(cfg), cfg,
-                      [shard_map(cfg, state.tp, r) for r in range(state.tp)],
-                      moe_hf.released_experts, progress=progress)
+                      [full_map(cfg, state.tp, r) for r in range(state.tp)],
+                      moe_hf.released_experts, progress=progress, extra=mtp_experts(cfg))

@@ -6,6 +6,13 @@ experts split over ``state.ep_group``, a shared expert of ``cfg.intermediate_siz
 ``sigmoid(shared_expert_gate)`` (replicated, like the router: the block runs on every tp rank's
 full tokens). ``mpcore.models.common.moe_model`` adds ``moe_mask``, ``router_stats()`` and the layout
 checks. Built on the meta device and initialised per shard: the same function at any tp and ep.
+
+Multi-token prediction (``mpcore.models.common.hybrid.mtp``, built when ``mtp_loss_weight > 0``):
+the MTP layer's feed-forward is a MoE block of the same shape, its experts split over ep like
+the decoder's. Its router is balanced with the decoder's (Megatron-LM balances the MTP layer's
+router too): when the MTP block ran, ``router_stats()`` pools it as one more layer, so the
+step's aux loss is transformers' ``load_balancing_loss_func`` over L + 1 layers; a forward
+without MTP inputs (validation, scoring) pools the L decoder layers only.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ class Qwen35MoeTransformer(MoeRouting, Qwen35Transformer):
                             f"{type(cfg).__name__}")
         check_moe_layout(cfg, state, bool(kwargs.get("sequence_parallel")))
         super().__init__(cfg, state, **kwargs)
-        # Qwen35Block builds a dense SwiGLU (on meta: no memory); each is replaced here.
-        for layer in self.layers:
+        # Qwen35Block builds a dense SwiGLU (on meta: no memory); each is replaced here, the
+        # MTP layer's too (the release's mtp.layers.0.mlp is a MoE block like the decoder's).
+        layers = [*self.layers, *(self.mtp.layers if self.mtp is not None else ())]
+        for layer in layers:
             layer.feed_forward = MoeBlock(
                 cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                 cfg.moe_intermediate_size, norm_topk_prob=True, ep_group=state.ep_group,
@@ -41,6 +50,8 @@ class Qwen35MoeTransformer(MoeRouting, Qwen35Transformer):
         """``Qwen35Transformer.forward``; ``moe_mask [L]`` bool: the tokens the routing
         statistics count (None: all)."""
         self.set_moe_mask(moe_mask, input_ids)
+        if self.mtp is not None:  # a forward without MTP inputs leaves no MTP router stats
+            self.mtp.layers[0].feed_forward.last_stats = None
         return super().forward(input_ids, position_ids, **kwargs)
 
 

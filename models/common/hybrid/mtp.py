@@ -30,6 +30,7 @@ each a global mean over its own valid targets (``mpcore.train``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -50,7 +51,8 @@ from mpcore.parallel.labels import LabelShifter
 from mpcore.parallel.layers import ColumnParallelLinear
 from mpcore.parallel.state import ParallelState
 
-MTP_KEYS = ("mtp_input_ids", "mtp_labels")
+MTP_KEYS = ("mtp_input_ids", "mtp_labels", "mtp_vision_rows")
+"""The per-token MTP inputs (``mtp_vision_rows``: a vision-language model's)."""
 
 
 class MtpOutput(NamedTuple):
@@ -110,6 +112,21 @@ def forward_with_mtp(model: Transformer, input_ids, position_ids, *, mtp_input_i
     ``mtp_input_ids [L]`` int, ``mtp_labels [L]`` int64 or -100 (:func:`local_inputs`), split
     like ``input_ids``. ``output``: ``loss``, ``loss_sum`` or ``logprobs`` (not ``logits``).
     Returns ``MtpOutput(main, mtp)``, replicated over tp."""
+    check_mtp_inputs(model, input_ids.shape[0], output, mtp_input_ids=mtp_input_ids,
+                     mtp_labels=mtp_labels)
+    packing = make_packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
+    return decode_with_mtp(
+        model, lambda: Transformer.forward(model, input_ids, position_ids, doc_id=doc_id,
+                                           positions_in_doc=positions_in_doc,
+                                           cu_seqlens=cu_seqlens, labels=labels, output=output,
+                                           temperature=temperature),
+        lambda: model.tok_embeddings(mtp_input_ids), position_ids, packing, mtp_labels,
+        output, temperature)
+
+
+def check_mtp_inputs(model: Transformer, num: int, output: str, **named) -> None:
+    """``ValueError`` naming the fix when ``model`` has no MTP block, ``output`` is
+    ``logits``, or a per-token MTP input of ``named`` is not ``[num]``."""
     if getattr(model, "mtp", None) is None:
         raise ValueError("mtp_input_ids given but this model has no MTP block; build it with "
                          "model.mtp_loss_weight > 0 (and a checkpoint or model section with "
@@ -117,37 +134,43 @@ def forward_with_mtp(model: Transformer, input_ids, position_ids, *, mtp_input_i
     if output == "logits":
         raise ValueError("output='logits' is not offered with MTP inputs; use 'loss', "
                          "'loss_sum' or 'logprobs' (the fused head never builds logits)")
-    num = input_ids.shape[0]
-    for name, t in (("mtp_input_ids", mtp_input_ids), ("mtp_labels", mtp_labels)):
+    for name, t in named.items():
         if t is not None and tuple(t.shape) != (num,):
             raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has {num} "
                              f"tokens; make it with LabelShifter.mtp before the split and "
                              f"split it with the same plan (hybrid.mtp.local_inputs)")
+
+
+def decode_with_mtp(model: Transformer, main: Callable[[], Any],
+                    embed: Callable[[], torch.Tensor], position_ids, packing, mtp_labels,
+                    output: str, temperature: float) -> MtpOutput:
+    """``MtpOutput(main(), mtp)``: ``main()`` runs the decoder ``model`` once (its final norm's
+    output is caught on the way), then ``embed()`` gives the MTP block's next-token embeddings
+    ``[L(/tp), H]`` (the shared embedding of ``mtp_input_ids``; a vision-language model's with
+    the tower rows merged) and the block and the shared head run at the decoder's positions
+    ``position_ids`` (``[L]``, or ``[3, L]`` M-RoPE) and attention plan of ``packing``."""
     seen: list[torch.Tensor] = []
     hook = model.norm.register_forward_hook(lambda _m, _a, out: seen.append(out))
     try:
-        main = Transformer.forward(model, input_ids, position_ids, doc_id=doc_id,
-                                   positions_in_doc=positions_in_doc, cu_seqlens=cu_seqlens,
-                                   labels=labels, output=output, temperature=temperature)
+        out = main()
     finally:
         hook.remove()
     hidden = seen[-1]  # (L(/tp), H): the final norm's output, before the head's gather
-    packing = make_packing(num, doc_id, positions_in_doc, cu_seqlens)
     plan = AttentionPlan(packing.doc_id, packing.positions_in_doc, packing.cu_seqlens,
                          mode=model.cp_mode, group=model.cp_group,
                          backend=model.attention_backend)
-    embedded = model.tok_embeddings(mtp_input_ids)  # (L(/tp), H)
+    embedded = embed()  # (L(/tp), H)
     cos, sin = model.rope(position_ids, embedded.dtype)
     if model.activation_checkpointing and torch.is_grad_enabled():
-        out = checkpoint(model.mtp, hidden, embedded, cos, sin, plan, use_reentrant=False)
+        y = checkpoint(model.mtp, hidden, embedded, cos, sin, plan, use_reentrant=False)
     else:
-        out = model.mtp(hidden, embedded, cos, sin, plan)
-    out = sp_all_gather(out, model.tp_group) if model.sequence_parallel else copy_to_tp(
-        out, model.tp_group)  # (L, H)
-    mtp = head_forward(out, model.head_weight(), mtp_labels, output=output,
+        y = model.mtp(hidden, embedded, cos, sin, plan)
+    y = sp_all_gather(y, model.tp_group) if model.sequence_parallel else copy_to_tp(
+        y, model.tp_group)  # (L, H)
+    mtp = head_forward(y, model.head_weight(), mtp_labels, output=output,
                        vocab_size=model.cfg.vocab_size, group=model.tp_group,
                        temperature=temperature)
-    return MtpOutput(main, mtp)
+    return MtpOutput(out, mtp)
 
 
 def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,

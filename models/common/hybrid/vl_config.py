@@ -49,18 +49,31 @@ class Qwen35VLConfig(Qwen3VLConfig):
         if not isinstance(self.text, Qwen35Config):
             raise TypeError(f"Qwen35VLConfig.text must be a Qwen35Config, got "
                             f"{type(self.text).__name__}")
-        if self.text.uses_mtp:
-            raise ValueError("multi-token prediction is not supported on the Qwen3.5 "
-                             "vision-language model yet (the MTP block's next-token embedding "
-                             "at an image placeholder is the tower's row, not wired here); set "
-                             "model.mtp_loss_weight=0 (the mtp.* tensors are then skipped), or "
-                             "train the text decoder (Qwen3_5ForCausalLM) with it")
         if self.vision.deepstack_visual_indexes:
             raise ValueError(f"deepstack_visual_indexes = "
                              f"{list(self.vision.deepstack_visual_indexes)}: the Qwen3.5 tower "
                              f"has no DeepStack mergers; leave it empty (a tower with them is "
                              f"Qwen3-VL's, model.family qwen3_vl)")
         super().__post_init__()
+
+
+    # Multi-token prediction is the decoder's (``mpcore.models.common.hybrid.mtp``): the run
+    # and the trainer ask the model's config, whatever its family.
+    @property
+    def mtp_num_hidden_layers(self) -> int:
+        return self.text.mtp_num_hidden_layers
+
+    @property
+    def mtp_loss_weight(self) -> float:
+        return self.text.mtp_loss_weight
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.text.uses_mtp
+
+    def with_mtp_weight(self, weight: float) -> Qwen35VLConfig:
+        """This config with the decoder's ``mtp_loss_weight`` set (its checks)."""
+        return dataclasses.replace(self, text=self.text.with_mtp_weight(weight))
 
 
 def _mrope_section(text: dict) -> tuple[int, ...]:

@@ -15,6 +15,13 @@ head's rotated dims: under cp its full-attention layers run ring or Ulysses atte
 zigzag layout and its DeltaNet layers the head all-to-all (``mpcore.models.common.hybrid.cp``), both on the
 same local tokens whose rows the tower's cp split delivered. No rows are added after decoder
 layers (the tower has no DeepStack), so ``rows`` is one ``hidden`` wide.
+
+Multi-token prediction (``mpcore.models.common.hybrid.mtp``, when ``cfg.text.uses_mtp``): the
+MTP block at position t reads the embedding of token t+1 AS THE DECODER EMBEDS IT, the tower's
+row merged in when token t+1 is a placeholder (vLLM's ``Qwen3_5MTP.embed_input_ids``), at the
+decoder's M-RoPE positions; ``mtp_input_ids``, ``mtp_vision_rows`` and ``mtp_labels`` (t+2,
+placeholders ignored) are shifted on the GLOBAL stream (``qwen3_vl.inputs.mtp_targets``) and
+split with the rest; both streams' rows come from one tower call.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ from __future__ import annotations
 import torch
 
 from mpcore.kernels.fp8_linear import check_fp8
-from mpcore.models.common.decoder import init_weights
+from mpcore.models.common.decoder import init_weights, make_packing
 from mpcore.models.common.hybrid.kernels import check_available
 from mpcore.models.common.hybrid.model import Qwen35Transformer
+from mpcore.models.common.hybrid.mtp import MtpOutput, check_mtp_inputs, decode_with_mtp
 from mpcore.models.common.hybrid.vl_config import Qwen35VLConfig
 from mpcore.models.common.qwen3_vl.vision import Qwen3VisionTower
 from mpcore.models.common.vl_model import VisionLanguageModel
+from mpcore.models.common.vl_split import check_grid
 from mpcore.parallel.state import ParallelState
 
 
@@ -37,6 +46,40 @@ class Qwen35VLModel(VisionLanguageModel):
 
     tower_cls = Qwen3VisionTower
     decoder_cls = Qwen35Transformer
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                mtp_input_ids: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None,
+                mtp_vision_rows: torch.Tensor | None = None, **kwargs):
+        """``VisionLanguageModel.forward``; with the MTP inputs (``mtp_input_ids``,
+        ``mtp_labels``, ``mtp_vision_rows [L]``: ``qwen3_vl.inputs.mtp_targets`` before the
+        split) also the MTP head's output: ``MtpOutput(main, mtp)`` (module docstring)."""
+        if mtp_input_ids is None:
+            if mtp_labels is not None or mtp_vision_rows is not None:
+                raise ValueError("mtp_labels / mtp_vision_rows given without mtp_input_ids; "
+                                 "pass all three (the family's local_inputs makes them)")
+            return super().forward(input_ids, position_ids, **kwargs)
+        return self._forward_with_mtp(input_ids, position_ids, mtp_input_ids, mtp_labels,
+                                      mtp_vision_rows, **kwargs)
+
+    def _forward_with_mtp(self, input_ids, position_ids, mtp_input_ids, mtp_labels,
+                          mtp_vision_rows, *, doc_id=None, positions_in_doc=None,
+                          cu_seqlens=None, labels=None, output: str = "loss",
+                          temperature: float = 1.0, pixel_values=None, grid_thw=None,
+                          vision_rows=None) -> MtpOutput:
+        num = input_ids.shape[0]
+        check_mtp_inputs(self.text, num, output, mtp_input_ids=mtp_input_ids,
+                         mtp_labels=mtp_labels, mtp_vision_rows=mtp_vision_rows)
+        grids = check_grid(grid_thw, "grid_thw", self.cfg.vision.spatial_merge_size)
+        packing = make_packing(num, doc_id, positions_in_doc, cu_seqlens)
+        self.text.check_inputs(input_ids, position_ids, packing, labels, output)
+        # One tower call gives the rows of both streams (token t and token t+1 at position t).
+        (h, h_next), _, _ = self.embed([(input_ids, vision_rows),
+                                        (mtp_input_ids, mtp_vision_rows)], pixel_values, grids)
+        return decode_with_mtp(
+            self.text, lambda: self.text.decode(h, position_ids, packing, labels, output,
+                                                temperature),
+            lambda: h_next, position_ids, packing, mtp_labels, output, temperature)
 
 
 def make_model(cfg: Qwen35VLConfig, state: ParallelState, *, device: torch.device | str = "cpu",

@@ -73,9 +73,27 @@ def global_inputs(input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig, *,
     (module docstring), ready for ``split_batch`` (pad ``vision_rows`` with -1)."""
     positions, rows = position_ids(input_ids, cu_seqlens, cfg, image_grid_thw, video_grid_thw,
                                    mm_token_type_ids)
-    labels = LabelShifter(IGNORE_INDEX, cfg.placeholder_ids)(input_ids, cu_seqlens, loss_mask)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": positions,
-            "vision_rows": rows}
+    shifter = LabelShifter(IGNORE_INDEX, cfg.placeholder_ids)
+    labels = shifter(input_ids, cu_seqlens, loss_mask)
+    out = {"input_ids": input_ids, "labels": labels, "position_ids": positions,
+           "vision_rows": rows}
+    if getattr(cfg.text, "uses_mtp", False):
+        out.update(mtp_targets(shifter, input_ids, cu_seqlens, rows, loss_mask))
+    return out
+
+
+def mtp_targets(shifter: LabelShifter, input_ids, cu_seqlens, vision_rows, loss_mask=None
+                ) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction inputs of the GLOBAL stream (``mpcore.models.common.hybrid.
+    mtp``): ``mtp_input_ids [T]`` (token t+1 in t's document, id 0 past its end),
+    ``mtp_labels [T]`` (token t+2, placeholders and masked targets ignored) and
+    ``mtp_vision_rows [T]`` (the tower row of token t+1 when it is a placeholder, -1
+    otherwise), so the block embeds token t+1 as the decoder does, vision rows merged."""
+    (target,) = shifter.mtp(input_ids, cu_seqlens, loss_mask, depth=1)
+    # vision_rows shifted the same way: rows + 1 are valid "ids", the filler 0 becomes -1
+    (rows,) = LabelShifter().mtp(vision_rows + 1, cu_seqlens, depth=1)
+    return {"mtp_input_ids": target.input_ids, "mtp_labels": target.labels,
+            "mtp_vision_rows": rows.input_ids - 1}
 
 
 def local_inputs(state: ParallelState, input_ids: torch.Tensor, cu_seqlens, cfg: Qwen3VLConfig,

@@ -1,0 +1,111 @@
+"""A decoder's pipeline stage: a ``Transformer`` holding some of the layers, run on the step's
+micro-batch store (``mpcore.parallel.pp``).
+
+Layout, per rank: the micro-batch's L local tokens (``[L / tp]`` rows under sequence
+parallelism), as ``Transformer.forward`` takes them; between stages the residual stream
+``[C, hidden]`` padded with zero rows to the step's capacity C.
+
+    first stage:  h = tok_embeddings(input_ids)             (the micro-batch index comes in)
+    every stage:  h = layers[a:b](h)                        (global layer indices a..b-1)
+    last stage:   share = grad_scale * sum(head(norm(h)) loss) / N     ([1])
+    otherwise:    pad(h + delta) to C rows                  (the pending residual add is done
+                                                             here: one tensor crosses)
+
+Each stage's weights are the whole model's under the same names (layers keyed by global index),
+initialised from the same per-name seeds, so a pipelined model is the one-process model cut
+into pieces, and its checkpoint is the logical one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mpcore.models.common.decoder import Transformer, make_packing
+from mpcore.parallel.pp import PipelineStageModule, split_layers
+from mpcore.parallel.pp_schedule import stage_indices
+from mpcore.parallel.state import ParallelState
+
+
+class DecoderStage(PipelineStageModule):
+    """One stage of a decoder model (module docstring). ``model``: the stage's ``Transformer``
+    (built with ``keep_layers``); its parameters are this module's, under ``model.``."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    def rows(self, inputs: dict) -> int:
+        """The residual stream's local rows of a micro-batch: L, or L / tp under SP."""
+        num = inputs["input_ids"].shape[0]
+        return num // self.model.tp if self.model.sequence_parallel else num
+
+    def example_io(self, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this stage takes (the micro-batch index on the first stage, else the padded
+        residual stream) and gives (the loss share ``[1]`` fp32 on the last stage), for torch's
+        static stage shapes. The stream's dtype: the parameters', or the autocast dtype when
+        the model keeps its residual stream in it (``Transformer.residual_dtype``)."""
+        dtype = next(self.parameters()).dtype
+        autocast = torch.is_autocast_enabled(torch.device(device).type)
+        if self.model.residual_dtype == "autocast" and autocast:
+            dtype = torch.get_autocast_dtype(torch.device(device).type)
+        hidden = torch.zeros(capacity, self.model.cfg.hidden_size, dtype=dtype, device=device,
+                             requires_grad=True)
+        index = torch.zeros(1, dtype=torch.int64, device=device)
+        loss = torch.zeros(1, dtype=torch.float32, device=device, requires_grad=True)
+        return (index if self.is_first else hidden), (loss if self.is_last else hidden)
+
+    def _begin_forward(self, inp: dict, x: torch.Tensor):
+        """``(h, packing)``: the stage's input rows and the micro-batch's attention metadata."""
+        model = self.model
+        packing = make_packing(inp["input_ids"].shape[0], inp.get("doc_id"),
+                               inp.get("positions_in_doc"), inp.get("cu_seqlens"))
+        if self.is_first:
+            model.check_inputs(inp["input_ids"], inp["position_ids"], packing,
+                               inp.get("labels"), "loss_sum")
+            return model.tok_embeddings(inp["input_ids"]), packing
+        return x[:self.rows(inp)], packing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = self.next_index(x if self.is_first else None)
+        inp = self.batches.inputs[index]
+        if hasattr(self.model, "set_moe_mask"):  # a MoE decoder: statistics of real tokens
+            self.model.set_moe_mask(inp.get("moe_mask"), inp["input_ids"])
+        h, packing = self._begin_forward(inp, x)
+        plan, cos, sin, h = self.model.layer_inputs(h, inp["position_ids"], packing)
+        h, delta = self.model.run_layers(h, None, cos, sin, plan)
+        if self.is_last:
+            # "loss_sum": the fused head's gradients made in the forward (3 GEMMs, not 4),
+            # which a two-pass backward cannot use (``split_backward``).
+            out = "loss" if self.split_backward else "loss_sum"
+            total = self.model.finish(h, delta, inp["labels"], out).sum()  # () fp32
+            count = self.batches.count.to(total.device).clamp(min=1).to(total.dtype)
+            return (total * self.batches.grad_scale / count).reshape(1)
+        h = h if delta is None else h + delta
+        return F.pad(h, (0, 0, 0, self.batches.capacity - h.shape[0]))
+
+
+def build_stages(build: Callable[..., Transformer], cfg, state: ParallelState, *,
+                 schedule: str, virtual: int = 1, split: Sequence[int] | None = None,
+                 **options) -> list[DecoderStage]:
+    """This pp rank's stages of a decoder family (``build(cfg, state, keep_layers=..., **options)``
+    is its ``Family.build``), in the order ``pp_schedule.stage_indices`` gives. ``split``:
+    layers per global stage (None: even). ``ValueError`` naming the fix on a tied head (the
+    last stage would need the first stage's embedding) or a split that does not fit."""
+    if getattr(cfg, "tie_embeddings", False) and state.pp > 1:
+        raise ValueError("tie_embeddings with pp > 1 is not supported: the head on the last "
+                         "stage would share the first stage's embedding weight; train with "
+                         "pp = 1, or with an untied head (tie_embeddings false)")
+    ranges = split_layers(cfg.num_layers, state.pp * virtual, split)
+    return [DecoderStage(build(cfg, state, keep_layers=ranges[s], **options))
+            for s in stage_indices(schedule, state.pp, state.pp_rank, virtual)]

@@ -1,0 +1,103 @@
+"""Which Gated DeltaNet kernel runs, and why (``mpcore.models.common.hybrid.kernels.choose``):
+the line score.py and pretrain log, the fallbacks of ``gdn_kernel=auto`` and the errors of a
+named ``fla`` (no CUDA, fla-core missing, fla refusing the GPU and Triton, unsupported head
+sizes). fla-core itself is CUDA-only; its presence and refusals are stood in for by patching
+the one module that detects it."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpcore.models import describe_kernels
+from mpcore.models.common.hybrid import kernels
+from mpcore.models.common.hybrid.config import Qwen35Config
+from mpcore.models.common.hybrid.layers import GatedDeltaNet
+from mpcore.models.common.hybrid.model import build
+from mpcore.parallel.state import ParallelState
+
+CFG = Qwen35Config(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                   head_dim=16, intermediate_size=48, linear_num_key_heads=2,
+                   linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def fla_present(monkeypatch):
+    """fla-core importable (its ops never called here), running on this GPU."""
+    monkeypatch.setattr(kernels, "fla_ops", lambda: (None, None, None))
+    monkeypatch.setattr(kernels, "fla_version", lambda: "fla-core 0.6.0 on Triton 3.7.1")
+    monkeypatch.setattr(kernels, "fla_refusal", lambda index: None)
+
+
+def test_auto_choices_and_reasons(fla_present, monkeypatch):
+    assert kernels.choose("auto", CUDA, torch.bfloat16, 128, 128) == (
+        "fla", "gdn_kernel=auto, fla-core 0.6.0 on Triton 3.7.1, bfloat16")
+    kernel, why = kernels.choose("auto", CUDA, torch.float32, 128, 128)
+    assert kernel == "reference" and "TF32" in why
+    kernel, why = kernels.choose("auto", "cpu", torch.bfloat16, 128, 128)
+    assert kernel == "reference" and "CUDA-only" in why
+    kernel, why = kernels.choose("auto", CUDA, torch.bfloat16, 512, 128)
+    assert kernel == "reference" and "key dim 512" in why and "16..256" in why
+    monkeypatch.setattr(kernels, "fla_refusal", lambda index: "RuntimeError: Triton too old")
+    kernel, why = kernels.choose("auto", CUDA, torch.bfloat16, 128, 128)
+    assert kernel == "reference" and "Triton too old" in why and "triton==3.7.1" in why
+    monkeypatch.setattr(kernels, "fla_ops", lambda: None)
+    kernel, why = kernels.choose("auto", CUDA, torch.bfloat16, 128, 128)
+    assert kernel == "reference" and "not installed" in why and "pip install fla-core" in why
+    assert kernels.choose("reference", CUDA, torch.bfloat16, 128, 128)[0] == "reference"
+
+
+def test_named_fla_errors_name_the_reason_and_the_install(fla_present, monkeypatch):
+    assert kernels.choose("fla", CUDA, torch.bfloat16, 128, 128)[0] == "fla"
+    with pytest.raises(ValueError, match="key dim 512.*16..256.*gdn_kernel='auto'"):
+        kernels.choose("fla", CUDA, torch.bfloat16, 512, 128)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        kernels.choose("fla", "cpu", torch.bfloat16, 128, 128)
+    monkeypatch.setattr(kernels, "fla_refusal", lambda index: "RuntimeError: Triton too old")
+    with pytest.raises(ValueError, match="refuses this GPU and Triton: RuntimeError: Triton too "
+                                         "old; pip install fla-core==0.6.0 triton==3.7.1"):
+        kernels.check_available("fla", CUDA)
+    monkeypatch.setattr(kernels, "fla_ops", lambda: None)
+    with pytest.raises(ValueError, match="not installed; pip install fla-core"):
+        kernels.check_available("fla", CUDA)
+
+
+def test_layer_refuses_unsupported_heads_only_when_fla_is_named():
+    cfg = dataclasses.replace(CFG, linear_key_head_dim=8)
+    with pytest.raises(ValueError, match="key dim 8.*gdn_kernel='auto' or 'reference'"):
+        GatedDeltaNet(cfg, tp_group=None, sequence_parallel=False, gdn_kernel="fla")
+    layer = GatedDeltaNet(cfg, tp_group=None, sequence_parallel=False, gdn_kernel="auto")
+    assert "reference" in layer.describe_kernel(CUDA, torch.bfloat16)
+
+
+def test_describe_kernels_one_line_per_choice(fla_present):
+    model = build(CFG, ParallelState())
+    assert describe_kernels(model, CUDA, torch.bfloat16) == [
+        "Gated DeltaNet kernel: fla chunk (Triton); gdn_kernel=auto, fla-core 0.6.0 on "
+        "Triton 3.7.1, bfloat16"]
+    (line,) = describe_kernels(model, "cpu", torch.float32)
+    assert line.startswith("Gated DeltaNet kernel: reference") and "CUDA-only" in line
+
+
+def test_score_script_prints_the_kernel(tmp_path):
+    """score.py on the CPU names the reference and why, once, before scoring."""
+    from mpcore.models.common.hybrid.hf import export_hf
+
+    model = build(CFG, ParallelState(), seed=1)
+    export_hf(model, ParallelState(), tmp_path / "ckpt")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3, 4]}) + "\n")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "launch" / "score.py"), "--hf-checkpoint",
+                           str(tmp_path / "ckpt"), "--input", str(tmp_path / "in.jsonl"),
+                           "--output", str(tmp_path / "out.jsonl")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if "Gated DeltaNet kernel" in x]
+    assert lines == ["score.py: Gated DeltaNet kernel: reference (PyTorch chunked, fp32 math); "
+                     "gdn_kernel=auto on cpu: fla-core's kernels are CUDA-only"]
