@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mpcore.models.common.hf_check import check_tensor_names
+from mpcore.models.common.hf_check import check_tensor_names, reported_while
 from mpcore.models.common.section import DecoderSection
 
 MODALITIES = ("text", "image-text")
@@ -161,7 +161,8 @@ class Family:
         such as the MTP weight): the one way a run or score.py loads a checkpoint
         (``mpcore.models.common.hf_check``)."""
         check_tensor_names(folder, self, cfg)
-        return self.load_hf(folder, state, **options)
+        with reported_while(folder):  # the skipped tensors are in the check's one log line
+            return self.load_hf(folder, state, **options)
 
     @property
     def section_extras(self) -> tuple[str, ...]:
