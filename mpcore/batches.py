@@ -228,7 +228,8 @@ def place(local: dict[str, torch.Tensor | None], family: Family,
 # Inputs whose values (not only their ranges) the model reads on the host: the attention plan
 # reads cu_seqlens; a VL model matches input_ids' placeholders against vision_rows and finds
 # the placeholders' positions (mpcore.kernels.host_checked.host_copy).
-HOST_KEPT = ("cu_seqlens", "input_ids", "vision_rows")
+# the MTP stream's too: a VL model checks its placeholders like the main stream's, without a sync
+HOST_KEPT = ("cu_seqlens", "input_ids", "vision_rows", "mtp_input_ids", "mtp_vision_rows")
 
 
 def to_device(inputs: dict[str, torch.Tensor | None], device: torch.device,

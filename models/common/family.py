@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from mpcore.models.common.hf_check import check_tensor_names
+from mpcore.models.common.hf_check import check_tensor_names, reported_while
 from mpcore.models.common.section import DecoderSection
 
 MODALITIES = ("text", "image-text")
@@ -171,7 +171,8 @@ class Family:
         such as the MTP weight): the one way a run or score.py loads a checkpoint
         (``mpcore.models.common.hf_check``)."""
         check_tensor_names(folder, self, cfg)
-        return self.load_hf(folder, state, **options)
+        with reported_while(folder):  # the skipped tensors are in the check's one log line
+            return self.load_hf(folder, state, **options)
 
     def stages(self, cfg, state, *, schedule: str, virtual: int = 1, split=None,
                **options) -> list:

@@ -20,11 +20,17 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from mpcore.models.common.hf_io import Checkpoint
 
 log = logging.getLogger(__name__)
+
+_REPORTED: ContextVar[Path | None] = ContextVar("hf_check_reported", default=None)
+"""The folder whose skipped tensors were just logged (``reported_while``)."""
 
 ALWAYS_SKIPPED = ("*.rotary_emb.inv_freq",)
 """Buffers some older checkpoints saved; every family recomputes them."""
@@ -86,3 +92,20 @@ def check_tensor_names(folder: str | Path, family, cfg) -> None:
         log.info("%s: the %s model does not use %d of its tensors, skipped: %s", folder,
                  family.name, len(skipped),
                  ", ".join(f"{k} ({c})" if c > 1 else k for k, c in sorted(kinds.items())))
+
+
+@contextmanager
+def reported_while(folder: str | Path) -> Iterator[None]:
+    """Inside: ``folder``'s skipped tensors were logged (by :func:`check_tensor_names`), so a
+    loader that would list them again stays quiet (:func:`already_reported`): one log line
+    per load, not one per checker."""
+    token = _REPORTED.set(Path(folder).resolve())
+    try:
+        yield
+    finally:
+        _REPORTED.reset(token)
+
+
+def already_reported(folder: str | Path) -> bool:
+    """True inside ``reported_while(folder)``."""
+    return _REPORTED.get() == Path(folder).resolve()

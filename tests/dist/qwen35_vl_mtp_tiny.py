@@ -71,77 +71,86 @@ def _catch(lm) -> tuple[dict, list]:
                   lm.rotary_emb.register_forward_hook(tables)]
 
 
+def _weights(folder: Path, c: dict, moe: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's ``mtp.*`` tensors in float64, leaves with gradients (MoE experts
+    packed: the shard map's names)."""
+    raw = load_file(folder / "model.safetensors")
+    w = {k: v.double() for k, v in raw.items() if k.startswith("mtp.") and ".experts." not in k}
+    if moe:
+        w.update({MLP + k: v.double() for k, v in
+                  fused_mtp_experts(raw, c["num_experts"]).items()})
+    return {k: v.requires_grad_() for k, v in w.items()}
+
+
+def _document(model, c: dict, w: dict, seen: dict, kwargs: dict, ffn, moe: bool) -> dict:
+    """One document's sums: next-token CE and its count, the MTP CE over non-placeholder
+    t+2 targets and its count, the MTP log-probs and where they count, the router logits."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+    doc, head = kwargs["input_ids"][0], model.lm_head.weight
+    out = model.model(**kwargs, **({"output_router_logits": True} if moe else {}))
+    hidden = out.last_hidden_state[0]  # (n, H), final-normed
+    logp = F.log_softmax(hidden @ head.T, -1)
+    keep = (doc[1:] != IMAGE) & (doc[1:] != VIDEO)
+    res = {"ce": -logp[:-1].gather(1, doc[1:, None])[:, 0][keep].sum(),
+           "ce_n": int(keep.sum()), "router": out.router_logits if moe else None}
+    merged = seen["embeds"][0]  # (n, H): the tower's rows at the placeholders
+    nxt = torch.cat([merged[1:], model.model.language_model.embed_tokens.weight[:1]])
+    cos, sin = seen["cos"], seen["sin"]  # (1, n, rotary): the decoder's M-RoPE tables
+
+    def rope(q, k):  # (n, heads, D) <-> transformers' (1, heads, n, D)
+        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1)
+
+    y = mtp_hidden(w, c, hidden, None, embedded=nxt, rope=rope,
+                   **({} if ffn is None else {"ffn": ffn}))  # every position: router rows
+    lp = F.log_softmax(y[:-2] @ head.T, -1).gather(1, doc[2:, None])[:, 0]
+    res["mtp_keep"] = (doc[2:] != IMAGE) & (doc[2:] != VIDEO)
+    res["mtp_lp"] = lp
+    return res
+
+
 def reference(folder, s: dict, weight: float, moe: bool = False) -> dict:
     """float64 (module docstring): ``ce`` (mean over non-placeholder next tokens), ``mtp``
     (mean over non-placeholder t+2 targets), ``aux`` (MoE), ``loss = ce + weight * mtp
     (+ coef * aux)``, ``mtp_logprobs [T]`` (0 where no target) and every tensor's gradient
     by HF name (MoE experts packed: the shard map's names)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     folder = Path(folder)
     c = json.loads((folder / "config.json").read_text())["text_config"]
     model = load(folder, **(EAGER if moe else {}))
-    lm = model.model.language_model
-    raw = load_file(folder / "model.safetensors")
-    mtp = {k: v.double() for k, v in raw.items() if k.startswith("mtp.") and ".experts." not in k}
-    if moe:
-        mtp.update({MLP + k: v.double() for k, v in
-                    fused_mtp_experts(raw, c["num_experts"]).items()})
-    for t in mtp.values():
-        t.requires_grad_()
-    head = model.lm_head.weight
-    w = dict(mtp)
+    w = _weights(folder, c, moe)
     router_mtp: list = []
     ffn = moe_ffn(c["num_experts_per_tok"], router_mtp) if moe else None
-    ce_sum, ce_n, mtp_sum, mtp_n, router = 0.0, 0, 0.0, 0, []
+    docs = []
     logprobs = torch.zeros(s["input_ids"].numel(), dtype=torch.float64)
-    seen, hooks = _catch(lm)
+    seen, hooks = _catch(model.model.language_model)
     try:
         for d in range(len(s["per_doc"])):
             kwargs, a, b = doc_inputs(s, d)
-            doc = kwargs["input_ids"][0]
-            out = model.model(**kwargs, **({"output_router_logits": True} if moe else {}))
-            if moe:
-                router.append(out.router_logits)
-            hidden = out.last_hidden_state[0]  # (n, H), final-normed
-            logp = F.log_softmax(hidden @ head.T, -1)
-            keep = (doc[1:] != IMAGE) & (doc[1:] != VIDEO)
-            ce_sum = ce_sum - logp[:-1].gather(1, doc[1:, None])[:, 0][keep].sum()
-            ce_n += int(keep.sum())
-            merged = seen["embeds"][0]  # (n, H): the tower's rows at the placeholders
-            nxt = torch.cat([merged[1:], lm.embed_tokens.weight[:1]])  # filler id 0 last
-            cos, sin = seen["cos"], seen["sin"]  # (1, n, rotary)
-
-            def rope(q, k, cos=cos, sin=sin):  # (n, heads, D) -> transformers' layout
-                q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                            cos, sin)
-                return q[0].transpose(0, 1), k[0].transpose(0, 1)
-
-            extra = {} if ffn is None else {"ffn": ffn}
-            y = mtp_hidden(w, c, hidden, None, embedded=nxt, rope=rope, **extra)
-            if b - a < 3:
-                continue
-            lp = F.log_softmax(y[:-2] @ head.T, -1).gather(1, doc[2:, None])[:, 0]
-            keep = (doc[2:] != IMAGE) & (doc[2:] != VIDEO)
-            logprobs[a:b - 2] = torch.where(keep, lp, 0.0).detach()
-            mtp_sum = mtp_sum - lp[keep].sum()
-            mtp_n += int(keep.sum())
+            docs.append(_document(model, c, w, seen, kwargs, ffn, moe))
+            r = docs[-1]
+            logprobs[a:a + r["mtp_lp"].numel()] = torch.where(
+                r["mtp_keep"], r["mtp_lp"], 0.0).detach()
     finally:
         for h in hooks:
             h.remove()
-    ce, mtp_loss = ce_sum / ce_n, mtp_sum / mtp_n
-    loss = ce + weight * mtp_loss
-    aux = None
+    ce = sum(r["ce"] for r in docs) / sum(r["ce_n"] for r in docs)
+    mtp_n = sum(int(r["mtp_keep"].sum()) for r in docs)
+    mtp_loss = -sum(r["mtp_lp"][r["mtp_keep"]].sum() for r in docs) / mtp_n
+    loss, aux = ce + weight * mtp_loss, None
     if moe:
-        layers = tuple(torch.cat([r[i] for r in router]) for i in range(len(router[0])))
+        layers = tuple(torch.cat([r["router"][i] for r in docs])
+                       for i in range(len(docs[0]["router"])))
         aux = load_balancing_loss_func((*layers, torch.cat(router_mtp)), c["num_experts"],
                                        c["num_experts_per_tok"])
         loss = loss + c["router_aux_loss_coef"] * aux
     loss.backward()
     grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
              for n, p in model.named_parameters()}
-    grads.update({n: t.grad.detach().clone() for n, t in mtp.items()})
+    grads.update({n: t.grad.detach().clone() for n, t in w.items()})
     return {"ce": float(ce.detach()), "mtp": float(mtp_loss.detach()),
             "aux": None if aux is None else float(aux.detach()), "loss": float(loss.detach()),
-            "mtp_logprobs": logprobs, "grads": grads, "count": ce_n, "mtp_count": mtp_n}
+            "mtp_logprobs": logprobs, "grads": grads,
+            "count": sum(r["ce_n"] for r in docs), "mtp_count": mtp_n}

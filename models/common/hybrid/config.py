@@ -111,20 +111,20 @@ class Qwen35Config(ModelConfig):
     def _check_mtp(self) -> None:
         layers, weight = self.mtp_num_hidden_layers, self.mtp_loss_weight
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-            raise ValueError(f"mtp_num_hidden_layers must be an integer >= 0 (the released "
+            raise ValueError(f"model.mtp_num_hidden_layers must be an integer >= 0 (the released "
                              f"Qwen3.5 checkpoints have 1), got {layers!r}")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
                 0 <= weight < float("inf")):
-            raise ValueError(f"mtp_loss_weight must be a finite number >= 0 (0 turns "
+            raise ValueError(f"model.mtp_loss_weight must be a finite number >= 0 (0 turns "
                              f"multi-token prediction off), got {weight!r}")
         object.__setattr__(self, "mtp_loss_weight", float(weight))
         if weight > 0 and layers > 1:  # a deeper checkpoint still loads (and scores) at 0
-            raise ValueError(f"mtp_loss_weight={weight} trains one MTP layer (the released "
+            raise ValueError(f"model.mtp_loss_weight={weight} trains one MTP layer (the released "
                              f"depth) but this model has mtp_num_hidden_layers={layers}; "
                              f"deeper MTP is not supported: set model.mtp_loss_weight=0 (its "
                              f"mtp.* tensors are then skipped)")
         if weight > 0 and layers == 0:
-            raise ValueError(f"mtp_loss_weight={weight} needs an MTP layer but this model has "
+            raise ValueError(f"model.mtp_loss_weight={weight} needs an MTP layer but this model has "
                              f"none (mtp_num_hidden_layers=0: a checkpoint without mtp.* "
                              f"weights, or a model section without it); set "
                              f"model.mtp_loss_weight=0, or set model.mtp_num_hidden_layers=1 "

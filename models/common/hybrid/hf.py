@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from mpcore.models.common.attention import qkv_rows
+from mpcore.models.common.hf_check import already_reported
 from mpcore.models.common.hf_io import (
     Checkpoint,
     Piece,
@@ -224,7 +225,7 @@ def log_unused(ckpt: Checkpoint, table: dict[str, list[Piece]], what: str) -> No
     counted by kind (``mtp.*``, ``model.visual.*``); ``what``: the model that skips them."""
     used = {p.name for pieces in table.values() for p in pieces}
     unused = sorted(set(ckpt.files) - used)
-    if unused:
+    if unused and not already_reported(ckpt.folder):  # Family.load's check listed them
         kinds = Counter(".".join(n.split(".")[:2]) if not n.startswith("mtp.") else "mtp"
                         for n in unused)
         log.info("%s: skipping %d tensors the %s does not use (%s)", ckpt.folder,
