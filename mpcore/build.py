@@ -91,12 +91,14 @@ def setup(cfg: Config, source: str = "the config") -> ParallelState:
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, cp, pp = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp
     if world % (tp * cp * pp):
+        names = "tp / parallel.cp" + (" / parallel.pp" if pp > 1 else "")
+        degrees = f"parallel.tp={tp} x parallel.cp={cp}" + (
+            f" x parallel.pp={pp}" if pp > 1 else "")
         raise ValueError(
-            f"{source}: parallel.tp={tp} x parallel.cp={cp} x parallel.pp={pp} = {tp * cp * pp} "
-            f"ranks per model replica does not divide the world size {world}; launch a "
-            f"multiple of {tp * cp * pp} processes (torchrun --nproc-per-node "
-            f"{tp * cp * pp}) or set parallel.tp / parallel.cp / parallel.pp so that their "
-            f"product divides {world}")
+            f"{source}: {degrees} = {tp * cp * pp} ranks per model replica does not divide the "
+            f"world size {world}; launch a multiple of {tp * cp * pp} processes (torchrun "
+            f"--nproc-per-node {tp * cp * pp}) or set parallel.{names} so that their product "
+            f"divides {world}")
     if cfg.parallel.ep > 1:
         return _expert_parallel_state(cfg, world, source)
     return ParallelState.build(tp, cp, pp=pp)
