@@ -42,8 +42,10 @@ from mpcore.models import (
 )
 from mpcore.models.common.moe import MoeBlock, expert_param_names
 from mpcore.optim import GradNorm, build_optimizer
+from mpcore.parallel.pp import Pipeline
 from mpcore.parallel.random import RNGTracker, model_parallel_seed
 from mpcore.parallel.state import ParallelState
+from mpcore.pipelined import build_pipeline, wrap_stages
 from mpcore.train_state import TrainState
 from mpcore.vl_data import check_tower
 
@@ -66,6 +68,7 @@ class Run:
     valid_loader: DataLoader | None = None  # held-out documents (data.valid_fraction)
     data: DataSummary | None = None  # None when the caller passed its own loader
     family: Family | None = None  # the model's registry entry (mpcore.models.registry)
+    pipeline: Pipeline | None = None  # pp > 1: runs the stages (``model`` is a StagedModel)
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -86,26 +89,29 @@ def resolve_device(cfg: Config) -> torch.device:
 def setup(cfg: Config, source: str = "the config") -> ParallelState:
     """Check that ``cfg``'s layout fits the launched world and build the process groups."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tp, cp = cfg.parallel.tp, cfg.parallel.cp
-    if world % (tp * cp):
+    tp, cp, pp = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp
+    if world % (tp * cp * pp):
+        names = "tp / parallel.cp" + (" / parallel.pp" if pp > 1 else "")
+        degrees = f"parallel.tp={tp} x parallel.cp={cp}" + (
+            f" x parallel.pp={pp}" if pp > 1 else "")
         raise ValueError(
-            f"{source}: parallel.tp={tp} x parallel.cp={cp} = {tp * cp} ranks per model replica "
-            f"does not divide the world size {world}; launch a multiple of {tp * cp} processes "
-            f"(torchrun --nproc-per-node {tp * cp}) or set parallel.tp / parallel.cp so that "
-            f"tp * cp divides {world}")
+            f"{source}: {degrees} = {tp * cp * pp} ranks per model replica does not divide the "
+            f"world size {world}; launch a multiple of {tp * cp * pp} processes (torchrun "
+            f"--nproc-per-node {tp * cp * pp}) or set parallel.{names} so that their product "
+            f"divides {world}")
     if cfg.parallel.ep > 1:
         return _expert_parallel_state(cfg, world, source)
-    return ParallelState.build(tp, cp)
+    return ParallelState.build(tp, cp, pp=pp)
 
 
 def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelState:
     """The groups with ep > 1 (ep / edp added); the layout checks first, naming the fix."""
     p = cfg.parallel
-    dp_cp = world // p.tp
+    dp_cp = world // (p.tp * p.pp)
     if dp_cp % p.ep:
         raise ValueError(f"{source}: parallel.ep={p.ep} must divide dp x cp = {dp_cp} (world "
-                         f"{world} / tp {p.tp}); choose an ep that divides {dp_cp}")
-    return ParallelState.build(p.tp, p.cp, ep=p.ep)
+                         f"{world} / tp {p.tp} / pp {p.pp}); choose an ep that divides {dp_cp}")
+    return ParallelState.build(p.tp, p.cp, ep=p.ep, pp=p.pp)
 
 
 def run_family(cfg: Config) -> Family:
@@ -177,11 +183,15 @@ def resolve_model_config(cfg: Config, family: Family | None = None,
     return cfg, model_cfg
 
 
-def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.device):
-    """FSDP2 or DDP over the dp x cp group (module docstring); returns the forward module."""
+def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.device,
+          pipelined: bool = False):
+    """FSDP2 or DDP over the dp x cp group (module docstring); returns the forward module.
+    Pipeline stages: ``mpcore.pipelined.wrap_stages`` (ddp: no wrapper)."""
     if state.dp_cp == 1:
         return model
     group = state.dp_cp_group
+    if pipelined and cfg.parallel.data_parallel == "ddp":
+        return model
     if cfg.parallel.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -197,6 +207,9 @@ def _wrap(model: nn.Module, cfg: Config, state: ParallelState, device: torch.dev
                                                    reduce_dtype=torch.float32)
     if state.ep > 1:
         _shard_experts(model, state, device, kwargs)
+    if pipelined:
+        wrap_stages(model, cfg, state, kwargs)
+        return model
     for unit in model.fsdp_units():  # decoder layers (and vision blocks), then the root
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
@@ -249,7 +262,10 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
                   device=device, dtype=torch.float32,
                   **{name: getattr(cfg.model, name) for name in family.options})
     tracker = model_parallel_seed(cfg.training.seed, state.tp_rank, device)
-    if cfg.model.init_from:
+    pipeline = None
+    if state.pp > 1:
+        model, pipeline = build_pipeline(cfg, model_cfg, state, family, **kwargs)
+    elif cfg.model.init_from:
         # the checkpoint's mtp.* block, read when trained (a run-level weight, not in it)
         mtp = ({"mtp_loss_weight": model_cfg.mtp_loss_weight}
                if getattr(model_cfg, "uses_mtp", False) else {})
@@ -259,13 +275,15 @@ def build(cfg: Config, state: ParallelState, device: torch.device,
             raise ValueError(f"model.init_from={cfg.model.init_from}: {e}") from None
     else:
         model = family.build(model_cfg, state, seed=cfg.training.seed, **kwargs)
-    family.decoder(model).residual_dtype = cfg.model.residual_dtype
-    if linear_backend == "te":  # the decoder's linears (a vision tower stays native)
-        use_te(family.decoder(model).layers, cfg.model.fp8)
+    decoders = model.decoders() if pipeline else [family.decoder(model)]
+    for decoder in decoders:
+        decoder.residual_dtype = cfg.model.residual_dtype
+        if linear_backend == "te":  # the decoder's linears (a vision tower stays native)
+            use_te(decoder.layers, cfg.model.fp8)
     if cfg.model.freeze_vision:
         freeze_vision(model, family)
     return assemble(cfg, model_cfg, state, device, model, tracker, loader, valid_loader,
-                    summary, family)
+                    summary, family, pipeline)
 
 
 def freeze_vision(model: nn.Module, family: Family) -> int:
@@ -283,16 +301,21 @@ def freeze_vision(model: nn.Module, family: Family) -> int:
 
 def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
              model: nn.Module, tracker: RNGTracker, loader, valid_loader=None,
-             summary=None, family: Family | None = None) -> Run:
-    """The ``Run`` around a built ``model`` (decoder or VL): data-parallel wrapping, optimizer
-    over the parameters that train, the true global grad norm, the checkpointed train state."""
+             summary=None, family: Family | None = None,
+             pipeline: Pipeline | None = None) -> Run:
+    """The ``Run`` around a built ``model`` (decoder or VL, or at pp > 1 this rank's stages
+    with their ``pipeline``): data-parallel wrapping, optimizer over the parameters that
+    train, the true global grad norm (over tp x pp at pp > 1: every stage's weights), the
+    checkpointed train state (of the parameters this rank holds, by logical name)."""
     layout = LogicalLayout(model_cfg, state.tp, state.tp_rank, ep=state.ep,
-                           ep_rank=state.ep_rank, experts=expert_param_names(model))
-    module = _wrap(model, cfg, state, device)
+                           ep_rank=state.ep_rank, experts=expert_param_names(model),
+                           holds=[n for n, _ in model.named_parameters()] if pipeline else None)
+    module = _wrap(model, cfg, state, device, pipelined=pipeline is not None)
     names = {id(param): name for name, param in model.named_parameters()}
     optimizer = build_optimizer(model, cfg, device.type)
     fsdp = state.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"
-    grad_norm = GradNorm(model, names, layout, state.tp_group, fsdp, device)
+    grad_norm = GradNorm(model, names, layout, state.tp_pp_group, fsdp, device)
     train_state = TrainState(model, optimizer, layout, state, tracker, device)
     return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,
-               train_state, tracker, valid_loader, summary, family or family_of(model_cfg))
+               train_state, tracker, valid_loader, summary, family or family_of(model_cfg),
+               pipeline)

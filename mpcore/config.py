@@ -42,6 +42,9 @@ from mpcore.data.hf_folder import has_tokenizer
 from mpcore.models.common.family import Family
 from mpcore.models.registry import FAMILIES as REGISTRY
 from mpcore.models.registry import family_named, family_of_hf
+from mpcore.parallel_config import ParallelSection
+from mpcore.parallel_config import choice as _choice
+from mpcore.parallel_config import positive as _positive
 
 DTYPES = ("bfloat16", "float32")
 # mpcore.parallel.attention.backends.BACKENDS, mpcore.kernels.fp8_linear.RECIPES + mpcore.parallel.te.TE_RECIPES and
@@ -54,18 +57,6 @@ DEVICES = ("auto", "cpu", "cuda")
 FAMILIES = tuple(REGISTRY)
 # mpcore.models.common.hybrid.kernels.GDN_KERNELS (a test checks)
 GDN_KERNELS = ("auto", "fla", "reference")
-
-
-def _positive(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{section}.{name} must be >= 1, got {value!r}")
-
-
-def _choice(section: str, name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{section}.{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -190,57 +181,6 @@ def section_family(values: dict) -> Family:
         return family_of_hf(init_from)
     given = {k for k, v in values.items() if v is not None}
     return max(REGISTRY.values(), key=lambda f: len(given & set(f.section_extras)))
-
-
-@dataclass(frozen=True)
-class ParallelSection:
-    """How the world is split: rank = tp_rank + tp * (cp_rank + cp * dp_rank); dp is inferred."""
-
-    tp: int = 1
-    """Tensor-parallel degree (ranks sharing each layer's weights)."""
-    cp: int = 1
-    """Context-parallel degree (ranks sharing each sequence)."""
-    ep: int = 1
-    """Expert-parallel degree of a MoE model: its experts split over ep of the dp x cp ranks
-    (ep divides dp * cp; ep fastest inside dp x cp, mpcore.parallel.state). Needs data_parallel
-    fsdp (expert weights sharded over the expert-data-parallel group). Checkpoints hold every
-    expert, so a run resumes at any ep (mpcore.logical)."""
-    cp_mode: str = "ring"
-    """Context-parallel attention when cp > 1: ring or ulysses."""
-    cp_layout: str = "zigzag"
-    """Token split over cp ranks: zigzag (load-balanced causal) or contiguous."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism inside the tp group (needs tp > 1 to matter)."""
-    data_parallel: str = "fsdp"
-    """Gradient reduction over the dp x cp group: fsdp (FSDP2 fully_shard) or ddp."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in the backward instead of storing its activations."""
-    init_timeout_s: float = 300.0
-    """Seconds the ranks wait for each other when the process group forms (the rendezvous and
-    a first collective); past it every waiting rank exits with a message (exit code 4)
-    instead of hanging, and torchrun --max-restarts can restart the run."""
-    step_timeout_s: float = 300.0
-    """Seconds a rank may go without progress in training (a phase of a step: data,
-    forward/backward, optimizer, validation; 3x for a checkpoint save and for the first step
-    of a process, which compiles and autotunes) before every rank stops with a message naming
-    the rank that is behind (exit code 5; mpcore.watchdog), instead of waiting for the
-    collective's own timeout (30 min gloo, 10 min NCCL). 300 s is 4x the longest phase measured
-    here (a 70 s save of a 2.2B VL run on an H200, before the 3x). 0 disables it."""
-
-    def __post_init__(self):
-        _positive("parallel", self, "tp", "cp", "ep")
-        if self.step_timeout_s < 0:
-            raise ValueError(f"parallel.step_timeout_s must be >= 0 seconds (0 disables the "
-                             f"step watchdog), got {self.step_timeout_s!r}")
-        if self.ep > 1 and self.data_parallel != "fsdp":
-            raise ValueError(f"parallel.ep={self.ep} needs parallel.data_parallel=fsdp (DDP "
-                             f"would average different experts over dp x cp)")
-        if not self.init_timeout_s > 0:
-            raise ValueError(f"parallel.init_timeout_s must be > 0 seconds, got "
-                             f"{self.init_timeout_s!r}")
-        _choice("parallel", "cp_mode", self.cp_mode, ("ring", "ulysses"))
-        _choice("parallel", "cp_layout", self.cp_layout, ("zigzag", "contiguous"))
-        _choice("parallel", "data_parallel", self.data_parallel, ("fsdp", "ddp"))
 
 
 @dataclass(frozen=True)

@@ -46,15 +46,18 @@ def _sizes(pieces: list[Piece]) -> list[int]:
 
 
 class LogicalLayout:
-    """The logical form of every parameter of a model built from ``cfg`` at ``tp``.
+    """The logical form of every parameter of a model built from ``cfg`` at ``tp`` (``holds``:
+    the names of those a pipeline stage holds, None for the whole model).
 
     ``maps[r][name]``: pieces of tp rank ``r``; ``hf_shapes``: full shape of each HF tensor;
     ``owners``: our parameter name -> the HF names its pieces come from (in piece order).
     """
 
     def __init__(self, cfg, tp: int, tp_rank: int, *, ep: int = 1, ep_rank: int = 0,
-                 experts: Iterable[str] = ()):
+                 experts: Iterable[str] = (), holds: Iterable[str] | None = None):
         self.cfg, self.tp, self.tp_rank = cfg, tp, tp_rank
+        # A pipeline stage holds some of the parameters: ``names`` lists those (None: all).
+        self.holds = None if holds is None else frozenset(holds)
         self.ep, self.ep_rank = ep, ep_rank
         table = family_of(cfg).shard_map  # the family's HF pieces per tp rank
         self.maps = [table(cfg, tp, r) for r in range(tp)]
@@ -73,8 +76,8 @@ class LogicalLayout:
 
     @property
     def names(self) -> list[str]:
-        """Our parameter names, in a fixed order."""
-        return list(self.maps[0])
+        """Our parameter names (those this rank holds: ``holds``), in a fixed order."""
+        return [n for n in self.maps[0] if self.holds is None or n in self.holds]
 
     def dim(self, name: str) -> int:
         return self.maps[0][name][0].dim

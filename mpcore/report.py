@@ -25,6 +25,7 @@ from mpcore.models import describe_kernels
 from mpcore.models.common.hybrid.mtp import MTP_KEYS
 from mpcore.parallel import global_valid_count
 from mpcore.parallel.loss import sum_over_group
+from mpcore.pipelined import pipeline_eval
 
 
 def _count(n: float) -> str:
@@ -49,7 +50,9 @@ def startup_block(run: Run, tokens_per_step: int, source: str) -> str:
     counts = num_params(run.model_cfg)
     lines = [
         f"config: {source}",
-        f"world {s.world_size} = tp {s.tp} x cp {s.cp} x dp {s.dp}; data parallel: {mode}; "
+        f"world {s.world_size} = tp {s.tp} x cp {s.cp} x dp {s.dp}"
+        + (f" x pp {s.pp} ({cfg.parallel.pp_schedule}, {cfg.parallel.virtual_stages} "
+           f"stage(s) per rank)" if s.pp > 1 else "") + f"; data parallel: {mode}; "
         f"device {run.device.type}",
         f"parameters: {_count(counts['total'])} total ({counts['total']:,}), "
         f"{_count(local_numel(run.model))} on rank 0",
@@ -116,6 +119,9 @@ def validation_loss(run: Run) -> float:
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,
                               enabled=run.device.type == "cuda"
                               and run.cfg.training.dtype == "bfloat16")
+    if run.pipeline is not None:  # pp > 1: forward only through the stages
+        inputs = [{k: v for k, v in inp.items() if k not in MTP_KEYS} for inp in inputs]
+        return float(pipeline_eval(run.pipeline.with_microbatches(num), s, inputs, autocast))
     total = torch.zeros((), dtype=torch.float32, device=run.device)
     run.module.eval()
     try:

@@ -69,6 +69,7 @@ from mpcore.moe_step import MoeStep, moe_record
 from mpcore.optim import decides_on_device, lr_at, set_lr
 from mpcore.parallel import global_valid_count
 from mpcore.parallel.loss import sum_over_group
+from mpcore.pipelined import pipeline_step
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import RunLock, claim_run_dir, rewrite_metrics
@@ -188,7 +189,8 @@ class Trainer:
         self._first_sigint: float | None = None  # time.monotonic() of the first SIGINT
         s = run.state
         self.scale = s.dp_cp if s.dp_cp > 1 else 1  # FSDP/DDP average over dp x cp
-        self.ddp = s.dp_cp > 1 and self.cfg.parallel.data_parallel == "ddp"
+        self.ddp = (s.dp_cp > 1 and self.cfg.parallel.data_parallel == "ddp"
+                    and run.pipeline is None)  # the pipelined ddp path sums after the step
         data = self.cfg.data
         self.tokens_per_step = data.seq_len * data.micro_batch * data.grad_accum * s.dp
         self.flops_per_token = flops_per_token(run.model_cfg, data.seq_len)
@@ -216,7 +218,7 @@ class Trainer:
         s = self.run.state
         return {"format": CHECKPOINT_FORMAT, "step": self.step,
                 "loader": self.run.loader.state_dict(),
-                "layout": {"tp": s.tp, "cp": s.cp, "dp": s.dp, "ep": s.ep,
+                "layout": {"tp": s.tp, "cp": s.cp, "dp": s.dp, "ep": s.ep, "pp": s.pp,
                            "data_parallel": self.cfg.parallel.data_parallel},
                 "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                 "group_steps": [g.get("step") for g in self.run.optimizer.param_groups],
@@ -276,8 +278,8 @@ class Trainer:
             for line in verdict:
                 log.info("resume: allowed change since %s: %s", folder.name, line)
         saved = meta["layout"]
-        same = (saved["tp"], saved["cp"], saved["dp"], saved.get("ep", 1)) == (
-            s.tp, s.cp, s.dp, s.ep)
+        same = (saved["tp"], saved["cp"], saved["dp"], saved.get("ep", 1),
+                saved.get("pp", 1)) == (s.tp, s.cp, s.dp, s.ep, s.pp)
         self.run.train_state.restore(folder, same_layout=same)
         for group, value in zip(self.run.optimizer.param_groups, meta["group_steps"],
                                 strict=False):
@@ -288,8 +290,9 @@ class Trainer:
         self.bad_steps = int(meta["bad_steps"])
         self.consecutive_bad = int(meta["consecutive_bad"])
         if s.rank == 0:
-            log.info("resumed from %s (step %d, saved at tp=%d cp=%d dp=%d ep=%d)", folder,
-                     self.step, saved["tp"], saved["cp"], saved["dp"], saved.get("ep", 1))
+            log.info("resumed from %s (step %d, saved at tp=%d cp=%d dp=%d ep=%d pp=%d)",
+                     folder, self.step, saved["tp"], saved["cp"], saved["dp"],
+                     saved.get("ep", 1), saved.get("pp", 1))
         return folder
 
     # ------------------------------------------------------------------ one step
@@ -301,12 +304,16 @@ class Trainer:
             self.window_steps += 1
         inputs = [local_inputs(b, s, self.cfg, run.device, run.family, run.model_cfg)
                   for b in batches]
-        count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
-        mtp = MtpTerm.start(inputs, run.model_cfg, s.dp_cp_group, run.device)
-        total = torch.zeros((), dtype=torch.float32, device=run.device)
         autocast = torch.autocast(run.device.type, dtype=torch.bfloat16,
                                   enabled=run.device.type == "cuda"
                                   and self.cfg.training.dtype == "bfloat16")
+        if run.pipeline is not None:  # pp > 1: the stages under torch's schedule
+            fsdp = s.dp_cp > 1 and self.cfg.parallel.data_parallel == "fsdp"
+            with self.te_region():
+                return pipeline_step(run.pipeline, run.model, s, inputs, autocast, fsdp)
+        count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
+        mtp = MtpTerm.start(inputs, run.model_cfg, s.dp_cp_group, run.device)
+        total = torch.zeros((), dtype=torch.float32, device=run.device)
         moe = self._moe_step(inputs, autocast)
         for i, inp in enumerate(inputs):
             last = i == len(inputs) - 1

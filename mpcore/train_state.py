@@ -126,7 +126,7 @@ class TrainState:
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:
                     entries.append((f"optim/{key}", value))
                 elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                    if s.rank == replica * s.tp + keeper:
+                    if (s.dp_cp_rank, s.tp_rank) == (replica, keeper):
                         out[f"optim_scalar/{name}/{key}"] = value.detach().cpu().clone()
             for prefix, tensor in entries:
                 local = _tp_local(tensor)  # collective over dp x cp (edp) under FSDP2

@@ -169,7 +169,20 @@ class Pipeline:
             m.split_backward = schedule in SPLIT_BACKWARD
         self.num_microbatches, self.num_stages = num_microbatches, state.pp * virtual
         self.device = torch.device(device)
+        self.virtual = virtual
         self._built: dict[int, object] = {}
+        self._other_counts: dict[int, Pipeline] = {}
+
+    def with_microbatches(self, num_microbatches: int) -> Pipeline:
+        """The same stages under the same schedule for ``num_microbatches`` per step (e.g. a
+        validation pass of another size); built once per count."""
+        if num_microbatches == self.num_microbatches:
+            return self
+        if num_microbatches not in self._other_counts:
+            self._other_counts[num_microbatches] = Pipeline(
+                self.modules, self.state, schedule=self.schedule_name,
+                num_microbatches=num_microbatches, virtual=self.virtual, device=self.device)
+        return self._other_counts[num_microbatches]
 
     def _schedule(self, capacity: int):
         if capacity not in self._built:

@@ -18,6 +18,8 @@ Groups:
     tp_cp   tp x cp: ranks that together hold one model replica's sequence and weights
     pp      ranks that hold successive pipeline stages of one replica (same tp_rank, cp_rank,
             dp_rank); created only when pp > 1
+    tp_pp   tp x pp (pp > 1 only): the ranks that together hold one replica's weights once
+            (same cp_rank, dp_rank): a sum over them counts every weight once (gradient norm)
     ep      expert parallelism (``ep`` > 1 only): ``ep`` consecutive ranks of one dp x cp group
             (same tp_rank) that split the experts of every MoE layer between them
     edp     expert data parallelism: the dp x cp ranks (same tp_rank) holding the SAME experts;
@@ -114,6 +116,11 @@ class ParallelState:
         return self.groups.get("pp")
 
     @property
+    def tp_pp_group(self) -> ProcessGroup | None:
+        """tp x pp (module docstring); the tp group when pp = 1."""
+        return self.groups.get("tp_pp", self.tp_group)
+
+    @property
     def ep_group(self) -> ProcessGroup | None:
         return self.groups.get("ep")
 
@@ -198,6 +205,7 @@ class ParallelState:
             families["edp"] = by_j.permute(0, 1, 3, 2).reshape(-1, dp * cp // ep)
         if pp > 1:
             families["pp"] = grid.permute(1, 2, 3, 0).reshape(-1, pp)
+            families["tp_pp"] = grid.permute(1, 2, 0, 3).reshape(-1, pp * tp)
         for name, rows in families.items():
             for ranks in rows.tolist():
                 group = dist.new_group(ranks)

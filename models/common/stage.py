@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from mpcore.models.common.decoder import Transformer, make_packing
+from mpcore.models.common.decoder import LayerDict, Transformer, make_packing
 from mpcore.parallel.pp import PipelineStageModule, split_layers
 from mpcore.parallel.pp_schedule import stage_indices
 from mpcore.parallel.state import ParallelState
@@ -109,3 +110,35 @@ def build_stages(build: Callable[..., Transformer], cfg, state: ParallelState, *
     ranges = split_layers(cfg.num_layers, state.pp * virtual, split)
     return [DecoderStage(build(cfg, state, keep_layers=ranges[s], **options))
             for s in stage_indices(schedule, state.pp, state.pp_rank, virtual)]
+
+
+class StagedModel(nn.Module):
+    """This rank's stages seen as one model under the whole model's parameter names (its
+    ``tok_embeddings``, ``layers.<global index>``, ``norm``, ``output`` where it holds them),
+    for what reads parameters by logical name: the optimizer, checkpoints
+    (``mpcore.logical``), the gradient norm. ``stages``: the ``DecoderStage``s, which the
+    pipeline runs; they are not submodules here (each module is registered once, under its
+    logical name). ``cfg``: the model config."""
+
+    def __init__(self, stages: list[DecoderStage]):
+        super().__init__()
+        self.stages = tuple(stages)  # a tuple: not registered as submodules
+        self.cfg = stages[0].model.cfg
+        layers = {}
+        for stage in stages:
+            for name, child in stage.model.named_children():
+                if name == "layers":
+                    layers.update(child.items())
+                elif child is not None and not hasattr(self, name):
+                    self.add_module(name, child)
+        self.layers = LayerDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+
+    def decoders(self) -> list[Transformer]:
+        return [s.model for s in self.stages]
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return [unit for s in self.stages for unit in s.model.fsdp_units()]
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through its Pipeline (mpcore.parallel.pp), "
+                           "not as one module")

@@ -1,0 +1,106 @@
+"""Training at pp > 1: this rank's pipeline stages, their data parallelism, and one step.
+
+    build_pipeline   the family's stages (``Family.stages``) for ``parallel.pp_*``, seen as one
+                     model under the logical names (``StagedModel``), and the ``Pipeline`` that
+                     runs ``data.grad_accum`` micro-batches per step through them
+    wrap_stages      data parallelism over dp x cp: FSDP2 on every stage (each decoder layer,
+                     then the stage), or for ``ddp`` none: ``pipeline_step`` all-reduces (sums)
+                     the gradients once after the step (no overlap with the backward)
+    pipeline_step    the step's loss (the global mean) with the gradients accumulated
+
+The loss and its normalisation are ``mpcore.parallel.pp``'s: N counted once over dp x cp, each
+micro-batch's share ``grad_scale * sum / N`` with ``grad_scale`` = dp * cp under FSDP2 (which
+averages) and 1 when the gradients are summed here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpcore.config import Config
+from mpcore.models import Family
+from mpcore.models.common.stage import StagedModel
+from mpcore.parallel.loss import global_valid_count
+from mpcore.parallel.pp import Pipeline
+from mpcore.parallel.pp_schedule import check_microbatches
+from mpcore.parallel.state import ParallelState
+
+
+def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
+    """``ValueError`` naming the fix for what pp > 1 does not run (yet)."""
+    p = cfg.parallel
+    if cfg.model.init_from:
+        raise ValueError(f"parallel.pp={p.pp} with model.init_from is not supported yet (the "
+                         f"loaders read whole models); start the run at pp=1 and resume it "
+                         f"at pp={p.pp} from its checkpoint (checkpoints are logical)")
+    if family.pipeline_stages is None:
+        raise ValueError(f"parallel.pp={p.pp}: the {family.name} family cannot be cut into "
+                         f"pipeline stages yet; set parallel.pp=1")
+    if hasattr(model_cfg, "moe_layers") or getattr(model_cfg, "uses_mtp", False):
+        raise ValueError(f"parallel.pp={p.pp}: MoE models and the MTP loss are not supported "
+                         f"with pipeline parallelism yet; set parallel.pp=1")
+    try:
+        check_microbatches(p.pp_schedule, p.pp, cfg.data.grad_accum)
+    except ValueError as e:
+        raise ValueError(f"data.grad_accum={cfg.data.grad_accum} is the number of micro-batches "
+                         f"per step at parallel.pp={p.pp}: {e}") from None
+
+
+def build_pipeline(cfg: Config, model_cfg, state: ParallelState, family: Family,
+                   device: torch.device, **options) -> tuple[StagedModel, Pipeline]:
+    """This rank's stages (initialised from ``training.seed``, the whole model's values) and
+    the pipeline over them; ``options``: the family's build keyword arguments."""
+    check_pipeline(cfg, model_cfg, family)
+    p = cfg.parallel
+    stages = family.stages(model_cfg, state, schedule=p.pp_schedule, virtual=p.virtual_stages,
+                           split=p.pp_split, seed=cfg.training.seed, device=device, **options)
+    pipeline = Pipeline(stages, state, schedule=p.pp_schedule,
+                        num_microbatches=cfg.data.grad_accum, virtual=p.virtual_stages,
+                        device=device)
+    return StagedModel(stages), pipeline
+
+
+def wrap_stages(model: StagedModel, cfg: Config, state: ParallelState,
+                mesh_kwargs: dict | None) -> None:
+    """FSDP2 over dp x cp on every stage when ``mesh_kwargs`` (``fully_shard``'s mesh and
+    mixed precision) is given; nothing otherwise (module docstring)."""
+    if mesh_kwargs is None:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    for stage in model.stages:
+        for unit in stage.model.fsdp_units():
+            fully_shard(unit, **mesh_kwargs)
+        fully_shard(stage, **mesh_kwargs)
+
+
+def _sum_grads(model: nn.Module, state: ParallelState) -> None:
+    """SUM all-reduce of every gradient over dp x cp (the ``ddp`` path; one call per tensor)."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=state.dp_cp_group)
+
+
+def pipeline_step(pipeline: Pipeline, model: StagedModel, state: ParallelState,
+                  inputs: list[dict], autocast, fsdp: bool) -> torch.Tensor:
+    """Forward and backward of the step's micro-batches (``inputs``: this rank's forward
+    keyword arguments of each) through the pipeline; returns the global mean loss (fp32 scalar,
+    every rank). Collective over the world."""
+    count = global_valid_count([i["labels"] for i in inputs], state.dp_cp_group)
+    scale = state.dp_cp if fsdp else 1  # FSDP2 averages over dp x cp; the ddp path sums
+    with autocast:
+        loss = pipeline.step(pipeline.micro_batches(inputs, count, grad_scale=scale))
+    if not fsdp and state.dp_cp > 1:
+        _sum_grads(model, state)
+    return loss
+
+
+@torch.no_grad()
+def pipeline_eval(pipeline: Pipeline, state: ParallelState, inputs: list[dict],
+                  autocast) -> torch.Tensor:
+    """The global mean loss of ``inputs`` (forward only). Collective over the world."""
+    count = global_valid_count([i["labels"] for i in inputs], state.dp_cp_group)
+    with autocast:
+        return pipeline.step(pipeline.micro_batches(inputs, count), backward=False)
