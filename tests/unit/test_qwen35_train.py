@@ -73,3 +73,13 @@ def test_shipped_tiny_yaml_is_a_hybrid_qwen35():
     with pytest.raises(ValueError, match="model.qkv_bias is set"):
         FAMILY.config_from_section(load_config(None, ["model.family=qwen3_5",
                                                       "model.qkv_bias=true"]).model, None)
+
+
+def test_start_up_block_names_the_deltanet_kernel(tmp_path, data_dir, caplog):
+    """pretrain's start-up block says which Gated DeltaNet kernel runs and why, once."""
+    caplog.set_level("INFO", logger="mpcore.train")
+    train(_cfg(tmp_path, data_dir, "training.max_steps=1", "schedule.total_steps=1"))
+    lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet kernel" in r.getMessage()]
+    assert len(lines) == 1
+    assert ("Gated DeltaNet kernel: reference (PyTorch chunked, fp32 math); gdn_kernel=auto on "
+            "cpu: fla-core's kernels are CUDA-only") in lines[0]
