@@ -23,8 +23,8 @@ from mpcore.config import Config
 from mpcore.models import Family
 from mpcore.models.common.stage import StagedModel
 from mpcore.parallel.loss import global_valid_count
-from mpcore.parallel.pp import Pipeline
-from mpcore.parallel.pp_schedule import check_microbatches
+from mpcore.parallel.pp import EVAL_SCHEDULES, Pipeline
+from mpcore.parallel.pp_schedule import check_microbatches, placement
 from mpcore.parallel.state import ParallelState
 
 
@@ -41,6 +41,12 @@ def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
     if hasattr(model_cfg, "moe_layers") or getattr(model_cfg, "uses_mtp", False):
         raise ValueError(f"parallel.pp={p.pp}: MoE models and the MTP loss are not supported "
                          f"with pipeline parallelism yet; set parallel.pp=1")
+    if cfg.training.eval_every and cfg.data.valid_fraction and (
+            EVAL_SCHEDULES[placement(p.pp_schedule)] is None):
+        raise ValueError(f"parallel.pp_schedule={p.pp_schedule} cannot run validation's "
+                         f"forward-only steps (torch's V schedules fail there); set "
+                         f"training.eval_every=0, or pick another schedule such as "
+                         f"Interleaved1F1B")
     try:
         check_microbatches(p.pp_schedule, p.pp, cfg.data.grad_accum)
     except ValueError as e:

@@ -49,6 +49,11 @@ from mpcore.parallel.pp_schedule import (
 )
 from mpcore.parallel.state import ParallelState, group_size
 
+# A forward-only schedule per placement (pp_schedule) that takes any micro-batch count. None
+# for the V placement: torch's V schedules fail forward-only (ZBVZeroBubble's eval asks its
+# stages for a backward input they never made) and no other torch schedule places stages so.
+EVAL_SCHEDULES = {"single": "GPipe", "loop": "LoopedBFS", "v": None}
+
 
 def split_layers(num_layers: int, num_stages: int,
                  counts: Sequence[int] | None = None) -> list[range]:
@@ -171,18 +176,23 @@ class Pipeline:
         self.device = torch.device(device)
         self.virtual = virtual
         self._built: dict[int, object] = {}
-        self._other_counts: dict[int, Pipeline] = {}
+        self._evaluators: dict[int, Pipeline] = {}
 
-    def with_microbatches(self, num_microbatches: int) -> Pipeline:
-        """The same stages under the same schedule for ``num_microbatches`` per step (e.g. a
-        validation pass of another size); built once per count."""
-        if num_microbatches == self.num_microbatches:
-            return self
-        if num_microbatches not in self._other_counts:
-            self._other_counts[num_microbatches] = Pipeline(
-                self.modules, self.state, schedule=self.schedule_name,
+    def evaluator(self, num_microbatches: int) -> Pipeline:
+        """The same stages, placed the same way, for forward-only steps of
+        ``num_microbatches`` (validation, a counting pass): a separate set of torch stages,
+        built once per count, so a forward-only step never sets up the training stages
+        without their backward; under the placement's schedule that runs any count
+        (``EVAL_SCHEDULES``: a forward-only step has no backward to interleave)."""
+        if EVAL_SCHEDULES[placement(self.schedule_name)] is None:
+            raise ValueError(f"torch's V schedules ({self.schedule_name}) cannot run a "
+                             f"forward-only step; validate with another schedule "
+                             f"(1F1B, Interleaved1F1B, ...) or without validation")
+        if num_microbatches not in self._evaluators:
+            self._evaluators[num_microbatches] = Pipeline(
+                self.modules, self.state, schedule=EVAL_SCHEDULES[placement(self.schedule_name)],
                 num_microbatches=num_microbatches, virtual=self.virtual, device=self.device)
-        return self._other_counts[num_microbatches]
+        return self._evaluators[num_microbatches]
 
     def _schedule(self, capacity: int):
         if capacity not in self._built:

@@ -135,3 +135,38 @@ def check_against(ref: dict, ranks: list[dict], tol: float = 1e-5) -> None:
         norm = torch.stack([g.double().norm() for g in seen.values()]).norm()
         want_norm = torch.stack([g.double().norm() for g in ref["grads"][step].values()]).norm()
         assert abs(float(norm - want_norm)) <= tol * float(want_norm)
+
+
+def forward_only(rank: int, world: int, case: dict) -> list[float]:
+    """The pipelined forward-only loss (``Pipeline.evaluator``) of 1 and of 3 micro-batches,
+    on this rank."""
+    family, cfg = family_named(case["family"]), case["cfg"]
+    state = ParallelState.build(pp=case["pp"])
+    stages = family.stages(cfg, state, schedule=case["schedule"],
+                           virtual=case.get("virtual", 1), seed=0)
+    pipe = Pipeline(stages, state, schedule=case["schedule"],
+                    num_microbatches=case["num_microbatches"], virtual=case.get("virtual", 1))
+    out = []
+    for num in (1, 3):
+        inputs = [_inputs(family, cfg, state, micro_batch(0, i, cfg.vocab_size), False)
+                  for i in range(num)]
+        count = global_valid_count([i["labels"] for i in inputs], None)
+        evaluator = pipe.evaluator(num)
+        with torch.no_grad():
+            out.append(float(evaluator.step(evaluator.micro_batches(inputs, count),
+                                            backward=False)))
+    return out
+
+
+def forward_only_reference(case: dict) -> list[float]:
+    family, cfg = family_named(case["family"]), case["cfg"]
+    model = family.build(cfg, ParallelState(), seed=0)
+    out = []
+    for num in (1, 3):
+        inputs = [_inputs(family, cfg, ParallelState(), micro_batch(0, i, cfg.vocab_size),
+                          False) for i in range(num)]
+        count = global_valid_count([i["labels"] for i in inputs], None)
+        with torch.no_grad():
+            out.append(float(sum(loss_share(model(**i, output="loss"), i["labels"], count)
+                                 for i in inputs)))
+    return out

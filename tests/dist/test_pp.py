@@ -73,3 +73,14 @@ def test_pp2_cp2_ring():
 
 def test_pp2_dp2():
     _check(_case("1F1B", dp=2), 4)  # each dp rank its own micro-batches
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2)])
+def test_forward_only_any_count(schedule, virtual):
+    """Validation's path: 1 and 3 micro-batches (fewer than 1F1B's stages, not a multiple
+    of pp) through the placement's forward-only schedule give the one-process loss."""
+    case = _case(schedule, virtual=virtual)
+    want = pp_cases.forward_only_reference(case)
+    for got in run_distributed(pp_cases.forward_only, 2, case):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
+

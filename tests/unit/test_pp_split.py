@@ -10,7 +10,13 @@ import torch
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.decoder import build_model
 from mpcore.models.common.stage import DecoderStage, build_stages
-from mpcore.parallel.pp import MicroBatches, PipelineStageModule, capacity_for, split_layers
+from mpcore.parallel.pp import (
+    MicroBatches,
+    Pipeline,
+    PipelineStageModule,
+    capacity_for,
+    split_layers,
+)
 from mpcore.parallel.pp_schedule import (
     SCHEDULES,
     check_microbatches,
@@ -140,3 +146,12 @@ def test_bad_keep_layers_and_tied_head_refused():
     state = ParallelState(pp=2, pp_rank=0)
     with pytest.raises(ValueError, match="tie_embeddings with pp > 1"):
         build_stages(build_model, tied, state, schedule="1F1B")
+
+
+def test_forward_only_refused_under_a_v_schedule():
+    state = ParallelState(pp=2, pp_rank=0)
+    stages = build_stages(build_model, CFG, state, schedule="ZBVZeroBubble", virtual=2)
+    pipe = Pipeline(stages, state, schedule="ZBVZeroBubble", num_microbatches=4, virtual=2)
+    with pytest.raises(ValueError, match="cannot run a forward-only step"):
+        pipe.evaluator(1)
+    assert pipe.stage_ids == [0, 3]
