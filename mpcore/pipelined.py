@@ -29,7 +29,9 @@ from mpcore.parallel.state import ParallelState
 
 
 def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
-    """``ValueError`` naming the fix for what pp > 1 does not run (yet)."""
+    """``ValueError`` naming the fix for what pp > 1 does not run (yet): a checkpoint to load,
+    a family without stages, the MTP loss, forward-only steps under a V schedule (validation,
+    a MoE model's counting pass), micro-batch counts the schedule refuses."""
     p = cfg.parallel
     if cfg.model.init_from:
         raise ValueError(f"parallel.pp={p.pp} with model.init_from is not supported yet (the "
@@ -38,11 +40,16 @@ def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
     if family.pipeline_stages is None:
         raise ValueError(f"parallel.pp={p.pp}: the {family.name} family cannot be cut into "
                          f"pipeline stages yet; set parallel.pp=1")
-    if hasattr(model_cfg, "moe_layers") or getattr(model_cfg, "uses_mtp", False):
-        raise ValueError(f"parallel.pp={p.pp}: MoE models and the MTP loss are not supported "
-                         f"with pipeline parallelism yet; set parallel.pp=1")
-    if cfg.training.eval_every and cfg.data.valid_fraction and (
-            EVAL_SCHEDULES[placement(p.pp_schedule)] is None):
+    if getattr(model_cfg, "uses_mtp", False):
+        raise ValueError(f"parallel.pp={p.pp}: the MTP loss is not supported with pipeline "
+                         f"parallelism yet; set parallel.pp=1 or model.mtp_loss_weight=0")
+    no_eval = EVAL_SCHEDULES[placement(p.pp_schedule)] is None
+    if no_eval and hasattr(model_cfg, "moe_layers"):
+        raise ValueError(f"parallel.pp_schedule={p.pp_schedule}: a MoE model's step starts "
+                         f"with a forward-only counting pass (the step's expert loads), which "
+                         f"torch's V schedules cannot run; pick another schedule such as "
+                         f"Interleaved1F1B")
+    if cfg.training.eval_every and cfg.data.valid_fraction and no_eval:
         raise ValueError(f"parallel.pp_schedule={p.pp_schedule} cannot run validation's "
                          f"forward-only steps (torch's V schedules fail there); set "
                          f"training.eval_every=0, or pick another schedule such as "

@@ -31,8 +31,8 @@ last stage have any) and over dp x cp.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ def split_layers(num_layers: int, num_stages: int,
     return [range(a, a + c) for a, c in zip(starts, counts, strict=True)]
 
 
-@dataclass
+@dataclasses.dataclass
 class MicroBatches:
     """One step's micro-batches as this rank's stages read them (module docstring).
 
@@ -98,6 +98,11 @@ class MicroBatches:
     count: torch.Tensor
     capacity: int
     grad_scale: float = 1.0
+    counting: bool = False
+    """A counting pass (``Pipeline.step``): stages record their statistics, no loss needed."""
+    statistic: torch.Tensor | None = None
+    """The step's global statistic from the counting pass (summed over micro-batches, stages
+    and dp x cp), e.g. a MoE model's expert loads and router rows; None without one."""
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -126,8 +131,31 @@ class PipelineStageModule(nn.Module):
     in two passes (input, then weight gradients), so no kernel may hand out gradients it
     computed in the forward."""
 
+    statistic_size = 0
+    """Length of the statistic of the whole step this stage's loss needs before the step
+    (0: none). A stage that has one records a ``[statistic_size]`` fp32 tensor per forward of
+    a counting pass (``record``); ``Pipeline.step`` sums them over micro-batches, stages and
+    dp x cp into ``MicroBatches.statistic`` before the step (a MoE model's expert loads: the
+    load-balancing loss of each micro-batch needs the whole step's)."""
+
     def begin(self, batches: MicroBatches) -> None:
         self.batches, self.calls, self.last_index = batches, 0, -1
+        self.recorded: torch.Tensor | None = None
+        self.attached: torch.Tensor | None = None
+
+    def attach(self, h: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
+        """``attach_loss(h, loss)``, and ``loss`` counted in the step's reported loss
+        (``Pipeline.step`` adds what every stage attached)."""
+        if loss is None:
+            return h
+        value = loss.detach().float().reshape(())
+        self.attached = value if self.attached is None else self.attached + value
+        return attach_loss(h, loss)
+
+    def record(self, value: torch.Tensor) -> None:
+        """Add one forward's statistic (counting pass)."""
+        value = value.detach().float()
+        self.recorded = value if self.recorded is None else self.recorded + value
 
     def next_index(self, x: torch.Tensor | None = None) -> int:
         """The micro-batch of this forward (module docstring of ``mpcore.parallel.pp``); ``x``:
@@ -227,12 +255,32 @@ class Pipeline:
         rows = [self.modules[0].rows(i) for i in inputs]
         return MicroBatches(inputs, count, capacity_for(rows), grad_scale)
 
+    def _count(self, batches: MicroBatches) -> torch.Tensor:
+        """The step's statistic (``PipelineStageModule.statistic_size``): a forward-only pass
+        of every micro-batch (one extra forward each: the price of an exact gradient, since
+        micro-batch 1's loss depends on micro-batch 2's statistics), each stage's records
+        summed, then over the pp group and dp x cp. Collective over the world."""
+        counting = dataclasses.replace(batches, counting=True)
+        with torch.no_grad():
+            self.evaluator(len(batches)).step(counting, backward=False)
+        size = max(m.statistic_size for m in self.modules)
+        total = torch.zeros(size, dtype=torch.float32, device=self.device)
+        for m in self.modules:
+            if m.recorded is not None:
+                total += m.recorded
+        for group in (self.state.pp_group, self.state.dp_cp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return total
+
     def step(self, batches: MicroBatches, *, backward: bool = True) -> torch.Tensor:
         """Run the step (forward only when ``backward`` is False) and return its loss (fp32
         scalar, the same on every rank; ``grad_scale`` divided out)."""
         if len(batches) != self.num_microbatches:
             raise ValueError(f"the pipeline was built for {self.num_microbatches} micro-batches "
                              f"per step, got {len(batches)}")
+        if max(m.statistic_size for m in self.modules) and backward:
+            batches = dataclasses.replace(batches, statistic=self._count(batches))
         for m in self.modules:
             m.begin(batches)
         schedule = self._schedule(batches.capacity)
@@ -242,8 +290,32 @@ class Pipeline:
         run(index, target=index.clone(), losses=losses)
         total = torch.stack([x.detach().float().sum() for x in losses]).sum() if losses else (
             torch.zeros((), device=self.device))
+        for m in self.modules:  # loss terms of stages that do not end the pipeline
+            if m.attached is not None:
+                total = total + m.attached
         total = total / batches.grad_scale
         for group in (self.state.pp_group, self.state.dp_cp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return total
+
+
+class AttachLoss(torch.autograd.Function):
+    """``attach_loss(h, loss)``: forward ``h`` unchanged; backward passes ``h``'s gradient
+    through and gives ``loss`` the gradient 1, so a term of the step's loss computed on a
+    stage that does not end the pipeline (a MoE layer's load-balancing share) is
+    backpropagated with that stage's backward (Megatron's aux-loss scaler)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def attach_loss(h: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
+    """``AttachLoss``; ``h`` as it is when ``loss`` is None."""
+    return h if loss is None else AttachLoss.apply(h, loss)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpcore.models.common.decoder import LayerDict, Transformer, make_packing
+from mpcore.models.common.moe_loss import aux_share, pool_layers, z_share
 from mpcore.parallel.pp import PipelineStageModule, split_layers
 from mpcore.parallel.pp_schedule import stage_indices
 from mpcore.parallel.state import ParallelState
@@ -37,6 +38,11 @@ class DecoderStage(PipelineStageModule):
     def __init__(self, model: Transformer):
         super().__init__()
         self.model = model
+        # A MoE decoder's blocks on this stage: the load-balancing share of each micro-batch
+        # needs the step's expert loads over every layer (a counting pass, mpcore.parallel.pp).
+        self.moe_blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
+        if hasattr(model, "moe_cfg"):
+            self.statistic_size = model.moe_cfg.num_experts + 1  # loads [E], rows
 
     @property
     def is_first(self) -> bool:
@@ -85,15 +91,36 @@ class DecoderStage(PipelineStageModule):
         h, packing = self._begin_forward(inp, x)
         plan, cos, sin, h = self.model.layer_inputs(h, inp["position_ids"], packing)
         h, delta = self.model.run_layers(h, None, cos, sin, plan)
+        extra = self._moe_share()
         if self.is_last:
             # "loss_sum": the fused head's gradients made in the forward (3 GEMMs, not 4),
             # which a two-pass backward cannot use (``split_backward``).
             out = "loss" if self.split_backward else "loss_sum"
             total = self.model.finish(h, delta, inp["labels"], out).sum()  # () fp32
             count = self.batches.count.to(total.device).clamp(min=1).to(total.dtype)
-            return (total * self.batches.grad_scale / count).reshape(1)
+            share = total / count + (0.0 if extra is None else extra)
+            return (share * self.batches.grad_scale).reshape(1)
         h = h if delta is None else h + delta
-        return F.pad(h, (0, 0, 0, self.batches.capacity - h.shape[0]))
+        h = F.pad(h, (0, 0, 0, self.batches.capacity - h.shape[0]))
+        return self.attach(h, None if extra is None else extra * self.batches.grad_scale)
+
+    def _moe_share(self) -> torch.Tensor | None:
+        """This stage's MoE layers' share of the weighted load-balancing and z losses of the
+        micro-batch just run (``mpcore.models.common.moe_loss``: a sum over layers, so each
+        stage adds its own layers' with the step's global loads); in a counting pass, their
+        statistics recorded instead. None for a dense stage or a forward-only step."""
+        if not self.moe_blocks:
+            return None
+        stats = pool_layers(b.last_stats for b in self.moe_blocks)
+        if self.batches.counting:
+            self.record(torch.cat([stats.counts, stats.tokens.reshape(1)]))
+            return None
+        if self.batches.statistic is None:
+            return None
+        counts, rows = self.batches.statistic[:-1], self.batches.statistic[-1]
+        cfg = self.model.moe_cfg
+        return (cfg.router_aux_loss_coef * aux_share(stats, counts, rows)
+                + cfg.router_z_loss_coef * z_share(stats, rows))
 
 
 def build_stages(build: Callable[..., Transformer], cfg, state: ParallelState, *,
