@@ -1,5 +1,5 @@
 """Training at pp > 1 is the one-process run: ``parallel.pp=2`` (1F1B, and ZBV with two stages
-per rank) on 2 ranks and pp=2 x dp=2 (FSDP2, and the summed ddp path) on 4 give the losses and
+per rank; and a qwen3_moe model with its load-balancing loss) on 2 ranks and pp=2 x dp=2 (FSDP2, and the summed ddp path) on 4 give the losses and
 gradient norms of pp = 1, same seed and global batch, 6 steps with grad_clip active. Checkpoints
 stay logical: a pp=2 checkpoint resumes at pp = 1 with the reference's next losses, a pp = 1
 checkpoint resumes at pp=2, and a pp=2 run resumed at pp=2 continues bit for bit.
@@ -51,8 +51,12 @@ def _resume(tmp: str, source: str, run: str, *overrides: str, rank: int):
     return train(tiny(tmp, run, *overrides)).losses
 
 
+MOE = ["model.family=qwen3_moe", "model.moe.num_experts=4", "model.moe.num_experts_per_tok=2",
+       "model.moe.moe_intermediate_size=32", "model.moe.router_aux_loss_coef=0.05"]
+
+
 def _two(rank, world, tmp):
-    out = {}
+    out = {"pp2_moe": train(tiny(tmp, "pp2_moe", "parallel.pp=2", *MOE)).losses}
     for name, overrides in TWO.items():
         result = train(tiny(tmp, name, *overrides))
         out[name] = (result.losses, result.grad_norms)
@@ -74,8 +78,10 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp_train")
     prepare_default(tmp / "data", 512)
     ref = train(tiny(tmp, "ref"))
+    ref_moe = train(tiny(tmp, "ref_moe", *MOE)).losses
     two = run_distributed(_two, 2, str(tmp), timeout=600)
     four = run_distributed(_four, 4, str(tmp), timeout=600)
+    two[0]["ref_moe"] = ref_moe
     return tmp, (ref.losses, ref.grad_norms), two, four
 
 
@@ -125,3 +131,9 @@ def test_pp_refusals_name_the_fix(tmp_path):
         tiny(tmp_path, "x", "parallel.pp_schedule=Zigzag")
     with pytest.raises(ValueError, match="exactly 2 stages per rank"):
         tiny(tmp_path, "x", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_virtual=3")
+
+
+def test_moe_training_at_pp2_matches_pp1(runs):
+    """qwen3_moe with a weighted load-balancing loss (a global statistic across stages)."""
+    _, _, two, _ = runs
+    _close(two[0]["pp2_moe"], two[0]["ref_moe"], 1e-5, "pp2_moe")
