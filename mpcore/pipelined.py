@@ -2,7 +2,9 @@
 
     build_pipeline   the family's stages (``Family.stages``) for ``parallel.pp_*``, seen as one
                      model under the logical names (``StagedModel``), and the ``Pipeline`` that
-                     runs ``data.grad_accum`` micro-batches per step through them
+                     runs ``data.grad_accum`` micro-batches per step through them; with
+                     ``model.init_from`` each rank reads its parameters' slices of the
+                     checkpoint (``load_stages``)
     wrap_stages      data parallelism over dp x cp: FSDP2 on every stage (each decoder layer,
                      then the stage), or for ``ddp`` none: ``pipeline_step`` all-reduces (sums)
                      the gradients once after the step (no overlap with the backward)
@@ -15,12 +17,17 @@ averages) and 1 when the gradients are summed here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mpcore.config import Config
 from mpcore.models import Family
+from mpcore.models.common.hf_check import check_tensor_names
+from mpcore.models.common.hf_io import Checkpoint
+from mpcore.models.common.moe import expert_param_names
 from mpcore.models.common.stage import StagedModel
 from mpcore.parallel.loss import global_valid_count
 from mpcore.parallel.pp import EVAL_SCHEDULES, Pipeline
@@ -29,14 +36,9 @@ from mpcore.parallel.state import ParallelState
 
 
 def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
-    """``ValueError`` naming the fix for what pp > 1 does not run (yet): a checkpoint to load,
-    a family without stages, the MTP loss, forward-only steps under a V schedule (validation,
+    """``ValueError`` naming the fix for what pp > 1 does not run (yet): a family without stages, the MTP loss, forward-only steps under a V schedule (validation,
     a MoE model's counting pass), micro-batch counts the schedule refuses."""
     p = cfg.parallel
-    if cfg.model.init_from:
-        raise ValueError(f"parallel.pp={p.pp} with model.init_from is not supported yet (the "
-                         f"loaders read whole models); start the run at pp=1 and resume it "
-                         f"at pp={p.pp} from its checkpoint (checkpoints are logical)")
     if family.pipeline_stages is None:
         raise ValueError(f"parallel.pp={p.pp}: the {family.name} family cannot be cut into "
                          f"pipeline stages yet; set parallel.pp=1")
@@ -72,7 +74,32 @@ def build_pipeline(cfg: Config, model_cfg, state: ParallelState, family: Family,
     pipeline = Pipeline(stages, state, schedule=p.pp_schedule,
                         num_microbatches=cfg.data.grad_accum, virtual=p.virtual_stages,
                         device=device)
-    return StagedModel(stages), pipeline
+    model = StagedModel(stages)
+    if cfg.model.init_from:
+        load_stages(model, cfg.model.init_from, family, model_cfg, state)
+    return model, pipeline
+
+
+@torch.no_grad()
+def load_stages(model: StagedModel, folder, family: Family, model_cfg,
+                state: ParallelState) -> None:
+    """Read this rank's parameters from the Hugging Face checkpoint ``folder``: each its pieces
+    of the family's shard map (the table every family's loader and exporter use), expert
+    tensors at ep > 1 this ep rank's rows. The checkpoint's tensor names are checked first,
+    as ``Family.load`` does."""
+    check_tensor_names(folder, family, model_cfg)
+    ckpt = Checkpoint(Path(folder))
+    table = family.shard_map(model_cfg, state.tp, state.tp_rank)
+    experts = expert_param_names(model) if state.ep > 1 else set()
+    for name, param in model.named_parameters():
+        pieces = table[name]
+        local = torch.cat([ckpt.read(piece) for piece in pieces], dim=pieces[0].dim)
+        if name in experts:
+            rows = local.shape[0] // state.ep
+            local = local.narrow(0, state.ep_rank * rows, rows)
+        if local.shape != param.shape:
+            raise AssertionError((name, tuple(local.shape), tuple(param.shape)))
+        param.copy_(local.to(param.dtype))
 
 
 def wrap_stages(model: StagedModel, cfg: Config, state: ParallelState,

@@ -9,6 +9,7 @@ The tp=1 reference runs in this process; each layout group in one gloo spawn.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -17,8 +18,11 @@ import torch.distributed as dist
 
 from mpcore.config import load_config
 from mpcore.data import prepare_default
+from mpcore.launch import prepare_data
 from mpcore.train import train
 from tests.dist.harness import run_distributed
+from tests.dist.test_sft_layouts import sft
+from tests.unit.release_tokenizers import ROWS, make_release
 
 pytestmark = pytest.mark.slow  # several training runs per spawn
 
@@ -137,3 +141,21 @@ def test_moe_training_at_pp2_matches_pp1(runs):
     """qwen3_moe with a weighted load-balancing loss (a global statistic across stages)."""
     _, _, two, _ = runs
     _close(two[0]["pp2_moe"], two[0]["ref_moe"], 1e-5, "pp2_moe")
+
+
+def _sft_pp2(rank, world, tmp):
+    return train(sft(tmp, "pp2", "parallel.pp=2")).losses
+
+
+def test_sft_from_a_release_at_pp2(tmp_path):
+    """model.init_from at pp=2: each rank reads its stage's slices of a Qwen3 release (untied
+    head); chat SFT gives pp=1's losses."""
+    make_release(tmp_path / "release", tie=False)
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS, *ROWS]))
+    assert prepare_data.main(["--chat", "--input", str(source), "--output-prefix",
+                              str(tmp_path / "sft"), "--tokenizer",
+                              str(tmp_path / "release")]) == 0
+    want = train(sft(str(tmp_path), "ref")).losses
+    for got in run_distributed(_sft_pp2, 2, str(tmp_path), timeout=400):
+        _close(got, want, 1e-5, "sft_pp2")
