@@ -17,6 +17,7 @@ averages) and 1 when the gradients are summed here.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -144,3 +145,40 @@ def pipeline_eval(pipeline: Pipeline, state: ParallelState, inputs: list[dict],
     count = global_valid_count([i["labels"] for i in inputs], state.dp_cp_group)
     with autocast:
         return pipeline.step(pipeline.micro_batches(inputs, count), backward=False)
+
+
+class PipelinedScorer:
+    """A model at pp > 1 as score.py calls one: ``scorer(**inputs, output="logprobs",
+    temperature=t)`` -> ``(logprobs [L], entropy [L])`` fp32 of this rank's L local tokens, on
+    every rank of the replica (one micro-batch through the stages; ``Pipeline.scores``).
+    ``cfg`` and ``sequence_parallel`` are the model's, for the family's inputs."""
+
+    def __init__(self, model: StagedModel, state: ParallelState, device: torch.device):
+        self.model, self.cfg = model, model.cfg
+        self.sequence_parallel = model.stages[0].model.sequence_parallel
+        self.pipeline = Pipeline(list(model.stages), state, schedule="GPipe",
+                                 num_microbatches=1, device=device, output="logprobs")
+
+    def __call__(self, *, output: str, temperature: float = 1.0, **inputs):
+        if output != "logprobs":
+            raise ValueError(f"a pipelined model scores log-probs only, got output={output!r}")
+        count = torch.ones((), dtype=torch.int64)  # unused: no loss is formed
+        batches = dataclasses.replace(self.pipeline.micro_batches([inputs], count),
+                                      temperature=temperature)
+        scores = self.pipeline.scores(batches)
+        return scores[0], scores[1]
+
+
+def load_for_scoring(folder, family: Family, cfg, state: ParallelState, device: torch.device,
+                     **options) -> PipelinedScorer:
+    """This pp rank's stage of the checkpoint ``folder`` (placed as GPipe places them: stage s
+    on pp rank s) for score.py, in eval mode. ``options``: the family's build arguments."""
+    if family.pipeline_stages is None:
+        raise ValueError(f"the {family.name} family cannot be cut into pipeline stages yet; "
+                         f"score it with --pp 1")
+    stages = family.stages(cfg, state, schedule="GPipe", device=device, **options)
+    model = StagedModel(stages)
+    load_stages(model, folder, family, cfg, state)
+    for stage in stages:
+        stage.eval()
+    return PipelinedScorer(model, state, device)

@@ -100,6 +100,12 @@ class MicroBatches:
     grad_scale: float = 1.0
     counting: bool = False
     """A counting pass (``Pipeline.step``): stages record their statistics, no loss needed."""
+    output: str = "loss"
+    """The pipeline's output (``Pipeline(output=...)``): ``loss`` or ``logprobs`` (scoring)."""
+    temperature: float = 1.0
+    """Divides the logits (scoring)."""
+    tokens: int = 0
+    """The longest micro-batch's local token count: the width of the scores (scoring)."""
     statistic: torch.Tensor | None = None
     """The step's global statistic from the counting pass (summed over micro-batches, stages
     and dp x cp), e.g. a MoE model's expert loads and router rows; None without one."""
@@ -121,8 +127,9 @@ class PipelineStageModule(nn.Module):
     ``MicroBatches`` and tells each forward which micro-batch it runs.
 
     Subclasses implement ``rows(inputs)`` (the residual stream's local rows of a micro-batch),
-    ``example_io(capacity, device)`` (example input and output tensors: shapes, dtypes and
-    ``requires_grad`` of what the stage takes and gives) and ``forward(x)``: ``x`` is the micro-batch index (int64 ``[1]``) on the
+    ``example_io(capacity, device, output, tokens)`` (example input and output tensors: shapes,
+    dtypes and ``requires_grad`` of what the stage takes and gives; ``output``: the
+    pipeline's, ``loss`` or ``logprobs`` of ``tokens`` local tokens) and ``forward(x)``: ``x`` is the micro-batch index (int64 ``[1]``) on the
     first stage and the previous stage's padded residual stream otherwise; the output is the
     padded residual stream, or on the last stage the micro-batch's loss share ``[1]``."""
 
@@ -190,7 +197,7 @@ class Pipeline:
 
     def __init__(self, modules: list[PipelineStageModule], state: ParallelState, *,
                  schedule: str, num_microbatches: int, virtual: int = 1,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", output: str = "loss"):
         check_virtual(schedule, virtual)
         check_microbatches(schedule, state.pp, num_microbatches)
         self.stage_ids = stage_indices(schedule, state.pp, state.pp_rank, virtual)
@@ -203,7 +210,10 @@ class Pipeline:
         self.num_microbatches, self.num_stages = num_microbatches, state.pp * virtual
         self.device = torch.device(device)
         self.virtual = virtual
-        self._built: dict[int, object] = {}
+        if output not in ("loss", "logprobs"):
+            raise ValueError(f"output must be 'loss' or 'logprobs', got {output!r}")
+        self.output = output
+        self._built: dict[tuple[int, int], object] = {}
         self._evaluators: dict[int, Pipeline] = {}
 
     def evaluator(self, num_microbatches: int) -> Pipeline:
@@ -222,14 +232,17 @@ class Pipeline:
                 num_microbatches=num_microbatches, virtual=self.virtual, device=self.device)
         return self._evaluators[num_microbatches]
 
-    def _schedule(self, capacity: int):
-        if capacity not in self._built:
+    def _schedule(self, batches: MicroBatches):
+        capacity = batches.capacity
+        key = (capacity, batches.tokens if self.output == "logprobs" else 0)
+        if key not in self._built:
             # Static shapes (examples of what each stage takes and gives): torch infers
             # nothing, so no forward runs outside the schedule's (an inference forward would
             # take a micro-batch from the store).
             stages = []
             for m, s in zip(self.modules, self.stage_ids, strict=True):
-                example_in, example_out = m.example_io(capacity, self.device)
+                example_in, example_out = m.example_io(capacity, self.device, self.output,
+                                                       batches.tokens)
                 stages.append(PipelineStage(m, s, self.num_stages, self.device,
                                             input_args=example_in, output_args=example_out,
                                             group=self.state.pp_group))
@@ -242,9 +255,10 @@ class Pipeline:
 
             cls = schedule_class(self.schedule_name)
             one = placement(self.schedule_name) == "single"
-            self._built[capacity] = cls(stages[0] if one else stages, self.num_microbatches,
-                                        loss_fn=loss_fn, scale_grads=False)
-        return self._built[capacity]
+            self._built[key] = cls(stages[0] if one else stages, self.num_microbatches,
+                                        loss_fn=loss_fn if self.output == "loss" else None,
+                                        scale_grads=False)
+        return self._built[key]
 
     def micro_batches(self, inputs: list[dict], count: torch.Tensor,
                       grad_scale: float = 1.0) -> MicroBatches:
@@ -253,7 +267,9 @@ class Pipeline:
         capacity every stage pads to (the same on every rank of the pp group, which sees the
         same micro-batches)."""
         rows = [self.modules[0].rows(i) for i in inputs]
-        return MicroBatches(inputs, count, capacity_for(rows), grad_scale)
+        tokens = max(i["input_ids"].shape[0] for i in inputs)
+        return MicroBatches(inputs, count, capacity_for(rows), grad_scale, output=self.output,
+                            tokens=tokens)
 
     def _count(self, batches: MicroBatches) -> torch.Tensor:
         """The step's statistic (``PipelineStageModule.statistic_size``): a forward-only pass
@@ -281,9 +297,11 @@ class Pipeline:
                              f"per step, got {len(batches)}")
         if max(m.statistic_size for m in self.modules) and backward:
             batches = dataclasses.replace(batches, statistic=self._count(batches))
+        if self.output != "loss":
+            raise ValueError("a scoring pipeline (output='logprobs') runs scores(), not step()")
         for m in self.modules:
             m.begin(batches)
-        schedule = self._schedule(batches.capacity)
+        schedule = self._schedule(batches)
         index = torch.arange(len(batches), device=self.device)
         losses: list[torch.Tensor] = []
         run = schedule.step if backward else schedule.eval
@@ -298,6 +316,30 @@ class Pipeline:
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return total
+
+
+    @torch.no_grad()
+    def scores(self, batches: MicroBatches) -> torch.Tensor:
+        """Forward only, one micro-batch: its per-token ``(logprobs, entropy)`` as fp32
+        ``[2, L]`` (L local tokens, replicated over tp), on every rank of the pp group
+        (broadcast from the last stage's rank). Needs ``output="logprobs"``. The stage shapes
+        are static per capacity, so the scores travel at the micro-batch's own width only
+        after the last stage: the last stage's output is ``[2, tokens]``."""
+        if self.output != "logprobs" or len(batches) != 1 or self.num_microbatches != 1:
+            raise ValueError("scores() runs one micro-batch through a Pipeline built with "
+                             "output='logprobs' and num_microbatches=1")
+        for m in self.modules:
+            m.begin(batches)
+        out = self._schedule(batches).eval(torch.zeros(1, dtype=torch.long,
+                                                                device=self.device))
+        last_rank = [r for r in range(self.state.pp) if self.num_stages - 1 in
+                     stage_indices(self.schedule_name, self.state.pp, r, self.virtual)][0]
+        if self.state.pp_rank != last_rank:
+            out = torch.empty(2, batches.tokens, dtype=torch.float32, device=self.device)
+        if group_size(self.state.pp_group) > 1:
+            dist.broadcast(out, src=dist.get_global_rank(self.state.pp_group, last_rank),
+                           group=self.state.pp_group)
+        return out
 
 
 class AttachLoss(torch.autograd.Function):

@@ -57,10 +57,12 @@ class DecoderStage(PipelineStageModule):
         num = inputs["input_ids"].shape[0]
         return num // self.model.tp if self.model.sequence_parallel else num
 
-    def example_io(self, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_io(self, capacity: int, device, output: str = "loss", tokens: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """What this stage takes (the micro-batch index on the first stage, else the padded
-        residual stream) and gives (the loss share ``[1]`` fp32 on the last stage), for torch's
-        static stage shapes. The stream's dtype: the parameters', or the autocast dtype when
+        residual stream) and gives (on the last stage the loss share ``[1]`` fp32, or with
+        ``output="logprobs"`` the ``(logprobs, entropy)`` ``[2, tokens]`` fp32), for
+        torch's static stage shapes. The stream's dtype: the parameters', or the autocast dtype when
         the model keeps its residual stream in it (``Transformer.residual_dtype``)."""
         dtype = next(self.parameters()).dtype
         autocast = torch.is_autocast_enabled(torch.device(device).type)
@@ -70,6 +72,8 @@ class DecoderStage(PipelineStageModule):
                              requires_grad=True)
         index = torch.zeros(1, dtype=torch.int64, device=device)
         loss = torch.zeros(1, dtype=torch.float32, device=device, requires_grad=True)
+        if output == "logprobs":
+            loss = torch.zeros(2, tokens, dtype=torch.float32, device=device)
         return (index if self.is_first else hidden), (loss if self.is_last else hidden)
 
     def _begin_forward(self, inp: dict, x: torch.Tensor):
@@ -92,6 +96,10 @@ class DecoderStage(PipelineStageModule):
         plan, cos, sin, h = self.model.layer_inputs(h, inp["position_ids"], packing)
         h, delta = self.model.run_layers(h, None, cos, sin, plan)
         extra = self._moe_share()
+        if self.is_last and self.batches.output == "logprobs":  # scoring
+            logprobs, entropy = self.model.finish(h, delta, inp["labels"], "logprobs",
+                                                  self.batches.temperature)
+            return torch.stack([logprobs, entropy]).float()  # (2, L)
         if self.is_last:
             # "loss_sum": the fused head's gradients made in the forward (3 GEMMs, not 4),
             # which a two-pass backward cannot use (``split_backward``).
