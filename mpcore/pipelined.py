@@ -43,6 +43,9 @@ def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
     if family.pipeline_stages is None:
         raise ValueError(f"parallel.pp={p.pp}: the {family.name} family cannot be cut into "
                          f"pipeline stages yet; set parallel.pp=1")
+    if cfg.model.freeze_vision:
+        raise ValueError(f"parallel.pp={p.pp} with model.freeze_vision is not supported yet; "
+                         f"set model.freeze_vision=false or parallel.pp=1")
     if getattr(model_cfg, "uses_mtp", False):
         raise ValueError(f"parallel.pp={p.pp}: the MTP loss is not supported with pipeline "
                          f"parallelism yet; set parallel.pp=1 or model.mtp_loss_weight=0")

@@ -32,12 +32,17 @@ from mpcore.parallel.state import ParallelState
 
 
 class DecoderStage(PipelineStageModule):
-    """One stage of a decoder model (module docstring). ``model``: the stage's ``Transformer``
-    (built with ``keep_layers``); its parameters are this module's, under ``model.``."""
+    """One stage of a model (module docstring). ``model``: the stage's model (built with
+    ``keep_layers``); its parameters are this module's, under ``model.``. ``decoder_of``: the
+    family's accessor of the ``Transformer`` inside (``Family.decoder``; a vision-language
+    model's ``text``), whose layers the stage runs; a model with ``embed`` (the
+    vision-language model) makes the first stage's input rows with it (tower included)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: nn.Module, decoder_of: Callable[[nn.Module], Transformer] | None
+                 = None):
         super().__init__()
         self.model = model
+        self._decoder_of = decoder_of or (lambda m: m)
         # A MoE decoder's blocks on this stage: the load-balancing share of each micro-batch
         # needs the step's expert loads over every layer (a counting pass, mpcore.parallel.pp).
         self.moe_blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
@@ -45,17 +50,21 @@ class DecoderStage(PipelineStageModule):
             self.statistic_size = model.moe_cfg.num_experts + 1  # loads [E], rows
 
     @property
+    def decoder(self) -> Transformer:
+        return self._decoder_of(self.model)
+
+    @property
     def is_first(self) -> bool:
-        return self.model.is_first
+        return self.decoder.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.model.is_last
+        return self.decoder.is_last
 
     def rows(self, inputs: dict) -> int:
         """The residual stream's local rows of a micro-batch: L, or L / tp under SP."""
         num = inputs["input_ids"].shape[0]
-        return num // self.model.tp if self.model.sequence_parallel else num
+        return num // self.decoder.tp if self.decoder.sequence_parallel else num
 
     def example_io(self, capacity: int, device, output: str = "loss", tokens: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,9 +75,9 @@ class DecoderStage(PipelineStageModule):
         the model keeps its residual stream in it (``Transformer.residual_dtype``)."""
         dtype = next(self.parameters()).dtype
         autocast = torch.is_autocast_enabled(torch.device(device).type)
-        if self.model.residual_dtype == "autocast" and autocast:
+        if self.decoder.residual_dtype == "autocast" and autocast:
             dtype = torch.get_autocast_dtype(torch.device(device).type)
-        hidden = torch.zeros(capacity, self.model.cfg.hidden_size, dtype=dtype, device=device,
+        hidden = torch.zeros(capacity, self.decoder.cfg.hidden_size, dtype=dtype, device=device,
                              requires_grad=True)
         index = torch.zeros(1, dtype=torch.int64, device=device)
         loss = torch.zeros(1, dtype=torch.float32, device=device, requires_grad=True)
@@ -77,34 +86,44 @@ class DecoderStage(PipelineStageModule):
         return (index if self.is_first else hidden), (loss if self.is_last else hidden)
 
     def _begin_forward(self, inp: dict, x: torch.Tensor):
-        """``(h, packing)``: the stage's input rows and the micro-batch's attention metadata."""
-        model = self.model
+        """``(h, packing, after_layer)``: the stage's input rows, the micro-batch's attention
+        metadata and (first stage of a model with DeepStack) the hook its layers take."""
+        decoder = self.decoder
+        if self.is_first and hasattr(self.model, "embed"):
+            kwargs = {k: v for k, v in inp.items() if k != "moe_mask"}
+            h, packing, after_layer, deep = self.model.embed(**kwargs, output="loss_sum")
+            stop = max(i for i, _ in decoder.layer_items()) + 1
+            if deep > stop:
+                raise ValueError(f"DeepStack adds visual features after the first {deep} "
+                                 f"decoder layers, but the first pipeline stage holds only "
+                                 f"{stop}; give it at least {deep} (parallel.pp_split)")
+            return h, packing, after_layer
         packing = make_packing(inp["input_ids"].shape[0], inp.get("doc_id"),
                                inp.get("positions_in_doc"), inp.get("cu_seqlens"))
         if self.is_first:
-            model.check_inputs(inp["input_ids"], inp["position_ids"], packing,
-                               inp.get("labels"), "loss_sum")
-            return model.tok_embeddings(inp["input_ids"]), packing
-        return x[:self.rows(inp)], packing
+            decoder.check_inputs(inp["input_ids"], inp["position_ids"], packing,
+                                 inp.get("labels"), "loss_sum")
+            return decoder.tok_embeddings(inp["input_ids"]), packing, None
+        return x[:self.rows(inp)], packing, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         index = self.next_index(x if self.is_first else None)
         inp = self.batches.inputs[index]
         if hasattr(self.model, "set_moe_mask"):  # a MoE decoder: statistics of real tokens
             self.model.set_moe_mask(inp.get("moe_mask"), inp["input_ids"])
-        h, packing = self._begin_forward(inp, x)
-        plan, cos, sin, h = self.model.layer_inputs(h, inp["position_ids"], packing)
-        h, delta = self.model.run_layers(h, None, cos, sin, plan)
+        h, packing, after_layer = self._begin_forward(inp, x)
+        plan, cos, sin, h = self.decoder.layer_inputs(h, inp["position_ids"], packing)
+        h, delta = self.decoder.run_layers(h, None, cos, sin, plan, after_layer)
         extra = self._moe_share()
         if self.is_last and self.batches.output == "logprobs":  # scoring
-            logprobs, entropy = self.model.finish(h, delta, inp["labels"], "logprobs",
+            logprobs, entropy = self.decoder.finish(h, delta, inp["labels"], "logprobs",
                                                   self.batches.temperature)
             return torch.stack([logprobs, entropy]).float()  # (2, L)
         if self.is_last:
             # "loss_sum": the fused head's gradients made in the forward (3 GEMMs, not 4),
             # which a two-pass backward cannot use (``split_backward``).
             out = "loss" if self.split_backward else "loss_sum"
-            total = self.model.finish(h, delta, inp["labels"], out).sum()  # () fp32
+            total = self.decoder.finish(h, delta, inp["labels"], out).sum()  # () fp32
             count = self.batches.count.to(total.device).clamp(min=1).to(total.dtype)
             share = total / count + (0.0 if extra is None else extra)
             return (share * self.batches.grad_scale).reshape(1)
@@ -131,45 +150,41 @@ class DecoderStage(PipelineStageModule):
                 + cfg.router_z_loss_coef * z_share(stats, rows))
 
 
-def build_stages(build: Callable[..., Transformer], cfg, state: ParallelState, *,
+def build_stages(build: Callable[..., nn.Module], cfg, state: ParallelState, *,
                  schedule: str, virtual: int = 1, split: Sequence[int] | None = None,
-                 **options) -> list[DecoderStage]:
-    """This pp rank's stages of a decoder family (``build(cfg, state, keep_layers=..., **options)``
-    is its ``Family.build``), in the order ``pp_schedule.stage_indices`` gives. ``split``:
+                 decoder_of: Callable[[nn.Module], Transformer] | None = None,
+                 text_cfg=None, **options) -> list[DecoderStage]:
+    """This pp rank's stages of a family (``build(cfg, state, keep_layers=..., **options)``
+    is its ``Family.build``; ``decoder_of`` its ``Family.decoder``, ``text_cfg`` its decoder's
+    config when ``cfg`` is not), in the order ``pp_schedule.stage_indices`` gives. ``split``:
     layers per global stage (None: even). ``ValueError`` naming the fix on a tied head (the
     last stage would need the first stage's embedding) or a split that does not fit."""
-    if getattr(cfg, "tie_embeddings", False) and state.pp > 1:
+    text_cfg = text_cfg or cfg  # the decoder's config (a VL config's ``text``)
+    if text_cfg.tie_embeddings and state.pp > 1:
         raise ValueError("tie_embeddings with pp > 1 is not supported: the head on the last "
                          "stage would share the first stage's embedding weight; train with "
                          "pp = 1, or with an untied head (tie_embeddings false)")
-    ranges = split_layers(cfg.num_layers, state.pp * virtual, split)
-    return [DecoderStage(build(cfg, state, keep_layers=ranges[s], **options))
+    ranges = split_layers(text_cfg.num_layers, state.pp * virtual, split)
+    return [DecoderStage(build(cfg, state, keep_layers=ranges[s], **options), decoder_of)
             for s in stage_indices(schedule, state.pp, state.pp_rank, virtual)]
 
 
 class StagedModel(nn.Module):
     """This rank's stages seen as one model under the whole model's parameter names (its
-    ``tok_embeddings``, ``layers.<global index>``, ``norm``, ``output`` where it holds them),
-    for what reads parameters by logical name: the optimizer, checkpoints
-    (``mpcore.logical``), the gradient norm. ``stages``: the ``DecoderStage``s, which the
-    pipeline runs; they are not submodules here (each module is registered once, under its
-    logical name). ``cfg``: the model config."""
+    ``tok_embeddings``, ``layers.<global index>``, ``norm``, ``output``, a VL model's
+    ``text.*`` and ``visual.*``, where it holds them), for what reads parameters by logical
+    name: the optimizer, checkpoints (``mpcore.logical``), the gradient norm. ``stages``: the
+    ``DecoderStage``s, which the pipeline runs; they are not submodules here (each module is
+    registered once, under its logical name). ``cfg``: the model config."""
 
     def __init__(self, stages: list[DecoderStage]):
         super().__init__()
         self.stages = tuple(stages)  # a tuple: not registered as submodules
         self.cfg = stages[0].model.cfg
-        layers = {}
-        for stage in stages:
-            for name, child in stage.model.named_children():
-                if name == "layers":
-                    layers.update(child.items())
-                elif child is not None and not hasattr(self, name):
-                    self.add_module(name, child)
-        self.layers = LayerDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+        _merge_into(self, [s.model for s in stages])
 
     def decoders(self) -> list[Transformer]:
-        return [s.model for s in self.stages]
+        return [s.decoder for s in self.stages]
 
     def fsdp_units(self) -> list[nn.Module]:
         return [unit for s in self.stages for unit in s.model.fsdp_units()]
@@ -177,3 +192,30 @@ class StagedModel(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through its Pipeline (mpcore.parallel.pp), "
                            "not as one module")
+
+
+def _merge_into(target: nn.Module, parts: list[nn.Module]) -> None:
+    """Register under ``target`` the children of ``parts`` (the same model type cut into
+    stages), by name: a child only one part has as it is, ``layers`` dicts as one dict in
+    global order, a child several parts have (a VL model's ``text``) merged the same way."""
+    names = dict.fromkeys(n for p in parts for n, c in p.named_children() if c is not None)
+    for name in names:
+        children = [c for p in parts if (c := getattr(p, name, None)) is not None]
+        if name == "layers" and isinstance(children[0], LayerDict):
+            items = [kv for c in children for kv in c.items()]
+            target.add_module(name, LayerDict(dict(sorted(items, key=lambda kv: int(kv[0])))))
+        elif len(children) == 1 or all(c is children[0] for c in children):
+            target.add_module(name, children[0])
+        elif any(True for _ in children[0].parameters()):
+            holder = nn.Module()
+            _merge_into(holder, children)
+            target.add_module(name, holder)
+        else:  # parameter-free (RoPE tables): any one of them
+            target.add_module(name, children[0])
+
+
+def build_vl_stages(build: Callable[..., nn.Module], cfg, state: ParallelState,
+                    **kwargs) -> list[DecoderStage]:
+    """``build_stages`` of a vision-language family: the layers are its decoder's
+    (``cfg.text``); the first stage also holds the tower."""
+    return build_stages(build, cfg, state, text_cfg=cfg.text, **kwargs)

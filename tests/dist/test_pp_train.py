@@ -17,11 +17,12 @@ import pytest
 import torch.distributed as dist
 
 from mpcore.config import load_config
-from mpcore.data import prepare_default
+from mpcore.data import prepare_default, prepare_vl_default
 from mpcore.launch import prepare_data
 from mpcore.train import train
 from tests.dist.harness import run_distributed
 from tests.dist.test_sft_layouts import sft
+from tests.dist.test_vl_train import tiny as vl_tiny
 from tests.unit.release_tokenizers import ROWS, make_release
 
 pytestmark = pytest.mark.slow  # several training runs per spawn
@@ -159,3 +160,16 @@ def test_sft_from_a_release_at_pp2(tmp_path):
     want = train(sft(str(tmp_path), "ref")).losses
     for got in run_distributed(_sft_pp2, 2, str(tmp_path), timeout=400):
         _close(got, want, 1e-5, "sft_pp2")
+
+
+def _vl_pp2(rank, world, tmp):
+    return train(vl_tiny(tmp, "vl_pp2", "parallel.pp=2")).losses
+
+
+def test_vl_training_at_pp2_matches_pp1(tmp_path):
+    """qwen2_vl (the tower on the first stage, its rows scattered into the first stage's
+    embedding) on the shipped images blended with text, 2 micro-batches a step."""
+    prepare_vl_default(tmp_path / "data", 512)
+    want = train(vl_tiny(str(tmp_path), "vl_ref")).losses
+    for got in run_distributed(_vl_pp2, 2, str(tmp_path), timeout=400):
+        _close(got, want, 1e-5, "vl_pp2")
