@@ -310,7 +310,8 @@ def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
     names = {id(param): name for name, param in model.named_parameters()}
     optimizer = build_optimizer(model, cfg, device.type)
     fsdp = state.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"
-    grad_norm = GradNorm(model, names, layout, state.tp_pp_group, fsdp, device)
+    grad_norm = GradNorm(model, names, layout, state.tp_pp_group, fsdp, device,
+                         skip=model.norm_duplicates() if pipeline else ())
     train_state = TrainState(model, optimizer, layout, state, tracker, device)
     return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,
                train_state, tracker, valid_loader, summary, family or family_of(model_cfg),

@@ -145,6 +145,12 @@ class PipelineStageModule(nn.Module):
     dp x cp into ``MicroBatches.statistic`` before the step (a MoE model's expert loads: the
     load-balancing loss of each micro-batch needs the whole step's)."""
 
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Parameters this stage holds a copy of whose other copy is on the other end of the
+        pipeline (a tied head's embedding weight): ``Pipeline.step`` sums their gradients over
+        ``state.pp_ends_group``. None by default."""
+        return []
+
     def begin(self, batches: MicroBatches) -> None:
         self.batches, self.calls, self.last_index = batches, 0, -1
         self.recorded: torch.Tensor | None = None
@@ -311,12 +317,26 @@ class Pipeline:
         for m in self.modules:  # loss terms of stages that do not end the pipeline
             if m.attached is not None:
                 total = total + m.attached
+        if backward:
+            self._sum_tied()
         total = total / batches.grad_scale
         for group in (self.state.pp_group, self.state.dp_cp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return total
 
+
+    @torch.no_grad()
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters held on both ends of the pipeline (a tied head):
+        both copies then get the same update and stay equal. Collective over the ends."""
+        tied = [p for m in self.modules for p in m.tied_parameters()]
+        if self.state.pp_rank not in (0, self.state.pp - 1) or self.state.pp == 1:
+            return
+        for param in tied:
+            grad = param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: the shard
+            dist.all_reduce(local, group=self.state.pp_ends_group)
 
     @torch.no_grad()
     def scores(self, batches: MicroBatches) -> torch.Tensor:

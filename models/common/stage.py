@@ -43,11 +43,16 @@ class DecoderStage(PipelineStageModule):
         super().__init__()
         self.model = model
         self._decoder_of = decoder_of or (lambda m: m)
+        self.tied_head = False  # holds one end's copy of a tied head's embedding (_tie_head)
         # A MoE decoder's blocks on this stage: the load-balancing share of each micro-batch
         # needs the step's expert loads over every layer (a counting pass, mpcore.parallel.pp).
         self.moe_blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
         if hasattr(model, "moe_cfg"):
             self.statistic_size = model.moe_cfg.num_experts + 1  # loads [E], rows
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        # Looked up each time: FSDP2 replaces the parameter objects when it shards them.
+        return [self.decoder.tok_embeddings.weight] if self.tied_head else []
 
     @property
     def decoder(self) -> Transformer:
@@ -92,7 +97,7 @@ class DecoderStage(PipelineStageModule):
         if self.is_first and hasattr(self.model, "embed"):
             kwargs = {k: v for k, v in inp.items() if k != "moe_mask"}
             h, packing, after_layer, deep = self.model.embed(**kwargs, output="loss_sum")
-            stop = max(i for i, _ in decoder.layer_items()) + 1
+            stop = max(i for i, _ in decoder.layer_items()) + 1  # first stage: from layer 0
             if deep > stop:
                 raise ValueError(f"DeepStack adds visual features after the first {deep} "
                                  f"decoder layers, but the first pipeline stage holds only "
@@ -157,16 +162,30 @@ def build_stages(build: Callable[..., nn.Module], cfg, state: ParallelState, *,
     """This pp rank's stages of a family (``build(cfg, state, keep_layers=..., **options)``
     is its ``Family.build``; ``decoder_of`` its ``Family.decoder``, ``text_cfg`` its decoder's
     config when ``cfg`` is not), in the order ``pp_schedule.stage_indices`` gives. ``split``:
-    layers per global stage (None: even). ``ValueError`` naming the fix on a tied head (the
-    last stage would need the first stage's embedding) or a split that does not fit."""
+    layers per global stage (None: even); ``ValueError`` naming the numbers when it does not
+    fit. A tied head: ``_tie_head``."""
     text_cfg = text_cfg or cfg  # the decoder's config (a VL config's ``text``)
-    if text_cfg.tie_embeddings and state.pp > 1:
-        raise ValueError("tie_embeddings with pp > 1 is not supported: the head on the last "
-                         "stage would share the first stage's embedding weight; train with "
-                         "pp = 1, or with an untied head (tie_embeddings false)")
     ranges = split_layers(text_cfg.num_layers, state.pp * virtual, split)
-    return [DecoderStage(build(cfg, state, keep_layers=ranges[s], **options), decoder_of)
-            for s in stage_indices(schedule, state.pp, state.pp_rank, virtual)]
+    ids = stage_indices(schedule, state.pp, state.pp_rank, virtual)
+    stages = [DecoderStage(build(cfg, state, keep_layers=ranges[s], **options), decoder_of)
+              for s in ids]
+    if text_cfg.tie_embeddings and state.pp > 1:
+        _tie_head(stages, ids, len(ranges))
+    return stages
+
+
+def _tie_head(stages: list[DecoderStage], ids: list[int], num_stages: int) -> None:
+    """A tied head at pp > 1: the last stage's embedding copy (same name, same initial value)
+    is the first stage's module when this rank holds both (a V schedule); otherwise each end
+    marks its copy, whose gradients the pipeline sums over the two ends."""
+    first = stages[ids.index(0)] if 0 in ids else None
+    last = stages[ids.index(num_stages - 1)] if num_stages - 1 in ids else None
+    if first is not None and last is not None:
+        last.decoder.tok_embeddings = first.decoder.tok_embeddings
+        return
+    for stage in (first, last):
+        if stage is not None:
+            stage.tied_head = True
 
 
 class StagedModel(nn.Module):
@@ -182,6 +201,13 @@ class StagedModel(nn.Module):
         self.stages = tuple(stages)  # a tuple: not registered as submodules
         self.cfg = stages[0].model.cfg
         _merge_into(self, [s.model for s in stages])
+
+    def norm_duplicates(self) -> list[nn.Parameter]:
+        """Parameters the gradient norm must leave out here because another pp rank holds the
+        same weight: the last stage's copy of a tied head's embedding (the first stage's
+        counts)."""
+        return [p for s in self.stages if s.is_last and not s.is_first
+                for p in s.tied_parameters()]
 
     def decoders(self) -> list[Transformer]:
         return [s.decoder for s in self.stages]

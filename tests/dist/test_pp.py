@@ -99,3 +99,13 @@ def test_qwen3_moe_with_global_aux_loss():
                 num_microbatches=4, steps=2)
     _check(case, 2)
     _check(dict(case, schedule="1F1B", virtual=1, ep=2, dp=2), 4)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2),
+                                               ("ZBVZeroBubble", 2)])
+def test_tied_head(schedule, virtual):
+    """A tied head: the last stage's embedding copy and the first stage's sum their gradients
+    over the two ends (or are one module when a V schedule puts both on rank 0); each holder's
+    gradient is the one-process one, and the norm counts the weight once."""
+    tied = ModelConfig(**{**LLAMA.__dict__, "tie_embeddings": True})
+    _check(_case(schedule, virtual=virtual, cfg=tied), 2)

@@ -60,8 +60,13 @@ MOE = ["model.family=qwen3_moe", "model.moe.num_experts=4", "model.moe.num_exper
        "model.moe.moe_intermediate_size=32", "model.moe.router_aux_loss_coef=0.05"]
 
 
+TIED = ["model.tie_embeddings=true"]
+
+
 def _two(rank, world, tmp):
     out = {"pp2_moe": train(tiny(tmp, "pp2_moe", "parallel.pp=2", *MOE)).losses}
+    tied = train(tiny(tmp, "pp2_tied", "parallel.pp=2", *TIED))
+    out["pp2_tied"] = (tied.losses, tied.grad_norms)
     for name, overrides in TWO.items():
         result = train(tiny(tmp, name, *overrides))
         out[name] = (result.losses, result.grad_norms)
@@ -87,6 +92,8 @@ def runs(tmp_path_factory):
     two = run_distributed(_two, 2, str(tmp), timeout=600)
     four = run_distributed(_four, 4, str(tmp), timeout=600)
     two[0]["ref_moe"] = ref_moe
+    tied = train(tiny(tmp, "ref_tied", *TIED))
+    two[0]["ref_tied"] = (tied.losses, tied.grad_norms)
     return tmp, (ref.losses, ref.grad_norms), two, four
 
 
@@ -173,3 +180,13 @@ def test_vl_training_at_pp2_matches_pp1(tmp_path):
     want = train(vl_tiny(str(tmp_path), "vl_ref")).losses
     for got in run_distributed(_vl_pp2, 2, str(tmp_path), timeout=400):
         _close(got, want, 1e-5, "vl_pp2")
+
+
+def test_tied_head_at_pp2_matches_pp1(runs):
+    """A tied head: the two copies of the embedding (first and last stage) sum their gradients,
+    and the gradient norm (grad_clip active) counts the weight once."""
+    _, _, two, _ = runs
+    (losses, norms), (want_losses, want_norms) = two[0]["pp2_tied"], two[0]["ref_tied"]
+    _close(losses, want_losses, 1e-5, "pp2_tied")
+    _close(norms[:1], want_norms[:1], 1e-6, "pp2_tied norm")
+    _close(norms, want_norms, 1e-4, "pp2_tied norms")

@@ -139,13 +139,24 @@ def test_stage_holds_embedding_first_and_head_last():
     assert [i for i, _ in last.layer_items()] == [3, 4]
 
 
-def test_bad_keep_layers_and_tied_head_refused():
+def test_bad_keep_layers_refused():
     with pytest.raises(ValueError, match=r"inside \[0, 5\)"):
         build_model(CFG, ParallelState(), keep_layers=range(3, 7))
+
+
+def test_tied_head_copies_the_embedding_to_the_last_stage():
     tied = ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
-    state = ParallelState(pp=2, pp_rank=0)
-    with pytest.raises(ValueError, match="tie_embeddings with pp > 1"):
-        build_stages(build_model, tied, state, schedule="1F1B")
+    first = build_stages(build_model, tied, ParallelState(pp=2, pp_rank=0), schedule="1F1B",
+                         seed=4)[0]
+    last = build_stages(build_model, tied, ParallelState(pp=2, pp_rank=1), schedule="1F1B",
+                        seed=4)[0]
+    assert torch.equal(first.decoder.tok_embeddings.weight, last.decoder.tok_embeddings.weight)
+    assert first.tied_parameters() and last.tied_parameters()  # summed over the two ends
+    # a V schedule puts both ends on rank 0: one module, nothing to sum
+    v = build_stages(build_model, tied, ParallelState(pp=2, pp_rank=0),
+                     schedule="ZBVZeroBubble", virtual=2)
+    assert v[0].decoder.tok_embeddings is v[1].decoder.tok_embeddings
+    assert not v[0].tied_parameters() and not v[1].tied_parameters()
 
 
 def test_forward_only_refused_under_a_v_schedule():
