@@ -109,8 +109,9 @@ def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelStat
     p = cfg.parallel
     dp_cp = world // (p.tp * p.pp)
     if dp_cp % p.ep:
+        pp = f" / pp {p.pp}" if p.pp > 1 else ""
         raise ValueError(f"{source}: parallel.ep={p.ep} must divide dp x cp = {dp_cp} (world "
-                         f"{world} / tp {p.tp} / pp {p.pp}); choose an ep that divides {dp_cp}")
+                         f"{world} / tp {p.tp}{pp}); choose an ep that divides {dp_cp}")
     return ParallelState.build(p.tp, p.cp, ep=p.ep, pp=p.pp)
 
 

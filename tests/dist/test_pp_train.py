@@ -190,3 +190,13 @@ def test_tied_head_at_pp2_matches_pp1(runs):
     _close(losses, want_losses, 1e-5, "pp2_tied")
     _close(norms[:1], want_norms[:1], 1e-6, "pp2_tied norm")
     _close(norms, want_norms, 1e-4, "pp2_tied norms")
+
+
+def test_tied_pp2_checkpoint_resumes_at_pp1(runs):
+    """Both ends saved the tied embedding under its one logical name; pp = 1 reads it back."""
+    tmp, _, two, _ = runs
+    folder = tmp / "pp1_from_pp2_tied" / "checkpoints"
+    shutil.copytree(tmp / "pp2_tied" / "checkpoints" / f"step-{SAVE_AT}",
+                    folder / f"step-{SAVE_AT}")
+    result = train(tiny(tmp, "pp1_from_pp2_tied", *TIED))
+    _close(result.losses, two[0]["ref_tied"][0][SAVE_AT:], 1e-5, "pp1_from_pp2_tied")
