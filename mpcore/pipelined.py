@@ -33,7 +33,7 @@ from mpcore.models.common.stage import StagedModel
 from mpcore.parallel.loss import global_valid_count
 from mpcore.parallel.pp import EVAL_SCHEDULES, Pipeline
 from mpcore.parallel.pp_schedule import check_microbatches, placement
-from mpcore.parallel.state import ParallelState
+from mpcore.parallel.state import ParallelState, group_size
 
 
 def check_pipeline(cfg: Config, model_cfg, family: Family) -> None:
@@ -185,3 +185,26 @@ def load_for_scoring(folder, family: Family, cfg, state: ParallelState, device: 
     for stage in stages:
         stage.eval()
     return PipelinedScorer(model, state, device)
+
+
+class PipelineMoeStep:
+    """The last pipelined step's MoE metrics, as ``mpcore.moe_step.MoeStep.metrics`` gives them
+    at pp = 1: the global unweighted aux and z losses (each stage's layers' shares, summed over
+    stages and dp x cp), tokens per expert (the counting pass's loads) and dropped tokens.
+    ``metrics()`` is collective over pp and dp x cp: call it where the trainer logs."""
+
+    def __init__(self, pipeline: Pipeline, state: ParallelState):
+        self.state = state
+        terms = [t for m in pipeline.modules if (t := getattr(m, "moe_terms", None)) is not None]
+        self.terms = torch.stack(terms).sum(0) if terms else torch.zeros(3, device=pipeline.device)
+        self.counts = pipeline.last_statistic[:-1]
+
+    def metrics(self) -> dict:
+        total = self.terms.clone()
+        for group in (self.state.pp_group, self.state.dp_cp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        aux, z, dropped = total.tolist()
+        return {"aux_loss": aux, "z_loss": z,
+                "expert_load": [int(c) for c in self.counts.tolist()],
+                "dropped_tokens": int(dropped)}

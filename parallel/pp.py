@@ -221,6 +221,7 @@ class Pipeline:
         self.output = output
         self._built: dict[tuple[int, int], object] = {}
         self._evaluators: dict[int, Pipeline] = {}
+        self.last_statistic: torch.Tensor | None = None  # the last step's (counting pass)
 
     def evaluator(self, num_microbatches: int) -> Pipeline:
         """The same stages, placed the same way, for forward-only steps of
@@ -303,6 +304,7 @@ class Pipeline:
                              f"per step, got {len(batches)}")
         if max(m.statistic_size for m in self.modules) and backward:
             batches = dataclasses.replace(batches, statistic=self._count(batches))
+            self.last_statistic = batches.statistic
         if self.output != "loss":
             raise ValueError("a scoring pipeline (output='logprobs') runs scores(), not step()")
         for m in self.modules:

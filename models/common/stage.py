@@ -151,8 +151,16 @@ class DecoderStage(PipelineStageModule):
             return None
         counts, rows = self.batches.statistic[:-1], self.batches.statistic[-1]
         cfg = self.model.moe_cfg
-        return (cfg.router_aux_loss_coef * aux_share(stats, counts, rows)
-                + cfg.router_z_loss_coef * z_share(stats, rows))
+        aux, z = aux_share(stats, counts, rows), z_share(stats, rows)
+        # The step's unweighted terms and dropped tokens, for the trainer's metrics.
+        terms = torch.stack([aux.detach(), z.detach(),
+                             torch.tensor(float(stats.dropped), device=aux.device)])
+        self.moe_terms = terms if self.moe_terms is None else self.moe_terms + terms
+        return cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
+
+    def begin(self, batches) -> None:
+        super().begin(batches)
+        self.moe_terms = None  # aux, z, dropped tokens of this step's MoE layers (_moe_share)
 
 
 def build_stages(build: Callable[..., nn.Module], cfg, state: ParallelState, *,

@@ -146,9 +146,16 @@ def test_pp_refusals_name_the_fix(tmp_path):
 
 
 def test_moe_training_at_pp2_matches_pp1(runs):
-    """qwen3_moe with a weighted load-balancing loss (a global statistic across stages)."""
-    _, _, two, _ = runs
+    """qwen3_moe with a weighted load-balancing loss (a global statistic across stages); the
+    logged MoE metrics (aux and z loss, expert loads) of the last step are pp = 1's."""
+    tmp, _, two, _ = runs
     _close(two[0]["pp2_moe"], two[0]["ref_moe"], 1e-5, "pp2_moe")
+    rows = [json.loads((tmp / run / "metrics.jsonl").read_text().splitlines()[-1])
+            for run in ("pp2_moe", "ref_moe")]
+    assert rows[0]["step"] == rows[1]["step"] == STEPS
+    _close([rows[0]["aux_loss"], rows[0]["z_loss"] + 1.0],
+           [rows[1]["aux_loss"], rows[1]["z_loss"] + 1.0], 1e-5, "moe metrics")
+    assert rows[0]["expert_load"] == rows[1]["expert_load"]
 
 
 def _sft_pp2(rank, world, tmp):
