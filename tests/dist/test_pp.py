@@ -88,6 +88,7 @@ def test_forward_only_any_count(schedule, virtual):
 
 
 
+@pytest.mark.slow  # 20 s: a 2-rank and a 4-rank run
 def test_qwen3_moe_with_global_aux_loss():
     """Experts in the sparse layers of both stages (layer 1 dense), ep=2 over dp=2 at pp=2 on 4
     ranks, and pp=2 alone: the load-balancing loss (a statistic of every micro-batch, stage
