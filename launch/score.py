@@ -51,6 +51,7 @@ from mpcore.launch.score_output import check_paths, lock_output, write_output
 from mpcore.models import Family, describe_kernels, family_of, family_of_hf, read_hf_config
 from mpcore.models.common.hybrid.mtp import MTP_KEYS, MtpOutput
 from mpcore.parallel.state import ParallelState
+from mpcore.pipelined import load_for_scoring
 from mpcore.processes import (
     EXIT_USER_ERROR,
     exit_with_parent,
@@ -197,7 +198,7 @@ def gather_in_order(results: list[dict], mine: list[int], state: ParallelState,
     """Rank 0 gets every replica's ``results`` (for input indices ``mine``) in input order."""
     if not dist.is_initialized():
         return results
-    lead = state.tp_rank == 0 and state.cp_rank == 0  # one sender per replica
+    lead = state.tp_rank == 0 and state.cp_rank == 0 and state.pp_rank == 0  # one per replica
     payload = list(zip(mine, results, strict=True)) if lead else None
     gathered = [None] * dist.get_world_size() if state.rank == 0 else None
     dist.gather_object(payload, gathered, dst=0)
@@ -229,6 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="expert-parallel degree of a MoE checkpoint (default 1): its "
                              "experts split over ep ranks of the dp x cp ranks; ep must divide "
                              "processes / tp")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel degree (default 1): the decoder's layers cut "
+                             "into pp stages on pp blocks of tp * cp * dp ranks (text "
+                             "families; not with --mtp)")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring",
                         help="context-parallel attention when cp > 1 (default ring; ulysses "
                              "needs heads divisible by cp)")
@@ -283,9 +288,14 @@ def load_model(args: argparse.Namespace, state: ParallelState, device: torch.dev
             cfg = cfg.with_mtp_weight(1.0)
         except ValueError as e:
             raise ValueError(f"--mtp: {args.hf_checkpoint}: {e}") from None
-    model, _ = family.load(args.hf_checkpoint, state, cfg, cp_mode=args.cp_mode,
-                           sequence_parallel=args.sequence_parallel, device=device,
-                           dtype=DTYPES[args.dtype], **mtp)
+    options = dict(cp_mode=args.cp_mode, sequence_parallel=args.sequence_parallel,
+                   device=device, dtype=DTYPES[args.dtype])
+    if state.pp > 1:
+        if args.mtp:
+            raise ValueError("--mtp scores the MTP head, which reads the embedding and the "
+                             "last hidden state: run it with --pp 1")
+        return load_for_scoring(args.hf_checkpoint, family, cfg, state, **options)
+    model, _ = family.load(args.hf_checkpoint, state, cfg, **options, **mtp)
     return model.eval()
 
 
@@ -310,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     device, store = setup()
     lock = None
     try:
-        state = ParallelState.build(args.tp, args.cp, ep=args.ep)
+        state = ParallelState.build(args.tp, args.cp, ep=args.ep, pp=args.pp)
         lock = claim_output(args, state)
         spec = checkpoint_spec(args.hf_checkpoint, args.ep)
         items = read_input(args.input, spec)  # every rank: the same checks, before any compute
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             videos = sum(i.num_videos for i in items)
             print(f"score.py: scored {len(items)} sequences ({tokens} tokens, {images} images, "
                   f"{videos} videos) "
-                  f"at tp={state.tp} cp={state.cp} ({args.cp_mode}) dp={state.dp} "
+                  f"at tp={state.tp} cp={state.cp} ({args.cp_mode}) pp={state.pp} dp={state.dp} "
                   f"{args.dtype} in {time.perf_counter() - start:.2f} s -> {args.output}",
                   flush=True)
     except ValueError as e:  # the same error on every rank, or on some: printed once

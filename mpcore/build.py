@@ -109,8 +109,9 @@ def _expert_parallel_state(cfg: Config, world: int, source: str) -> ParallelStat
     p = cfg.parallel
     dp_cp = world // (p.tp * p.pp)
     if dp_cp % p.ep:
+        pp = f" / pp {p.pp}" if p.pp > 1 else ""
         raise ValueError(f"{source}: parallel.ep={p.ep} must divide dp x cp = {dp_cp} (world "
-                         f"{world} / tp {p.tp} / pp {p.pp}); choose an ep that divides {dp_cp}")
+                         f"{world} / tp {p.tp}{pp}); choose an ep that divides {dp_cp}")
     return ParallelState.build(p.tp, p.cp, ep=p.ep, pp=p.pp)
 
 
@@ -314,7 +315,8 @@ def assemble(cfg: Config, model_cfg, state: ParallelState, device: torch.device,
     names = {id(param): name for name, param in model.named_parameters()}
     optimizer = build_optimizer(model, cfg, device.type)
     fsdp = state.dp_cp > 1 and cfg.parallel.data_parallel == "fsdp"
-    grad_norm = GradNorm(model, names, layout, state.tp_pp_group, fsdp, device)
+    grad_norm = GradNorm(model, names, layout, state.tp_pp_group, fsdp, device,
+                         skip=model.norm_duplicates() if pipeline else ())
     train_state = TrainState(model, optimizer, layout, state, tracker, device)
     return Run(cfg, model_cfg, state, device, model, module, optimizer, grad_norm, loader,
                train_state, tracker, valid_loader, summary, family or family_of(model_cfg),

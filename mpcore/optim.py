@@ -20,6 +20,7 @@ disjoint dim-0 slice). One all-gather of one fp32 scalar per rank per step, summ
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -191,13 +192,19 @@ class GradNorm:
     """The true global gradient norm of ``model`` (module docstring) and clipping by it.
 
     ``names``: parameter object id -> our parameter name (the logical layout's key).
+    ``skip``: parameters left out of the norm, still clipped (a pipeline's second copy of a
+    tied head's embedding).
     ``fsdp``: parameters are FSDP2 DTensors sharded on dim 0 over dp x cp (sum over the world);
     otherwise gradients are whole per tp rank (sum over ``tp_group``).
     """
 
     def __init__(self, model: nn.Module, names: dict[int, str], layout: LogicalLayout,
-                 tp_group: ProcessGroup | None, fsdp: bool, device: torch.device):
+                 tp_group: ProcessGroup | None, fsdp: bool, device: torch.device,
+                 skip: Iterable[nn.Parameter] = ()):
+        # Every parameter is clipped; a weight another rank also holds (pipeline) is not
+        # counted in the norm twice.
         self.params = [p for p in model.parameters() if p.requires_grad]
+        skipped = {id(p) for p in skip}
         self.group = None if fsdp else tp_group
         self.world_reduce = fsdp
         self.device = device
@@ -207,6 +214,8 @@ class GradNorm:
         self.uniform: dict[float, list[nn.Parameter]] = {}
         self.weighted: list[tuple[nn.Parameter, torch.Tensor]] = []
         for p in self.params:
+            if id(p) in skipped:
+                continue
             name = names[id(p)]
             w = layout.norm_weight(name)
             if bool((w == w[0]).all()):

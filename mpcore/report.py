@@ -121,7 +121,7 @@ def validation_loss(run: Run) -> float:
                               and run.cfg.training.dtype == "bfloat16")
     if run.pipeline is not None:  # pp > 1: forward only through the stages
         inputs = [{k: v for k, v in inp.items() if k not in MTP_KEYS} for inp in inputs]
-        return float(pipeline_eval(run.pipeline.with_microbatches(num), s, inputs, autocast))
+        return float(pipeline_eval(run.pipeline.evaluator(num), s, inputs, autocast))
     total = torch.zeros((), dtype=torch.float32, device=run.device)
     run.module.eval()
     try:

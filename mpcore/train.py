@@ -69,7 +69,7 @@ from mpcore.moe_step import MoeStep, moe_record
 from mpcore.optim import decides_on_device, lr_at, set_lr
 from mpcore.parallel import global_valid_count
 from mpcore.parallel.loss import sum_over_group
-from mpcore.pipelined import pipeline_step
+from mpcore.pipelined import PipelineMoeStep, pipeline_step
 from mpcore.report import Clock, startup_block, validation_loss
 from mpcore.resume_check import check_resume, data_fingerprint
 from mpcore.rundir import RunLock, claim_run_dir, rewrite_metrics
@@ -310,7 +310,10 @@ class Trainer:
         if run.pipeline is not None:  # pp > 1: the stages under torch's schedule
             fsdp = s.dp_cp > 1 and self.cfg.parallel.data_parallel == "fsdp"
             with self.te_region():
-                return pipeline_step(run.pipeline, run.model, s, inputs, autocast, fsdp)
+                loss = pipeline_step(run.pipeline, run.model, s, inputs, autocast, fsdp)
+            self.last_moe = PipelineMoeStep(run.pipeline, s) if (
+                run.pipeline.last_statistic is not None) else None
+            return loss
         count = global_valid_count([i["labels"] for i in inputs], s.dp_cp_group)
         mtp = MtpTerm.start(inputs, run.model_cfg, s.dp_cp_group, run.device)
         total = torch.zeros((), dtype=torch.float32, device=run.device)

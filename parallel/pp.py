@@ -31,8 +31,8 @@ last stage have any) and over dp x cp.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,11 @@ from mpcore.parallel.pp_schedule import (
     stage_indices,
 )
 from mpcore.parallel.state import ParallelState, group_size
+
+# A forward-only schedule per placement (pp_schedule) that takes any micro-batch count. None
+# for the V placement: torch's V schedules fail forward-only (ZBVZeroBubble's eval asks its
+# stages for a backward input they never made) and no other torch schedule places stages so.
+EVAL_SCHEDULES = {"single": "GPipe", "loop": "LoopedBFS", "v": None}
 
 
 def split_layers(num_layers: int, num_stages: int,
@@ -77,7 +82,7 @@ def split_layers(num_layers: int, num_stages: int,
     return [range(a, a + c) for a, c in zip(starts, counts, strict=True)]
 
 
-@dataclass
+@dataclasses.dataclass
 class MicroBatches:
     """One step's micro-batches as this rank's stages read them (module docstring).
 
@@ -93,6 +98,17 @@ class MicroBatches:
     count: torch.Tensor
     capacity: int
     grad_scale: float = 1.0
+    counting: bool = False
+    """A counting pass (``Pipeline.step``): stages record their statistics, no loss needed."""
+    output: str = "loss"
+    """The pipeline's output (``Pipeline(output=...)``): ``loss`` or ``logprobs`` (scoring)."""
+    temperature: float = 1.0
+    """Divides the logits (scoring)."""
+    tokens: int = 0
+    """The longest micro-batch's local token count: the width of the scores (scoring)."""
+    statistic: torch.Tensor | None = None
+    """The step's global statistic from the counting pass (summed over micro-batches, stages
+    and dp x cp), e.g. a MoE model's expert loads and router rows; None without one."""
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -111,8 +127,9 @@ class PipelineStageModule(nn.Module):
     ``MicroBatches`` and tells each forward which micro-batch it runs.
 
     Subclasses implement ``rows(inputs)`` (the residual stream's local rows of a micro-batch),
-    ``example_io(capacity, device)`` (example input and output tensors: shapes, dtypes and
-    ``requires_grad`` of what the stage takes and gives) and ``forward(x)``: ``x`` is the micro-batch index (int64 ``[1]``) on the
+    ``example_io(capacity, device, output, tokens)`` (example input and output tensors: shapes,
+    dtypes and ``requires_grad`` of what the stage takes and gives; ``output``: the
+    pipeline's, ``loss`` or ``logprobs`` of ``tokens`` local tokens) and ``forward(x)``: ``x`` is the micro-batch index (int64 ``[1]``) on the
     first stage and the previous stage's padded residual stream otherwise; the output is the
     padded residual stream, or on the last stage the micro-batch's loss share ``[1]``."""
 
@@ -121,8 +138,37 @@ class PipelineStageModule(nn.Module):
     in two passes (input, then weight gradients), so no kernel may hand out gradients it
     computed in the forward."""
 
+    statistic_size = 0
+    """Length of the statistic of the whole step this stage's loss needs before the step
+    (0: none). A stage that has one records a ``[statistic_size]`` fp32 tensor per forward of
+    a counting pass (``record``); ``Pipeline.step`` sums them over micro-batches, stages and
+    dp x cp into ``MicroBatches.statistic`` before the step (a MoE model's expert loads: the
+    load-balancing loss of each micro-batch needs the whole step's)."""
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Parameters this stage holds a copy of whose other copy is on the other end of the
+        pipeline (a tied head's embedding weight): ``Pipeline.step`` sums their gradients over
+        ``state.pp_ends_group``. None by default."""
+        return []
+
     def begin(self, batches: MicroBatches) -> None:
         self.batches, self.calls, self.last_index = batches, 0, -1
+        self.recorded: torch.Tensor | None = None
+        self.attached: torch.Tensor | None = None
+
+    def attach(self, h: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
+        """``attach_loss(h, loss)``, and ``loss`` counted in the step's reported loss
+        (``Pipeline.step`` adds what every stage attached)."""
+        if loss is None:
+            return h
+        value = loss.detach().float().reshape(())
+        self.attached = value if self.attached is None else self.attached + value
+        return attach_loss(h, loss)
+
+    def record(self, value: torch.Tensor) -> None:
+        """Add one forward's statistic (counting pass)."""
+        value = value.detach().float()
+        self.recorded = value if self.recorded is None else self.recorded + value
 
     def next_index(self, x: torch.Tensor | None = None) -> int:
         """The micro-batch of this forward (module docstring of ``mpcore.parallel.pp``); ``x``:
@@ -157,7 +203,7 @@ class Pipeline:
 
     def __init__(self, modules: list[PipelineStageModule], state: ParallelState, *,
                  schedule: str, num_microbatches: int, virtual: int = 1,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", output: str = "loss"):
         check_virtual(schedule, virtual)
         check_microbatches(schedule, state.pp, num_microbatches)
         self.stage_ids = stage_indices(schedule, state.pp, state.pp_rank, virtual)
@@ -170,28 +216,40 @@ class Pipeline:
         self.num_microbatches, self.num_stages = num_microbatches, state.pp * virtual
         self.device = torch.device(device)
         self.virtual = virtual
-        self._built: dict[int, object] = {}
-        self._other_counts: dict[int, Pipeline] = {}
+        if output not in ("loss", "logprobs"):
+            raise ValueError(f"output must be 'loss' or 'logprobs', got {output!r}")
+        self.output = output
+        self._built: dict[tuple[int, int], object] = {}
+        self._evaluators: dict[int, Pipeline] = {}
+        self.last_statistic: torch.Tensor | None = None  # the last step's (counting pass)
 
-    def with_microbatches(self, num_microbatches: int) -> Pipeline:
-        """The same stages under the same schedule for ``num_microbatches`` per step (e.g. a
-        validation pass of another size); built once per count."""
-        if num_microbatches == self.num_microbatches:
-            return self
-        if num_microbatches not in self._other_counts:
-            self._other_counts[num_microbatches] = Pipeline(
-                self.modules, self.state, schedule=self.schedule_name,
+    def evaluator(self, num_microbatches: int) -> Pipeline:
+        """The same stages, placed the same way, for forward-only steps of
+        ``num_microbatches`` (validation, a counting pass): a separate set of torch stages,
+        built once per count, so a forward-only step never sets up the training stages
+        without their backward; under the placement's schedule that runs any count
+        (``EVAL_SCHEDULES``: a forward-only step has no backward to interleave)."""
+        if EVAL_SCHEDULES[placement(self.schedule_name)] is None:
+            raise ValueError(f"torch's V schedules ({self.schedule_name}) cannot run a "
+                             f"forward-only step; validate with another schedule "
+                             f"(1F1B, Interleaved1F1B, ...) or without validation")
+        if num_microbatches not in self._evaluators:
+            self._evaluators[num_microbatches] = Pipeline(
+                self.modules, self.state, schedule=EVAL_SCHEDULES[placement(self.schedule_name)],
                 num_microbatches=num_microbatches, virtual=self.virtual, device=self.device)
-        return self._other_counts[num_microbatches]
+        return self._evaluators[num_microbatches]
 
-    def _schedule(self, capacity: int):
-        if capacity not in self._built:
+    def _schedule(self, batches: MicroBatches):
+        capacity = batches.capacity
+        key = (capacity, batches.tokens if self.output == "logprobs" else 0)
+        if key not in self._built:
             # Static shapes (examples of what each stage takes and gives): torch infers
             # nothing, so no forward runs outside the schedule's (an inference forward would
             # take a micro-batch from the store).
             stages = []
             for m, s in zip(self.modules, self.stage_ids, strict=True):
-                example_in, example_out = m.example_io(capacity, self.device)
+                example_in, example_out = m.example_io(capacity, self.device, self.output,
+                                                       batches.tokens)
                 stages.append(PipelineStage(m, s, self.num_stages, self.device,
                                             input_args=example_in, output_args=example_out,
                                             group=self.state.pp_group))
@@ -204,9 +262,10 @@ class Pipeline:
 
             cls = schedule_class(self.schedule_name)
             one = placement(self.schedule_name) == "single"
-            self._built[capacity] = cls(stages[0] if one else stages, self.num_microbatches,
-                                        loss_fn=loss_fn, scale_grads=False)
-        return self._built[capacity]
+            self._built[key] = cls(stages[0] if one else stages, self.num_microbatches,
+                                        loss_fn=loss_fn if self.output == "loss" else None,
+                                        scale_grads=False)
+        return self._built[key]
 
     def micro_batches(self, inputs: list[dict], count: torch.Tensor,
                       grad_scale: float = 1.0) -> MicroBatches:
@@ -215,7 +274,27 @@ class Pipeline:
         capacity every stage pads to (the same on every rank of the pp group, which sees the
         same micro-batches)."""
         rows = [self.modules[0].rows(i) for i in inputs]
-        return MicroBatches(inputs, count, capacity_for(rows), grad_scale)
+        tokens = max(i["input_ids"].shape[0] for i in inputs)
+        return MicroBatches(inputs, count, capacity_for(rows), grad_scale, output=self.output,
+                            tokens=tokens)
+
+    def _count(self, batches: MicroBatches) -> torch.Tensor:
+        """The step's statistic (``PipelineStageModule.statistic_size``): a forward-only pass
+        of every micro-batch (one extra forward each: the price of an exact gradient, since
+        micro-batch 1's loss depends on micro-batch 2's statistics), each stage's records
+        summed, then over the pp group and dp x cp. Collective over the world."""
+        counting = dataclasses.replace(batches, counting=True)
+        with torch.no_grad():
+            self.evaluator(len(batches)).step(counting, backward=False)
+        size = max(m.statistic_size for m in self.modules)
+        total = torch.zeros(size, dtype=torch.float32, device=self.device)
+        for m in self.modules:
+            if m.recorded is not None:
+                total += m.recorded
+        for group in (self.state.pp_group, self.state.dp_cp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return total
 
     def step(self, batches: MicroBatches, *, backward: bool = True) -> torch.Tensor:
         """Run the step (forward only when ``backward`` is False) and return its loss (fp32
@@ -223,17 +302,84 @@ class Pipeline:
         if len(batches) != self.num_microbatches:
             raise ValueError(f"the pipeline was built for {self.num_microbatches} micro-batches "
                              f"per step, got {len(batches)}")
+        if max(m.statistic_size for m in self.modules) and backward:
+            batches = dataclasses.replace(batches, statistic=self._count(batches))
+            self.last_statistic = batches.statistic
+        if self.output != "loss":
+            raise ValueError("a scoring pipeline (output='logprobs') runs scores(), not step()")
         for m in self.modules:
             m.begin(batches)
-        schedule = self._schedule(batches.capacity)
+        schedule = self._schedule(batches)
         index = torch.arange(len(batches), device=self.device)
         losses: list[torch.Tensor] = []
         run = schedule.step if backward else schedule.eval
         run(index, target=index.clone(), losses=losses)
         total = torch.stack([x.detach().float().sum() for x in losses]).sum() if losses else (
             torch.zeros((), device=self.device))
+        for m in self.modules:  # loss terms of stages that do not end the pipeline
+            if m.attached is not None:
+                total = total + m.attached
+        if backward:
+            self._sum_tied()
         total = total / batches.grad_scale
         for group in (self.state.pp_group, self.state.dp_cp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return total
+
+
+    @torch.no_grad()
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters held on both ends of the pipeline (a tied head):
+        both copies then get the same update and stay equal. Collective over the ends."""
+        tied = [p for m in self.modules for p in m.tied_parameters()]
+        if self.state.pp_rank not in (0, self.state.pp - 1) or self.state.pp == 1:
+            return
+        for param in tied:
+            grad = param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: the shard
+            dist.all_reduce(local, group=self.state.pp_ends_group)
+
+    @torch.no_grad()
+    def scores(self, batches: MicroBatches) -> torch.Tensor:
+        """Forward only, one micro-batch: its per-token ``(logprobs, entropy)`` as fp32
+        ``[2, L]`` (L local tokens, replicated over tp), on every rank of the pp group
+        (broadcast from the last stage's rank). Needs ``output="logprobs"``. The stage shapes
+        are static per capacity, so the scores travel at the micro-batch's own width only
+        after the last stage: the last stage's output is ``[2, tokens]``."""
+        if self.output != "logprobs" or len(batches) != 1 or self.num_microbatches != 1:
+            raise ValueError("scores() runs one micro-batch through a Pipeline built with "
+                             "output='logprobs' and num_microbatches=1")
+        for m in self.modules:
+            m.begin(batches)
+        out = self._schedule(batches).eval(torch.zeros(1, dtype=torch.long,
+                                                                device=self.device))
+        last_rank = [r for r in range(self.state.pp) if self.num_stages - 1 in
+                     stage_indices(self.schedule_name, self.state.pp, r, self.virtual)][0]
+        if self.state.pp_rank != last_rank:
+            out = torch.empty(2, batches.tokens, dtype=torch.float32, device=self.device)
+        if group_size(self.state.pp_group) > 1:
+            dist.broadcast(out, src=dist.get_global_rank(self.state.pp_group, last_rank),
+                           group=self.state.pp_group)
+        return out
+
+
+class AttachLoss(torch.autograd.Function):
+    """``attach_loss(h, loss)``: forward ``h`` unchanged; backward passes ``h``'s gradient
+    through and gives ``loss`` the gradient 1, so a term of the step's loss computed on a
+    stage that does not end the pipeline (a MoE layer's load-balancing share) is
+    backpropagated with that stage's backward (Megatron's aux-loss scaler)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def attach_loss(h: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
+    """``AttachLoss``; ``h`` as it is when ``loss`` is None."""
+    return h if loss is None else AttachLoss.apply(h, loss)

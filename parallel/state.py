@@ -20,6 +20,8 @@ Groups:
             dp_rank); created only when pp > 1
     tp_pp   tp x pp (pp > 1 only): the ranks that together hold one replica's weights once
             (same cp_rank, dp_rank): a sum over them counts every weight once (gradient norm)
+    pp_ends the first and the last pp rank (pp > 1 only; same tp, cp, dp ranks): a tied head's
+            two copies of the embedding sum their gradients over it
     ep      expert parallelism (``ep`` > 1 only): ``ep`` consecutive ranks of one dp x cp group
             (same tp_rank) that split the experts of every MoE layer between them
     edp     expert data parallelism: the dp x cp ranks (same tp_rank) holding the SAME experts;
@@ -116,6 +118,11 @@ class ParallelState:
         return self.groups.get("pp")
 
     @property
+    def pp_ends_group(self) -> ProcessGroup | None:
+        """The first and last pp rank (module docstring); None when pp = 1."""
+        return self.groups.get("pp_ends")
+
+    @property
     def tp_pp_group(self) -> ProcessGroup | None:
         """tp x pp (module docstring); the tp group when pp = 1."""
         return self.groups.get("tp_pp", self.tp_group)
@@ -206,6 +213,7 @@ class ParallelState:
         if pp > 1:
             families["pp"] = grid.permute(1, 2, 3, 0).reshape(-1, pp)
             families["tp_pp"] = grid.permute(1, 2, 0, 3).reshape(-1, pp * tp)
+            families["pp_ends"] = grid[[0, pp - 1]].permute(1, 2, 3, 0).reshape(-1, 2)
         for name, rows in families.items():
             for ranks in rows.tolist():
                 group = dist.new_group(ranks)

@@ -119,9 +119,12 @@ class Transformer(nn.Module):
         self.residual_dtype = "float32"
         keep = check_keep_layers(keep_layers, cfg)
         self.is_first, self.is_last = keep.start == 0, keep.stop == cfg.num_layers
+        # A tied head needs the embedding's weight: the last pipeline stage holds a copy (the
+        # pipeline sums the two copies' gradients: mpcore.parallel.pp).
         self.tok_embeddings = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, group=state.tp_group,
-            sequence_parallel=self.sequence_parallel, dtype=dtype) if self.is_first else None
+            sequence_parallel=self.sequence_parallel, dtype=dtype) if self.is_first or (
+            cfg.tie_embeddings and self.is_last) else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                      cfg.mrope_section, cfg.mrope_interleaved,
                                      rotary_dim=cfg.rotary_dim)
@@ -144,9 +147,6 @@ class Transformer(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         """``[V_pad / tp, hidden]``: the embedding's weight when tied, else ``output.weight``."""
-        if self.output is None and self.tok_embeddings is None:
-            raise ValueError("this pipeline stage holds no head weight: a tied head needs "
-                             "the embedding, which only the first stage holds")
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def check_inputs(self, input_ids, position_ids, packing: Packing, labels, output: str):

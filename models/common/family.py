@@ -183,7 +183,8 @@ class Family:
             raise ValueError(f"the {self.name} family cannot be cut into pipeline stages yet; "
                              f"train it with pp = 1")
         return self.pipeline_stages(self.build, cfg, state, schedule=schedule,
-                                    virtual=virtual, split=split, **options)
+                                    virtual=virtual, split=split, decoder_of=self.decoder,
+                                    **options)
 
     @property
     def section_extras(self) -> tuple[str, ...]:

@@ -67,9 +67,12 @@ class VisionLanguageModel(nn.Module):
                                      cp_mode=cp_mode,
                                      activation_checkpointing=activation_checkpointing,
                                      dtype=dtype, **decoder_options)
+        # A pipeline stage (``keep_layers``) holds the tower only when it is the first.
+        keep = decoder_options.get("keep_layers")
         self.visual = self.tower_cls(cfg.vision, state,
                                      activation_checkpointing=activation_checkpointing,
-                                     attention_kernel=vision_attention, dtype=dtype)
+                                     attention_kernel=vision_attention, dtype=dtype
+                                     ) if keep is None or keep.start == 0 else None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -78,6 +81,8 @@ class VisionLanguageModel(nn.Module):
     def fsdp_units(self) -> list[nn.Module]:
         """The modules FSDP2 shards one by one: decoder layers, vision blocks, then the tower
         (its embeddings and mergers), so a frozen tower is its own all-frozen units."""
+        if self.visual is None:  # a later pipeline stage
+            return list(self.text.layers)
         return [*self.text.layers, *self.visual.layers, self.visual]
 
     def _check_vision(self, input_ids, vision_rows, pixel_values, grids
@@ -128,8 +133,8 @@ class VisionLanguageModel(nn.Module):
                              f"whole pixel_values and grid_thw on every cp rank")
         return vision_rows, host_rows if on_host else None
 
-    def embed(self, streams: list[tuple[torch.Tensor, torch.Tensor | None]], pixel_values,
-              grids: list[tuple[int, int, int]]):
+    def embed_streams(self, streams: list[tuple[torch.Tensor, torch.Tensor | None]],
+                      pixel_values, grids: list[tuple[int, int, int]]):
         """Embed each ``(input_ids [L], vision_rows [L] or None)`` of ``streams`` with the
         tower's rows merged at its placeholders, the rows of every stream from ONE tower call
         (``vision_rows_for_rank``: rows shared by several streams get their gradients summed).
@@ -178,14 +183,31 @@ class VisionLanguageModel(nn.Module):
         ``pixel_values [N, patch_dim]``, ``grid_thw [I, 3]`` (the whole micro-batch, the same on
         every cp rank) and ``vision_rows [L]`` (module docstring). Collective over the tp and
         cp groups: every rank calls it, also with no image."""
+        h, packing, deepstack, _ = self.embed(
+            input_ids, position_ids, doc_id=doc_id, positions_in_doc=positions_in_doc,
+            cu_seqlens=cu_seqlens, labels=labels, output=output, pixel_values=pixel_values,
+            grid_thw=grid_thw, vision_rows=vision_rows)
+        return self.text.decode(h, position_ids, packing, labels, output, temperature,
+                                after_layer=deepstack)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+              doc_id: torch.Tensor | None = None,
+              positions_in_doc: torch.Tensor | None = None,
+              cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+              output: str = "loss", pixel_values: torch.Tensor | None = None, grid_thw=None,
+              vision_rows: torch.Tensor | None = None):
+        """``(h, packing, after_layer, deep_layers)``: the inputs checked, the embedded tokens
+        ``h [L(/tp), hidden]`` with the tower's rows at the visual positions, the attention
+        metadata, the DeepStack hook for ``Transformer.decode`` (None without DeepStack) and
+        the number of layers it adds to (a pipeline's first stage must hold them)."""
         grids = check_grid(grid_thw, "grid_thw", self.cfg.vision.spatial_merge_size)
         packing = make_packing(input_ids.shape[0], doc_id, positions_in_doc, cu_seqlens)
         self.text.check_inputs(input_ids, position_ids, packing, labels, output)
-        (h,), (slots,), deep = self.embed([(input_ids, vision_rows)], pixel_values, grids)
+        (h,), (slots,), deep = self.embed_streams([(input_ids, vision_rows)], pixel_values,
+                                                   grids)
 
         def deepstack(i: int, out: torch.Tensor) -> torch.Tensor:
             # DeepStack: feature i joins the visual positions after decoder layer i.
             return out.index_add(0, slots, deep[i].to(out.dtype)) if i < len(deep) else out
 
-        return self.text.decode(h, position_ids, packing, labels, output, temperature,
-                                after_layer=deepstack if deep else None)
+        return h, packing, deepstack if deep else None, len(deep)

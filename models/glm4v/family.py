@@ -8,6 +8,7 @@ from mpcore.models.common import counts
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
 from mpcore.models.common.resize import CLIP_MEAN, CLIP_STD, smart_resize_video
 from mpcore.models.common.section import given
+from mpcore.models.common.stage import build_vl_stages
 from mpcore.models.glm4v.config import (
     ARCH,
     MODEL_TYPE,
@@ -123,4 +124,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section=Glm4vSection, image_processing=IMAGE_PROCESSING)
+    section=Glm4vSection, image_processing=IMAGE_PROCESSING, pipeline_stages=build_vl_stages)

@@ -9,6 +9,7 @@ from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.family import Family, ImageProcessing, VideoProcessing
 from mpcore.models.common.resize import CLIP_MEAN, CLIP_STD, MAX_PIXELS, MIN_PIXELS
 from mpcore.models.common.section import given
+from mpcore.models.common.stage import build_vl_stages
 from mpcore.models.qwen2_vl.config import (
     VL_ARCHS,
     Qwen2VLSection,
@@ -87,4 +88,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section=Qwen2VLSection, image_processing=IMAGE_PROCESSING)
+    section=Qwen2VLSection, image_processing=IMAGE_PROCESSING, pipeline_stages=build_vl_stages)

@@ -23,6 +23,7 @@ from mpcore.models.common.qwen3_vl.inputs import local_inputs
 from mpcore.models.common.qwen3_vl.presets import vision_from_section
 from mpcore.models.common.qwen3_vl.processing import IMAGE_PROCESSING
 from mpcore.models.common.section import VLSection, given
+from mpcore.models.common.stage import build_vl_stages
 
 NAME = "qwen3_5_vl"
 
@@ -76,4 +77,5 @@ FAMILY = Family(
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp", "gdn_kernel"), host_inputs=("grid_thw",),
     section=Qwen35VLSection, image_processing=IMAGE_PROCESSING,
-    hf_skipped=("mtp.*",))  # multi-token prediction: read only when trained (mtp_loss_weight)
+    hf_skipped=("mtp.*",),  # multi-token prediction: read only when trained (mtp_loss_weight)
+    pipeline_stages=build_vl_stages)

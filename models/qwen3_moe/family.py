@@ -20,6 +20,7 @@ from mpcore.models.common.moe_decoder_hf import export_hf, load_hf_model, shard_
 from mpcore.models.common.moe_family import check_experts, with_moe_mask
 from mpcore.models.common.moe_model import idle_expert_params
 from mpcore.models.common.section import given
+from mpcore.models.common.stage import build_stages
 from mpcore.parallel.state import ParallelState
 
 
@@ -68,6 +69,7 @@ FAMILY = Family(
     config_from_dict=config_from_dict, config_from_section=config_from_section,
     build=build_model, load_hf=load_hf_model, export_hf=export_hf, shard_map=shard_map,
     local_inputs=local_inputs, num_params=num_params, flops_per_token=flops_per_token,
-    decoder=_decoder, section=Qwen3MoeSection, check_experts=check_experts)
+    decoder=_decoder, section=Qwen3MoeSection, check_experts=check_experts,
+    pipeline_stages=build_stages)
 
 __all__ = ["FAMILY"]

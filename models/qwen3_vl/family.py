@@ -18,6 +18,7 @@ from mpcore.models.common.qwen3_vl.model import build_model, flops_per_token, nu
 from mpcore.models.common.qwen3_vl.presets import config_from_section as _from_fields
 from mpcore.models.common.qwen3_vl.processing import IMAGE_PROCESSING
 from mpcore.models.common.section import given
+from mpcore.models.common.stage import build_vl_stages
 
 
 def config_from_section(section, token_ids: dict | None) -> Qwen3VLConfig:
@@ -38,4 +39,4 @@ FAMILY = Family(
     decoder=lambda model: model.text, vision=lambda model: model.visual,
     placeholder_ids=lambda cfg: cfg.placeholder_ids, modality="image-text",
     options=("vision_cp",), host_inputs=("grid_thw",),
-    section=Qwen3VLSection, image_processing=IMAGE_PROCESSING)
+    section=Qwen3VLSection, image_processing=IMAGE_PROCESSING, pipeline_stages=build_vl_stages)

@@ -8,7 +8,8 @@ A case is a dict: ``family`` (registry name), ``cfg`` (the family config), ``pp`
 is exercised), some documents have a loss mask with holes.
 
 Gradients are compared in the logical (HF) form: each rank's gradient shards, summed over dp x cp
-(as DDP / FSDP would, with ``grad_scale`` 1) and gathered over tp by the family's shard map.
+(as DDP / FSDP would, with ``grad_scale`` 1; expert weights at ep > 1 over the ranks holding the
+same experts, edp) and gathered over ep and tp by the family's shard map.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 import torch.distributed as dist
 
 from mpcore.models.common.hf_io import gather_full
+from mpcore.models.common.moe import expert_param_names
 from mpcore.models.registry import family_named
+from mpcore.moe_step import MoeStep
+from mpcore.parallel.collectives import all_gather
 from mpcore.parallel.loss import global_valid_count, loss_share
 from mpcore.parallel.pp import Pipeline
 from mpcore.parallel.state import ParallelState, group_size
@@ -58,7 +62,14 @@ def reference(case: dict) -> dict:
         inputs = [_inputs(family, cfg, state, micro_batch(step, i, cfg.vocab_size, d), False)
                   for d in range(case.get("dp", 1)) for i in range(case["num_microbatches"])]
         count = global_valid_count([i["labels"] for i in inputs], None)
-        loss = sum(loss_share(model(**i, output="loss"), i["labels"], count) for i in inputs)
+        # A MoE model: + the load-balancing share of each micro-batch, with the step's loads
+        # from a counting forward (the trainer's one-process path, mpcore.moe_step).
+        moe = MoeStep.start(model, inputs, state, lambda i: model(**i, output="loss"))
+        loss = 0.0
+        for i in inputs:
+            loss = loss + loss_share(model(**i, output="loss"), i["labels"], count)
+            if moe is not None:
+                loss = loss + moe.share()
         loss.backward()
         named = {n: p.grad for n, p in model.named_parameters()}
         out["loss"].append(float(loss.detach()))
@@ -74,7 +85,8 @@ def pipelined(rank: int, world: int, case: dict) -> dict:
     """This rank's pipelined run of ``case``: per step the loss and the logical gradients of
     the parameters its stages hold (each summed over dp x cp, gathered over tp)."""
     family, cfg = family_named(case["family"]), case["cfg"]
-    state = ParallelState.build(tp=case.get("tp", 1), cp=case.get("cp", 1), pp=case["pp"])
+    state = ParallelState.build(tp=case.get("tp", 1), cp=case.get("cp", 1), pp=case["pp"],
+                                ep=case.get("ep", 1))
     sp = case.get("sp", False)
     options = dict(sequence_parallel=sp, cp_mode=case.get("cp_mode", "none"),
                    **case.get("options", {}))
@@ -84,6 +96,8 @@ def pipelined(rank: int, world: int, case: dict) -> dict:
     pipe = Pipeline(stages, state, schedule=case["schedule"],
                     num_microbatches=case["num_microbatches"], virtual=case.get("virtual", 1))
     params = {n.removeprefix("model."): p for s in stages for n, p in s.named_parameters()}
+    experts = [n.removeprefix("model.") for s in stages for n in expert_param_names(s)
+               ] if state.ep > 1 else []
     out = {"loss": [], "grads": [], "rank": rank}
     for step in range(case["steps"]):
         inputs = [_inputs(family, cfg, state,
@@ -91,11 +105,15 @@ def pipelined(rank: int, world: int, case: dict) -> dict:
                   for i in range(case["num_microbatches"])]
         count = global_valid_count([i["labels"] for i in inputs], state.dp_cp_group)
         loss = pipe.step(pipe.micro_batches(inputs, count))
-        for p in params.values():
-            if group_size(state.dp_cp_group) > 1:
-                dist.all_reduce(p.grad, group=state.dp_cp_group)
+        for name, p in params.items():  # experts (ep > 1) reduce over the ranks holding them
+            group = state.edp_group if name in experts else state.dp_cp_group
+            if group_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
         out["loss"].append(float(loss.detach()))
-        out["grads"].append(_full(family, cfg, state, {n: p.grad for n, p in params.items()}))
+        grads = {n: p.grad for n, p in params.items()}
+        for name in experts:  # ep > 1: every expert, as the shard map describes them
+            grads[name] = all_gather(grads[name], 0, state.ep_group)
+        out["grads"].append(_full(family, cfg, state, grads))
         with torch.no_grad():
             for p in params.values():
                 p -= LR * p.grad
@@ -135,3 +153,38 @@ def check_against(ref: dict, ranks: list[dict], tol: float = 1e-5) -> None:
         norm = torch.stack([g.double().norm() for g in seen.values()]).norm()
         want_norm = torch.stack([g.double().norm() for g in ref["grads"][step].values()]).norm()
         assert abs(float(norm - want_norm)) <= tol * float(want_norm)
+
+
+def forward_only(rank: int, world: int, case: dict) -> list[float]:
+    """The pipelined forward-only loss (``Pipeline.evaluator``) of 1 and of 3 micro-batches,
+    on this rank."""
+    family, cfg = family_named(case["family"]), case["cfg"]
+    state = ParallelState.build(pp=case["pp"])
+    stages = family.stages(cfg, state, schedule=case["schedule"],
+                           virtual=case.get("virtual", 1), seed=0)
+    pipe = Pipeline(stages, state, schedule=case["schedule"],
+                    num_microbatches=case["num_microbatches"], virtual=case.get("virtual", 1))
+    out = []
+    for num in (1, 3):
+        inputs = [_inputs(family, cfg, state, micro_batch(0, i, cfg.vocab_size), False)
+                  for i in range(num)]
+        count = global_valid_count([i["labels"] for i in inputs], None)
+        evaluator = pipe.evaluator(num)
+        with torch.no_grad():
+            out.append(float(evaluator.step(evaluator.micro_batches(inputs, count),
+                                            backward=False)))
+    return out
+
+
+def forward_only_reference(case: dict) -> list[float]:
+    family, cfg = family_named(case["family"]), case["cfg"]
+    model = family.build(cfg, ParallelState(), seed=0)
+    out = []
+    for num in (1, 3):
+        inputs = [_inputs(family, cfg, ParallelState(), micro_batch(0, i, cfg.vocab_size),
+                          False) for i in range(num)]
+        count = global_valid_count([i["labels"] for i in inputs], None)
+        with torch.no_grad():
+            out.append(float(sum(loss_share(model(**i, output="loss"), i["labels"], count)
+                                 for i in inputs)))
+    return out

@@ -16,9 +16,11 @@ import pytest
 
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.hybrid.hf import config_from_hf
+from mpcore.models.common.moe_config import config_from_hf as config_from_moe_hf
 from mpcore.parallel.pp_schedule import SCHEDULES
 from tests.dist import pp_cases
 from tests.dist.harness import run_distributed
+from tests.dist.hf_moe_tiny import CONFIG as MOE_CONFIG
 from tests.dist.qwen35_tiny import HF_CONFIG
 
 LLAMA = ModelConfig(vocab_size=53, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -73,3 +75,38 @@ def test_pp2_cp2_ring():
 
 def test_pp2_dp2():
     _check(_case("1F1B", dp=2), 4)  # each dp rank its own micro-batches
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2)])
+def test_forward_only_any_count(schedule, virtual):
+    """Validation's path: 1 and 3 micro-batches (fewer than 1F1B's stages, not a multiple
+    of pp) through the placement's forward-only schedule give the one-process loss."""
+    case = _case(schedule, virtual=virtual)
+    want = pp_cases.forward_only_reference(case)
+    for got in run_distributed(pp_cases.forward_only, 2, case):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+
+@pytest.mark.slow  # 20 s: a 2-rank and a 4-rank run
+def test_qwen3_moe_with_global_aux_loss():
+    """Experts in the sparse layers of both stages (layer 1 dense), ep=2 over dp=2 at pp=2 on 4
+    ranks, and pp=2 alone: the load-balancing loss (a statistic of every micro-batch, stage
+    and dp rank: each stage adds its own layers' share with the step's global loads from a
+    counting pass) and its gradients equal one process's."""
+    cfg = config_from_moe_hf(dict(MOE_CONFIG, num_hidden_layers=4,
+                                  architectures=["Qwen3MoeForCausalLM"]))
+    case = dict(family="qwen3_moe", cfg=cfg, pp=2, schedule="Interleaved1F1B", virtual=2,
+                num_microbatches=4, steps=2)
+    _check(case, 2)
+    _check(dict(case, schedule="1F1B", virtual=1, ep=2, dp=2), 4)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2),
+                                               ("ZBVZeroBubble", 2)])
+def test_tied_head(schedule, virtual):
+    """A tied head: the last stage's embedding copy and the first stage's sum their gradients
+    over the two ends (or are one module when a V schedule puts both on rank 0); each holder's
+    gradient is the one-process one, and the norm counts the weight once."""
+    tied = ModelConfig(**{**LLAMA.__dict__, "tie_embeddings": True})
+    _check(_case(schedule, virtual=virtual, cfg=tied), 2)

@@ -145,15 +145,16 @@ def write_jsonl(path, rows):
 ROWS = [CHAT[1], CHAT[2], CHAT[0], CHAT[1], CHAT[2], CHAT[2], CHAT[1], CHAT[0]]
 
 
-def make_release(folder, vocab_size: int = 400):
-    """A ChatML tokenizer folder that is also a tiny Qwen3 checkpoint."""
+def make_release(folder, vocab_size: int = 400, tie: bool = True):
+    """A ChatML tokenizer folder that is also a tiny Qwen3 checkpoint (``tie``: its head tied
+    to the embedding)."""
     import transformers  # here: the gloo ranks import this module and need not load it
 
     make_chatml(folder, vocab_size)
     config = transformers.Qwen3Config(
         vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, max_position_embeddings=256, initializer_range=0.3)
+        tie_word_embeddings=tie, max_position_embeddings=256, initializer_range=0.3)
     torch.manual_seed(3)
     model = transformers.Qwen3ForCausalLM(config).eval()
     model.save_pretrained(folder)

@@ -10,7 +10,13 @@ import torch
 from mpcore.models.common.config import ModelConfig
 from mpcore.models.common.decoder import build_model
 from mpcore.models.common.stage import DecoderStage, build_stages
-from mpcore.parallel.pp import MicroBatches, PipelineStageModule, capacity_for, split_layers
+from mpcore.parallel.pp import (
+    MicroBatches,
+    Pipeline,
+    PipelineStageModule,
+    capacity_for,
+    split_layers,
+)
 from mpcore.parallel.pp_schedule import (
     SCHEDULES,
     check_microbatches,
@@ -133,10 +139,30 @@ def test_stage_holds_embedding_first_and_head_last():
     assert [i for i, _ in last.layer_items()] == [3, 4]
 
 
-def test_bad_keep_layers_and_tied_head_refused():
+def test_bad_keep_layers_refused():
     with pytest.raises(ValueError, match=r"inside \[0, 5\)"):
         build_model(CFG, ParallelState(), keep_layers=range(3, 7))
+
+
+def test_tied_head_copies_the_embedding_to_the_last_stage():
     tied = ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
+    first = build_stages(build_model, tied, ParallelState(pp=2, pp_rank=0), schedule="1F1B",
+                         seed=4)[0]
+    last = build_stages(build_model, tied, ParallelState(pp=2, pp_rank=1), schedule="1F1B",
+                        seed=4)[0]
+    assert torch.equal(first.decoder.tok_embeddings.weight, last.decoder.tok_embeddings.weight)
+    assert first.tied_parameters() and last.tied_parameters()  # summed over the two ends
+    # a V schedule puts both ends on rank 0: one module, nothing to sum
+    v = build_stages(build_model, tied, ParallelState(pp=2, pp_rank=0),
+                     schedule="ZBVZeroBubble", virtual=2)
+    assert v[0].decoder.tok_embeddings is v[1].decoder.tok_embeddings
+    assert not v[0].tied_parameters() and not v[1].tied_parameters()
+
+
+def test_forward_only_refused_under_a_v_schedule():
     state = ParallelState(pp=2, pp_rank=0)
-    with pytest.raises(ValueError, match="tie_embeddings with pp > 1"):
-        build_stages(build_model, tied, state, schedule="1F1B")
+    stages = build_stages(build_model, CFG, state, schedule="ZBVZeroBubble", virtual=2)
+    pipe = Pipeline(stages, state, schedule="ZBVZeroBubble", num_microbatches=4, virtual=2)
+    with pytest.raises(ValueError, match="cannot run a forward-only step"):
+        pipe.evaluator(1)
+    assert pipe.stage_ids == [0, 3]

@@ -74,8 +74,8 @@ class Qwen35VLModel(VisionLanguageModel):
         packing = make_packing(num, doc_id, positions_in_doc, cu_seqlens)
         self.text.check_inputs(input_ids, position_ids, packing, labels, output)
         # One tower call gives the rows of both streams (token t and token t+1 at position t).
-        (h, h_next), _, _ = self.embed([(input_ids, vision_rows),
-                                        (mtp_input_ids, mtp_vision_rows)], pixel_values, grids)
+        streams = [(input_ids, vision_rows), (mtp_input_ids, mtp_vision_rows)]
+        (h, h_next), _, _ = self.embed_streams(streams, pixel_values, grids)
         return decode_with_mtp(
             self.text, lambda: self.text.decode(h, position_ids, packing, labels, output,
                                                 temperature),
