@@ -40,7 +40,10 @@ def _worker(fn, rank, world_size, store_path, results, payload):
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        results.put((rank, True, fn(rank, world_size, *pickle.loads(payload))))
+        # Plain pickle bytes, like the payload: tensors put on the queue as they are travel as
+        # shared-memory handles that the parent must fetch from this process, and a rank that
+        # had already exited failed the read (FileNotFoundError / connection reset, seen).
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *pickle.loads(payload)))))
         ok = True
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -98,7 +101,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0):
                                 f"{[procs[r].exitcode for r in dead]} without a result") from None
                     continue
                 if ok:
-                    out[rank] = value
+                    out[rank] = pickle.loads(value)
                 else:
                     errors.append(f"\n--- rank {rank} ---\n{value}")
                     # The other ranks may now block in a collective: give them a moment, then stop.
