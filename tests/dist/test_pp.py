@@ -113,6 +113,9 @@ def test_qwen3_moe_with_global_aux_loss():
     case = dict(family="qwen3_moe", cfg=cfg, pp=2, schedule="Interleaved1F1B", virtual=2,
                 num_microbatches=4, steps=2)
     _check(case, 2)
+    # the counting pass runs on an evaluator (LoopedBFS) over the same modules, between
+    # steps of a two-pass backward
+    _check(dict(case, schedule="InterleavedZeroBubble"), 2)
     _check(dict(case, schedule="1F1B", virtual=1, ep=2, dp=2), 4)
 
 
