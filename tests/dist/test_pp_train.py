@@ -207,3 +207,22 @@ def test_tied_pp2_checkpoint_resumes_at_pp1(runs):
                     folder / f"step-{SAVE_AT}")
     result = train(tiny(tmp, "pp1_from_pp2_tied", *TIED))
     _close(result.losses, two[0]["ref_tied"][0][SAVE_AT:], 1e-5, "pp1_from_pp2_tied")
+
+
+QWEN35_MOE = [f"model.{k}" for k in (
+    "family=qwen3_5_moe", "num_heads=4", "num_kv_heads=2", "intermediate_size=32",
+    "moe.num_experts=8", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16",
+    "moe.router_aux_loss_coef=0.1", "gdn_kernel=reference", "tie_embeddings=true")]
+
+
+def _qwen35_moe_pp2(rank, world, tmp):
+    return train(tiny(tmp, "q35moe_pp2", "parallel.pp=2", *QWEN35_MOE)).losses
+
+
+def test_qwen35_moe_tied_at_pp2_matches_pp1(tmp_path):
+    """Qwen3.5-MoE: hybrid DeltaNet / attention layers with MoE blocks and a shared expert on
+    both stages, the load-balancing loss across them, a tied head."""
+    prepare_default(tmp_path / "data", 512)
+    want = train(tiny(str(tmp_path), "q35moe_ref", *QWEN35_MOE)).losses
+    for got in run_distributed(_qwen35_moe_pp2, 2, str(tmp_path), timeout=400):
+        _close(got, want, 1e-5, "qwen35_moe_pp2")
