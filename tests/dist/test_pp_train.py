@@ -1,8 +1,8 @@
 """Training at pp > 1 is the one-process run: ``parallel.pp=2`` (1F1B, and ZBV with two stages
 per rank; and a qwen3_moe model with its load-balancing loss) on 2 ranks and pp=2 x dp=2 (FSDP2, and the summed ddp path) on 4 give the losses and
 gradient norms of pp = 1, same seed and global batch, 6 steps with grad_clip active. Checkpoints
-stay logical: a pp=2 checkpoint resumes at pp = 1 with the reference's next losses, a pp = 1
-checkpoint resumes at pp=2, and a pp=2 run resumed at pp=2 continues bit for bit.
+stay logical: a pp=2 checkpoint resumes at pp = 1 and at pp = 4 with the reference's next
+losses, a pp = 1 checkpoint resumes at pp=2, and a pp=2 run resumed at pp=2 continues bit for bit.
 
 The tp=1 reference runs in this process; each layout group in one gloo spawn.
 """
@@ -80,6 +80,9 @@ def _four(rank, world, tmp):
     for name, overrides in FOUR.items():
         result = train(tiny(tmp, name, *overrides))
         out[name] = (result.losses, result.grad_norms)
+    # pp=4 (one layer a stage; GPipe: two micro-batches for four stages) from pp=2's checkpoint
+    out["pp4_from_pp2"] = _resume(tmp, "pp2_1f1b", "pp4_from_pp2", "parallel.pp=4",
+                                  "parallel.pp_schedule=GPipe", rank=rank)
     return out
 
 
@@ -226,3 +229,8 @@ def test_qwen35_moe_tied_at_pp2_matches_pp1(tmp_path):
     want = train(tiny(str(tmp_path), "q35moe_ref", *QWEN35_MOE)).losses
     for got in run_distributed(_qwen35_moe_pp2, 2, str(tmp_path), timeout=400):
         _close(got, want, 1e-5, "qwen35_moe_pp2")
+
+
+def test_pp2_checkpoint_resumes_at_pp4(runs):
+    _, (losses, _), _, four = runs
+    _close(four[0]["pp4_from_pp2"], losses[SAVE_AT:], 1e-5, "pp4_from_pp2")
