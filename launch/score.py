@@ -1,6 +1,6 @@
-"""Per-token log-probs and entropy of sequences under any tp x cp (x dp) layout.
+"""Per-token log-probs and entropy of sequences under any tp x cp x pp (x dp) layout.
 
-    torchrun --nproc-per-node N launch/score.py --hf-checkpoint DIR --tp T --cp C [--ep E] \\
+    torchrun --nproc-per-node N launch/score.py --hf-checkpoint DIR --tp T --cp C [--ep E] [--pp P] \\
         [--cp-mode ring|ulysses] [--dtype float32|bfloat16] [--mtp] --input IN.jsonl --output OUT.jsonl
 
 Input: one JSON object per line, ``{"input_ids": [...]}`` with an optional ``"loss_mask"``
@@ -20,10 +20,11 @@ multi-token-prediction layers, ``mtp.*``) scores the MTP head instead, for check
 acceptance: same length, ``logprobs[t] = log p_mtp(input_ids[t+2] | input_ids[:t+2])`` (0 at
 t = len - 2 and where ``loss_mask[t+2]`` is 0), ``entropy[t]`` that distribution's entropy.
 
-How: dp = world / (tp * cp) replicas take the sequences round-robin; each replica packs its
+How: dp = world / (tp * cp * pp) replicas take the sequences round-robin; each replica packs its
 sequences into ONE stream, shifts labels on it (``LabelShifter``, before any split; for VL also
 the M-RoPE positions and vision rows), splits it over its cp ranks (zigzag when cp > 1), runs the
-model (tp-sharded; every cp rank gets the replica's whole pixel_values), gathers the per-token
+model (tp-sharded; every cp rank gets the replica's whole pixel_values; at pp > 1 through the
+replica's pipeline stages, ``mpcore.pipelined.PipelinedScorer``), gathers the per-token
 outputs back to stream order over cp, and rank 0 collects every replica's results and writes
 them in input order. CUDA when available (nccl), else CPU (gloo).
 

@@ -134,7 +134,8 @@ class PipelineStageModule(nn.Module):
     padded residual stream, or on the last stage the micro-batch's loss share ``[1]``."""
 
     split_backward = False
-    """Set by ``Pipeline`` under a schedule of ``pp_schedule.SPLIT_BACKWARD``: the backward runs
+    """Set by ``Pipeline`` for each step under a schedule of ``pp_schedule.SPLIT_BACKWARD``:
+    the backward runs
     in two passes (input, then weight gradients), so no kernel may hand out gradients it
     computed in the forward."""
 
@@ -211,8 +212,6 @@ class Pipeline:
             raise ValueError(f"pp rank {state.pp_rank} holds stages {self.stage_ids} under "
                              f"{schedule} but got {len(modules)} stage modules")
         self.modules, self.state, self.schedule_name = modules, state, schedule
-        for m in modules:
-            m.split_backward = schedule in SPLIT_BACKWARD
         self.num_microbatches, self.num_stages = num_microbatches, state.pp * virtual
         self.device = torch.device(device)
         self.virtual = virtual
@@ -309,6 +308,8 @@ class Pipeline:
             raise ValueError("a scoring pipeline (output='logprobs') runs scores(), not step()")
         for m in self.modules:
             m.begin(batches)
+            # Set per step: an evaluator (another schedule) runs the same modules.
+            m.split_backward = self.schedule_name in SPLIT_BACKWARD
         schedule = self._schedule(batches)
         index = torch.arange(len(batches), device=self.device)
         losses: list[torch.Tensor] = []
@@ -352,6 +353,7 @@ class Pipeline:
                              "output='logprobs' and num_microbatches=1")
         for m in self.modules:
             m.begin(batches)
+            m.split_backward = False
         out = self._schedule(batches).eval(torch.zeros(1, dtype=torch.long,
                                                                 device=self.device))
         last_rank = [r for r in range(self.state.pp) if self.num_stages - 1 in
@@ -373,7 +375,8 @@ class AttachLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
-        return h.view_as(h)
+        # A new tensor, not a view: the zero-bubble schedules detach stage outputs in place.
+        return h.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -73,6 +73,20 @@ def test_pp2_cp2_ring():
     _check(_case("Interleaved1F1B", virtual=2, cp=2, cp_mode="ring"), 4)
 
 
+@pytest.mark.parametrize("schedule, tp, cp, mode", [
+    ("ZBVZeroBubble", 2, 1, "none"), ("InterleavedZeroBubble", 1, 2, "ulysses"),
+    ("Interleaved1F1B", 2, 1, "none")])
+def test_interleaved_and_zero_bubble_with_tp_or_cp(schedule, tp, cp, mode):
+    """Two stages per rank with tp = 2 (SP) or cp = 2 (Ulysses) on 4 ranks."""
+    _check(_case(schedule, virtual=2, tp=tp, cp=cp, cp_mode=mode, sp=tp > 1), 4)
+
+
+@pytest.mark.slow  # 4 ranks, 8 stages
+def test_interleaved_pp4():
+    eight = ModelConfig(**{**LLAMA.__dict__, "num_layers": 8})
+    _check(_case("Interleaved1F1B", pp=4, virtual=2, cfg=eight, num_microbatches=8), 4)
+
+
 def test_pp2_dp2():
     _check(_case("1F1B", dp=2), 4)  # each dp rank its own micro-batches
 
@@ -99,6 +113,9 @@ def test_qwen3_moe_with_global_aux_loss():
     case = dict(family="qwen3_moe", cfg=cfg, pp=2, schedule="Interleaved1F1B", virtual=2,
                 num_microbatches=4, steps=2)
     _check(case, 2)
+    # the counting pass runs on an evaluator (LoopedBFS) over the same modules, between
+    # steps of a two-pass backward
+    _check(dict(case, schedule="InterleavedZeroBubble"), 2)
     _check(dict(case, schedule="1F1B", virtual=1, ep=2, dp=2), 4)
 
 

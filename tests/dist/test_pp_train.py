@@ -1,8 +1,8 @@
 """Training at pp > 1 is the one-process run: ``parallel.pp=2`` (1F1B, and ZBV with two stages
 per rank; and a qwen3_moe model with its load-balancing loss) on 2 ranks and pp=2 x dp=2 (FSDP2, and the summed ddp path) on 4 give the losses and
 gradient norms of pp = 1, same seed and global batch, 6 steps with grad_clip active. Checkpoints
-stay logical: a pp=2 checkpoint resumes at pp = 1 with the reference's next losses, a pp = 1
-checkpoint resumes at pp=2, and a pp=2 run resumed at pp=2 continues bit for bit.
+stay logical: a pp=2 checkpoint resumes at pp = 1 and at pp = 4 with the reference's next
+losses, a pp = 1 checkpoint resumes at pp=2, and a pp=2 run resumed at pp=2 continues bit for bit.
 
 The tp=1 reference runs in this process; each layout group in one gloo spawn.
 """
@@ -80,6 +80,9 @@ def _four(rank, world, tmp):
     for name, overrides in FOUR.items():
         result = train(tiny(tmp, name, *overrides))
         out[name] = (result.losses, result.grad_norms)
+    # pp=4 (one layer a stage; GPipe: two micro-batches for four stages) from pp=2's checkpoint
+    out["pp4_from_pp2"] = _resume(tmp, "pp2_1f1b", "pp4_from_pp2", "parallel.pp=4",
+                                  "parallel.pp_schedule=GPipe", rank=rank)
     return out
 
 
@@ -207,3 +210,27 @@ def test_tied_pp2_checkpoint_resumes_at_pp1(runs):
                     folder / f"step-{SAVE_AT}")
     result = train(tiny(tmp, "pp1_from_pp2_tied", *TIED))
     _close(result.losses, two[0]["ref_tied"][0][SAVE_AT:], 1e-5, "pp1_from_pp2_tied")
+
+
+QWEN35_MOE = [f"model.{k}" for k in (
+    "family=qwen3_5_moe", "num_heads=4", "num_kv_heads=2", "intermediate_size=32",
+    "moe.num_experts=8", "moe.num_experts_per_tok=2", "moe.moe_intermediate_size=16",
+    "moe.router_aux_loss_coef=0.1", "gdn_kernel=reference", "tie_embeddings=true")]
+
+
+def _qwen35_moe_pp2(rank, world, tmp):
+    return train(tiny(tmp, "q35moe_pp2", "parallel.pp=2", *QWEN35_MOE)).losses
+
+
+def test_qwen35_moe_tied_at_pp2_matches_pp1(tmp_path):
+    """Qwen3.5-MoE: hybrid DeltaNet / attention layers with MoE blocks and a shared expert on
+    both stages, the load-balancing loss across them, a tied head."""
+    prepare_default(tmp_path / "data", 512)
+    want = train(tiny(str(tmp_path), "q35moe_ref", *QWEN35_MOE)).losses
+    for got in run_distributed(_qwen35_moe_pp2, 2, str(tmp_path), timeout=400):
+        _close(got, want, 1e-5, "qwen35_moe_pp2")
+
+
+def test_pp2_checkpoint_resumes_at_pp4(runs):
+    _, (losses, _), _, four = runs
+    _close(four[0]["pp4_from_pp2"], losses[SAVE_AT:], 1e-5, "pp4_from_pp2")
