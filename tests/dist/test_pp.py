@@ -1,5 +1,5 @@
 """Pipeline parallelism equals one process (gloo, fp32, CPU): every schedule torch provides at
-pp = 2, 1F1B at pp = 4, the Qwen3.5 hybrid decoder interleaved, pp x tp (SP), pp x cp (ring),
+pp = 2 and at pp = 4, pp x tp (SP) x cp (ring) on 8 ranks, the Qwen3.5 hybrid decoder interleaved, pp x tp (SP), pp x cp (ring),
 pp x dp, uneven and user-given stage splits.
 
 Each case runs two optimizer steps (SGD) of four packed micro-batches of different lengths and
@@ -79,6 +79,22 @@ def test_pp2_cp2_ring():
 def test_interleaved_and_zero_bubble_with_tp_or_cp(schedule, tp, cp, mode):
     """Two stages per rank with tp = 2 (SP) or cp = 2 (Ulysses) on 4 ranks."""
     _check(_case(schedule, virtual=2, tp=tp, cp=cp, cp_mode=mode, sp=tp > 1), 4)
+
+
+@pytest.mark.slow  # 4 ranks each
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "1F1B"])
+def test_every_schedule_pp4_equals_one_process(schedule):
+    """pp = 4 (8 layers: two per stage, or one with two stages per rank), 8 micro-batches
+    (what every schedule here can run at pp = 4), for each schedule but 1F1B (above)."""
+    virtual = 1 if SCHEDULES[schedule][1] == "single" else 2
+    eight = ModelConfig(**{**LLAMA.__dict__, "num_layers": 8})
+    _check(_case(schedule, pp=4, virtual=virtual, cfg=eight, num_microbatches=8), 4)
+
+
+@pytest.mark.slow  # 8 ranks
+def test_pp2_tp2_cp2_on_eight_ranks():
+    """The whole model-parallel grid at once: pp = 2 x tp = 2 (SP) x cp = 2 (ring)."""
+    _check(_case("Interleaved1F1B", virtual=2, tp=2, sp=True, cp=2, cp_mode="ring"), 8)
 
 
 @pytest.mark.slow  # 4 ranks, 8 stages
