@@ -1,6 +1,6 @@
 """Pipeline parallelism equals one process (gloo, fp32, CPU): every schedule torch provides at
-pp = 2 and at pp = 4, pp x tp (SP) x cp (ring) on 8 ranks, the Qwen3.5 hybrid decoder interleaved, pp x tp (SP), pp x cp (ring),
-pp x dp, uneven and user-given stage splits.
+pp = 2 and at pp = 4, the Qwen3.5 hybrid decoder interleaved, pp x tp (SP), pp x cp (ring),
+pp x tp x cp on 8 ranks, pp x dp, uneven and user-given stage splits.
 
 Each case runs two optimizer steps (SGD) of four packed micro-batches of different lengths and
 document counts, with loss-mask holes; per step the loss on every rank, every logical gradient
