@@ -46,6 +46,8 @@ def make_checkpoint(family: str, folder: Path, seed: int = 0, head_dim: int = 12
     heads = dict(linear_key_head_dim=head_dim, linear_value_head_dim=head_dim)
 
     if family in ("qwen3_5", "qwen3_5_moe"):
+        # the shared tiny configs allow 512 positions; the documents here reach 2999 tokens
+        heads["max_position_embeddings"] = max(4096, max(lengths))
         if family == "qwen3_5":
             config = transformers.Qwen3_5TextConfig(**{**HF_CONFIG, **heads})
             model = transformers.Qwen3_5ForCausalLM(config)

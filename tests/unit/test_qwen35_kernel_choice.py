@@ -101,3 +101,22 @@ def test_score_script_prints_the_kernel(tmp_path):
     lines = [x for x in proc.stdout.splitlines() if "Gated DeltaNet kernel" in x]
     assert lines == ["score.py: Gated DeltaNet kernel: reference (PyTorch chunked, fp32 math); "
                      "gdn_kernel=auto on cpu: fla-core's kernels are CUDA-only"]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_fla_probe_runs_its_backward_under_a_callers_no_grad(mode):
+    """score.py asks first, under ``inference_mode``: the probe's backward must still run (on
+    the H200 it failed there with 'does not require grad', and the cached refusal made every
+    later Qwen3.5 layer of the process take the reference). A stand-in rule with fla's
+    signature, on the CPU; a real fla error still comes back as the refusal."""
+    def rule(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens):
+        return (q * k * v).sum(-1, keepdim=True) * beta[..., None] + g[..., None], None
+
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        assert kernels.probe(rule, torch.device("cpu")) is None
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("Triton too old")
+
+    assert kernels.probe(refusing, torch.device("cpu")) == "RuntimeError: Triton too old"

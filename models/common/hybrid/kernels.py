@@ -57,15 +57,23 @@ def fla_refusal(device_index: int) -> str | None:
     fla refuses some Triton/GPU pairs at run time (0.6.0 raises in the gated backward on Hopper
     with Triton >= 3.4, < 3.7.1 unless tilelang is installed), which a version table here
     would go stale on."""
-    chunk_rule = fla_ops()[0]
-    bf = dict(device=torch.device("cuda", device_index), dtype=torch.bfloat16)
-    q, k, v = (torch.randn(1, 16, 1, 16, **bf, requires_grad=True) for _ in range(3))
-    g = torch.zeros(1, 16, 1, device=bf["device"], requires_grad=True)
-    beta = torch.rand(1, 16, 1, **bf, requires_grad=True)
+    return probe(fla_ops()[0], torch.device("cuda", device_index))
+
+
+def probe(chunk_rule, device: torch.device) -> str | None:
+    """``fla_refusal``'s tiny forward + backward of ``chunk_rule`` on ``device``: its error, or
+    None. Gradients are on whatever the caller's mode: the first question often comes from
+    score.py, under ``inference_mode``, where the backward would fail for that reason alone and
+    the refusal is cached for the process."""
+    bf = dict(device=device, dtype=torch.bfloat16)
     try:
-        out, _ = chunk_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                            cu_seqlens=torch.tensor([0, 16], device=bf["device"]))
-        out.float().sum().backward()
+        with torch.inference_mode(False), torch.enable_grad():
+            q, k, v = (torch.randn(1, 16, 1, 16, **bf, requires_grad=True) for _ in range(3))
+            g = torch.zeros(1, 16, 1, device=bf["device"], requires_grad=True)
+            beta = torch.rand(1, 16, 1, **bf, requires_grad=True)
+            out, _ = chunk_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                cu_seqlens=torch.tensor([0, 16], device=bf["device"]))
+            out.float().sum().backward()
     except (RuntimeError, ValueError, NotImplementedError, AssertionError) as e:  # fla's refusals
         return f"{type(e).__name__}: {e}"
     return None
