@@ -29,6 +29,7 @@ from mpcore.models import Family
 from mpcore.models.common.hf_check import check_tensor_names
 from mpcore.models.common.hf_io import Checkpoint
 from mpcore.models.common.moe import expert_param_names
+from mpcore.models.common.moe_hf import read_expert_piece
 from mpcore.models.common.stage import StagedModel
 from mpcore.parallel.loss import global_valid_count
 from mpcore.parallel.pp import EVAL_SCHEDULES, Pipeline
@@ -89,18 +90,18 @@ def load_stages(model: StagedModel, folder, family: Family, model_cfg,
                 state: ParallelState) -> None:
     """Read this rank's parameters from the Hugging Face checkpoint ``folder``: each its pieces
     of the family's shard map (the table every family's loader and exporter use), expert
-    tensors at ep > 1 this ep rank's rows. The checkpoint's tensor names are checked first,
-    as ``Family.load`` does."""
+    tensors this ep rank's experts in either expert layout (``moe_hf.read_expert_piece``).
+    The checkpoint's tensor names are checked first, as ``Family.load`` does."""
     check_tensor_names(folder, family, model_cfg)
     ckpt = Checkpoint(Path(folder))
     table = family.shard_map(model_cfg, state.tp, state.tp_rank)
-    experts = expert_param_names(model) if state.ep > 1 else set()
+    experts, pending = expert_param_names(model), {}
     for name, param in model.named_parameters():
         pieces = table[name]
-        local = torch.cat([ckpt.read(piece) for piece in pieces], dim=pieces[0].dim)
-        if name in experts:
-            rows = local.shape[0] // state.ep
-            local = local.narrow(0, state.ep_rank * rows, rows)
+        if name in experts:  # the released per-expert layout or a fused one, this ep rank's
+            local = read_expert_piece(ckpt, pieces[0], state.ep, state.ep_rank, pending)
+        else:
+            local = torch.cat([ckpt.read(piece) for piece in pieces], dim=pieces[0].dim)
         if local.shape != param.shape:
             raise AssertionError((name, tuple(local.shape), tuple(param.shape)))
         param.copy_(local.to(param.dtype))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -81,6 +82,26 @@ def read_experts(ckpt: Checkpoint, cfg, mlp: str, first: int, count: int
                               for p in ("gate_proj", "up_proj")]))
         w2.append(ckpt.read(whole(name + "down_proj.weight", (h, inter))[0]))
     return torch.stack(w13), torch.stack(w2)
+
+
+def read_expert_piece(ckpt: Checkpoint, piece: Piece, ep: int, ep_rank: int,
+                      pending: dict) -> torch.Tensor:
+    """Ep rank ``ep_rank``'s experts of a shard map's fused expert ``piece``
+    (``{mlp}experts.gate_up_proj [E, 2I, H]`` or ``{mlp}experts.down_proj [E, H, I]``, as
+    :func:`expert_pieces` names them) in whichever layout the checkpoint has
+    (:func:`read_experts`). A layer's two tensors are read together; ``pending`` (a dict the
+    caller keeps over one load) holds the other until it is asked for."""
+    mlp, kind = piece.name.rsplit("experts.", 1)
+    if mlp not in pending:
+        e, rows, cols = piece.shape
+        h, inter = (cols, rows // 2) if kind == "gate_up_proj" else (rows, cols)
+        sizes = SimpleNamespace(hidden_size=h, moe_intermediate_size=inter, num_experts=e)
+        pair = read_experts(ckpt, sizes, mlp, ep_rank * (e // ep), e // ep)
+        pending[mlp] = dict(zip(("gate_up_proj", "down_proj"), pair, strict=True))
+    out = pending[mlp].pop(kind)
+    if not pending[mlp]:
+        del pending[mlp]
+    return out
 
 
 def expert_layers(cfg, ours: str = "", hf: str = "model.",

@@ -1,6 +1,7 @@
 """Pipeline parallelism equals one process (gloo, fp32, CPU): every schedule torch provides at
 pp = 2 and at pp = 4, the Qwen3.5 hybrid decoder interleaved, pp x tp (SP), pp x cp (ring),
-pp x tp x cp on 8 ranks, pp x dp, uneven and user-given stage splits.
+pp x tp x cp on 8 ranks, pp x dp, uneven and user-given stage splits, Qwen3-MoE with experts
+split inside a stage (ep over dp, over cp with ring attention, and over cp with dp on 8 ranks).
 
 Each case runs two optimizer steps (SGD) of four packed micro-batches of different lengths and
 document counts, with loss-mask holes; per step the loss on every rank, every logical gradient
@@ -133,6 +134,29 @@ def test_qwen3_moe_with_global_aux_loss():
     # steps of a two-pass backward
     _check(dict(case, schedule="InterleavedZeroBubble"), 2)
     _check(dict(case, schedule="1F1B", virtual=1, ep=2, dp=2), 4)
+
+
+def _moe_case(**kw) -> dict:
+    """Qwen3-MoE, 4 layers (layer 1 dense), 8 experts top-2, with its load-balancing loss."""
+    cfg = config_from_moe_hf(dict(MOE_CONFIG, num_hidden_layers=4,
+                                  architectures=["Qwen3MoeForCausalLM"]))
+    return dict(dict(family="qwen3_moe", cfg=cfg, pp=2, schedule="1F1B", virtual=1,
+                     num_microbatches=4, steps=2), **kw)
+
+
+def test_qwen3_moe_pp2_cp2_ring_ep2():
+    """Experts split over the cp ranks of each stage (ep = cp = 2, ring, edp of one) on 4
+    ranks: each stage's all-to-all dispatch runs on a stage's own ep group, the routed tokens
+    are each cp rank's zigzag chunks, and the load-balancing loss counts every cp rank's
+    tokens once."""
+    _check(_moe_case(schedule="Interleaved1F1B", virtual=2, cp=2, cp_mode="ring", ep=2), 4)
+
+
+@pytest.mark.slow  # 8 ranks
+def test_qwen3_moe_pp2_cp2_dp2_ep2_on_eight_ranks():
+    """pp = 2 x dp = 2 x cp = 2 (ring) with ep = 2: an ep group is a stage's two cp ranks,
+    and each expert's gradient sums over the two dp ranks holding it (edp)."""
+    _check(_moe_case(cp=2, cp_mode="ring", dp=2, ep=2), 8)
 
 
 @pytest.mark.parametrize("schedule, virtual", [("1F1B", 1), ("Interleaved1F1B", 2),

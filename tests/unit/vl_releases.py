@@ -6,7 +6,8 @@ processor of that release (the family's processor class from the folder's tokeni
 processor config). Vision tokens are added special tokens INSIDE the vocabulary, after the
 trained BPE pieces, and config.json names them, as in a release. Arches: ``qwen2_vl``,
 ``qwen2_5_vl`` (family qwen2_vl), ``qwen3_vl``, ``qwen3_5`` (Qwen3.5 vision-language,
-family qwen3_5_vl), ``glm4v``.
+family qwen3_5_vl), ``glm4v``; ``make_qwen35_moe_release`` writes a Qwen3.5-MoE one (family
+qwen3_5_vl_moe).
 
 torchvision is not installed here, so transformers cannot build the video processor its VL
 processors hold; :func:`hf_processor` builds the processor with none (its class check
@@ -176,6 +177,31 @@ def make_release(arch: str, folder, seed: int = 5, pieces: int = 400) -> Path:
     model = _randomize(getattr(transformers, model_name)(config).eval(), seed)
     model.save_pretrained(folder)
     _image_processor(arch).save_pretrained(folder)
+    return folder
+
+
+# Qwen3.5-MoE VL: the qwen3_5 release's text with every MLP a MoE block (family qwen3_5_vl_moe)
+QWEN35_MOE_TEXT = {k: v for k, v in TEXT["qwen3_5"].items() if k != "intermediate_size"} | dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+    shared_expert_intermediate_size=40, router_aux_loss_coef=0.05)
+
+
+def make_qwen35_moe_release(folder, seed: int = 5) -> Path:
+    """The ``qwen3_5`` release of :func:`make_release` (tokenizer, template, processor
+    config) with a ``Qwen3_5MoeForConditionalGeneration`` of ``QWEN35_MOE_TEXT`` as its model."""
+    import transformers
+
+    folder = make_release("qwen3_5", folder, seed)
+    dense = json.loads((folder / "config.json").read_text())
+    tokens = {k: dense[k] for k in ("vision_start_token_id", "vision_end_token_id",
+                                    "image_token_id", "video_token_id")}
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=dict(QWEN35_MOE_TEXT), vision_config=dict(QWEN_VISION["qwen3_5"]),
+        tie_word_embeddings=False, **tokens)
+    for old in folder.glob("model*.safetensors*"):
+        old.unlink()
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    _randomize(model, seed).save_pretrained(folder)
     return folder
 
 
