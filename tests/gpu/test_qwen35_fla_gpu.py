@@ -173,7 +173,7 @@ def test_model_fla_and_reference_against_float64():
     print("A_log:", [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows if "A_log" in n])
     # Judged per kind of parameter (its name without the layer index), worst layer against
     # worst layer: bf16's error on one reduced gradient swings several-fold from layer to
-    # layer (A_log at 8d18230 / H100: reference 0.018, 0.053, 0.255 over the three DeltaNet
+    # layer (A_log at 295b7e3 / H100: reference 0.018, 0.053, 0.255 over the three DeltaNet
     # layers; fla 0.049, 0.054, 0.164), so one layer's ratio is noise; a wrong fla path is off
     # by O(1) in every layer.
     kinds = {}

@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 tests|score|bench|bench32   # issue 36 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -134,38 +134,52 @@ elif [ "${1:-}" = vl ]; then
   run vl_glm4v 240 python3 -m tests.perf.bench_vl "$out/vl_glm4v_h200.json" --family glm4v
   for name in vl vl_qwen3 vl_glm4v; do tail -3 "$out/$name.log"; done
 elif [ "${1:-}" = qwen35 ]; then
-  # Issue 36 on nvidia-h200, after the four-part Triton 3.7.1 + fla install of
-  # ../shared/notes/GPU.md (the last part call: `bash /tmp/tri-parts/triton-device-install &&
-  # export PYTHONPATH=/tmp/tri-site:$PWD && bash tests/perf/run_device.sh qwen35 tests`), then
-  # `bench` and `bench32` in the next calls of the same warm machine (fla's Triton compile and
-  # autotuning, minutes when cold, stay cached there). Each part fits one 600 s call.
+  # Issue 36 (and 37's MTP benchmark) on one H100 or H200, after the four-part Triton 3.7.1 +
+  # fla install of ../shared/notes/GPU.md (the last part call: `bash
+  # /tmp/tri-parts/triton-device-install && export PYTHONPATH=/tmp/tri-site:$PWD && bash
+  # tests/perf/run_device.sh qwen35 check`), then `bench` and `bench32` in the next calls of the
+  # same warm machine (fla's Triton compile and autotuning, minutes when cold, stay cached
+  # there). Each part fits one 600 s call. Files are named after the card (h100 or h200).
   python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, \
     'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', \
     fla.__version__)" 2>&1 | tail -1
-  case "${2:-tests}" in
+  card=h200
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && card=h100
+  case "${2:-check}" in
     tests)
       run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_fla_gpu.py
       grep -E "rel error|loss:|A_log|worst|: reference bf16|passed|failed|Error" \
         "$out/gpu_tests_qwen35.log" | cut -c1-600 | head -60 ;;
+    check)
+      # The score tests (their float64 truth is CPU work) beside the bf16 model test: both only
+      # compare numbers, so they may share the GPU.
+      timeout 560 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+        tests/gpu/test_qwen35_score_gpu.py > "$out/gpu_tests_qwen35_score.log" 2>&1 &
+      run gpu_tests_qwen35_model 420 python3 -m pytest -q -s -p no:cacheprovider \
+        -o addopts="" tests/gpu/test_qwen35_fla_gpu.py -k "model or auto_falls_back"
+      grep -E "loss:|kind|A_log|dt_bias|passed|failed|Error" "$out/gpu_tests_qwen35_model.log" \
+        | cut -c1-400 | head -40
+      wait
+      echo "== score"
+      grep -E "max \||fp32|bf16:|passed|failed|Error" "$out/gpu_tests_qwen35_score.log" \
+        | cut -c1-400 | head -40 ;;
     score)
-      run gpu_tests_qwen35_score 300 python3 -m pytest -q -s -p no:cacheprovider \
+      run gpu_tests_qwen35_score 560 python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_score_gpu.py
       grep -E "max \||fp32|bf16:|passed|failed|Error" "$out/gpu_tests_qwen35_score.log" \
         | cut -c1-400 | head -40 ;;
     bench)
-      run bench_qwen35_8k ${QWEN35_BENCH_S:-280} python3 -m tests.perf.bench_qwen35 "$out/qwen35_h200.json" \
-        --seq 8192 --profile "$out/profile_qwen35_layer_h200.txt"
+      run bench_qwen35_mtp 150 python3 -m tests.perf.bench_qwen35_mtp "$out/qwen35_mtp_$card.json"
+      tail -c 1200 "$out/bench_qwen35_mtp.log"
+      run bench_qwen35_8k ${QWEN35_BENCH_S:-420} python3 -m tests.perf.bench_qwen35 \
+        "$out/qwen35_$card.json" --seq 8192 --profile "$out/profile_qwen35_layer_$card.txt"
       tail -c 1500 "$out/bench_qwen35_8k.log"
-      grep -E "^== |Self CUDA time total" "$out/profile_qwen35_layer_h200.txt" ;;
+      grep -E "^== |Self CUDA time total" "$out/profile_qwen35_layer_$card.txt" ;;
     bench32)
-      run bench_qwen35_32k 300 python3 -m tests.perf.bench_qwen35 \
-        "$out/qwen35_h200_seq32k.json" --seq 32768 --steps 5 --warmup 2
+      run bench_qwen35_32k 400 python3 -m tests.perf.bench_qwen35 \
+        "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
       tail -c 1500 "$out/bench_qwen35_32k.log"
-      if [ -f tests/perf/bench_qwen35_mtp.py ]; then
-        run bench_qwen35_mtp 180 python3 -m tests.perf.bench_qwen35_mtp "$out/qwen35_mtp_h200.json"
-        tail -c 1500 "$out/bench_qwen35_mtp.log"
-      fi
       # Triton's cache (fla's compiled kernels and autotuning results) for a later machine:
       # carried back, it spares that machine the cold compile.
       tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
