@@ -109,6 +109,20 @@ def hf_paths() -> dict:
     return found
 
 
+def deltanet_kernel(model, device) -> dict | None:
+    """The Gated DeltaNet kernel the linear-attention layers of ``model`` run in a benchmark
+    step on ``device`` (operands bf16 under autocast on CUDA, fp32 on the CPU), asked of the
+    first such layer as its forward asks (``GatedDeltaNet.kernel``): ``{"requested": its
+    gdn_kernel, "ran": "fla" | "reference", "why": its log line}``; None without such layers."""
+    layer = next((m for m in model.modules() if isinstance(m, GatedDeltaNet)), None)
+    if layer is None:
+        return None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"requested": layer.gdn_kernel,
+            "ran": layer.kernel(torch.empty(0, device=device, dtype=dtype)),
+            "why": layer.describe_kernel(device, dtype)}
+
+
 def bench_hf(hf: dict, batches, device, steps, warmup) -> dict:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 

@@ -1,7 +1,8 @@
-"""Benchmark: training steps of a VL family's 2B shape on real images, mpcore vs transformers.
+"""Benchmark: training steps of a VL family's released shape on real images, mpcore vs transformers.
 
 Usage (one GPU, every side in one run; meant to take 2-3 minutes on an H200):
-    python -m tests.perf.bench_vl [OUT.json] [--family qwen2_vl|qwen3_vl] [--config 2b|tiny]
+    python -m tests.perf.bench_vl [OUT.json] [--family qwen2_vl|qwen3_vl|glm4v|qwen3_5_vl]
+        [--config 2b|9b|0.8b|tiny]
         [--steps 10] [--warmup N]
         [--seq 8192] [--micro-batch 1] [--image-fraction 0.6] [--activation-checkpointing]
         [--forward-backward-only] [--skip-hf] [--count-params] [--vision-attention flash|cudnn]
@@ -21,7 +22,15 @@ Qwen3-VL-2B's config.json (``mpcore.models.common.qwen3_vl.presets.QWEN3_VL_2B``
 1024, patch 16, DeepStack after blocks 5, 11, 17; text hidden 2048, 28 layers, 16 heads, 8 KV
 heads, head_dim 128, q/k norm, interleaved M-RoPE [24, 20, 20]). ``--family glm4v`` (``--config
 9b``): GLM-4.1V-9B's shape with 12 of its 40 decoder layers (``GLM4V_LAYERS``: fp32 master
-weights and AdamW state of all 40 do not fit one H200 beside the activations). Special ids of the real Qwen
+weights and AdamW state of all 40 do not fit one H200 beside the activations). ``--family
+qwen3_5_vl`` (``--config 0.8b``): Qwen3.5-0.8B, the smallest released Qwen3.5 with a vision
+tower (every released Qwen3.5 is a ``Qwen3_5ForConditionalGeneration``): its text decoder as
+tests/dist/qwen35_0p8b_config.json (hidden 1024, 24 layers, every 4th gated full attention with
+8 heads / 2 KV heads of 256, the rest Gated DeltaNet with 16 key and 16 value heads of 128,
+MLP 3584, tied 248320 vocab, interleaved M-RoPE [11, 11, 10] over the rotated quarter) and the
+release's ``vision_config`` (``QWEN3_5_0P8B_VISION``: depth 12, width 768, 12 heads, MLP 3072,
+patch 16, 2x2 merger into 1024, no DeepStack) and special ids (image 248056, video 248057,
+vision start 248053, vision end 248054); 0.85 B parameters. Special ids of the real Qwen
 vocabulary: image 151655, video 151656, vision start 151652, vision end 151653 (``--data
 prepared`` replaces them by its tokenizer's, 2048-2051). Both sides start from fresh random
 weights; the family's registry entry builds ours and makes its inputs.
@@ -59,7 +68,12 @@ transformers' model of the family (``Qwen2VLForConditionalGeneration`` /
 as a further side only when it imports); the same with liger-kernel's patches for the family
 (``apply_liger_kernel_to_qwen2_vl`` / ``_qwen3_vl`` before the model is built, where liger has
 them), each patch reported as applied or not (Qwen2-VL's RoPE patch targets a function
-transformers 5.x no longer has).
+transformers 5.x no longer has). Qwen3.5-VL: ``Qwen3_5ForConditionalGeneration``, whose Gated
+DeltaNet layers take fla's kernels (and causal_conv1d's) when flash-linear-attention is
+installed and its PyTorch fallback otherwise; ``hf_fast_path`` records what it found
+(``tests/perf/bench_qwen35.hf_paths``) and the fallback warnings transformers logged during
+the baselines. Our side builds it with ``gdn_kernel=auto`` (fla on CUDA when it runs) and
+reports the kernel its DeltaNet layers ran (``gdn_kernel``: requested, ran, why).
 
 Reported per side: the step time over ``--steps`` timed steps after ``--warmup`` (by default
 one step per distinct batch: the first step on a batch builds cuDNN graphs and may compile a
@@ -87,6 +101,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import logging
 import math
 import statistics
 import sys
@@ -105,6 +120,7 @@ from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf
 from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import init_distributed
+from tests.perf.bench_qwen35 import _Captured, deltanet_kernel, hf_paths
 from tests.perf.bench_train import _sync, _timed  # (one timing for every benchmark)
 from tests.perf.vl_batches import Batch, build_batches, digest
 
@@ -154,9 +170,9 @@ def qwen3_vl_tiny():
 GLM4V_LAYERS = 12  # of GLM-4.1V-9B's 40: fp32 master weights + AdamW of all 40 exceed one H200
 
 
-def _glm4v(yaml: str, overrides: list[str], ids: dict):
+def _from_yaml(family: str, yaml: str, overrides: list[str], ids: dict):
     section = load_config(REPO / "launch" / "configs" / yaml, overrides).model
-    return family_named("glm4v").config_from_section(section, ids)
+    return family_named(family).config_from_section(section, ids)
 
 
 def glm4v_9b():
@@ -165,14 +181,41 @@ def glm4v_9b():
     decoder layers, GLM's real image / start / end ids."""
     ids = dict(image_token_id=151343, video_token_id=151344, vision_start_token_id=151339,
                vision_end_token_id=151340)
-    return _glm4v("glm4v_9b.yaml", [f"model.num_layers={GLM4V_LAYERS}"], ids)
+    return _from_yaml("glm4v", "glm4v_9b.yaml", [f"model.num_layers={GLM4V_LAYERS}"], ids)
 
 
 def glm4v_tiny():
     """A CPU-sized GLM-4V (launch/configs/glm4v_tiny.yaml at vocab 518)."""
     ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,
                vision_end_token_id=303)
-    return _glm4v("glm4v_tiny.yaml", ["model.vocab_size=518"], ids)
+    return _from_yaml("glm4v", "glm4v_tiny.yaml", ["model.vocab_size=518"], ids)
+
+
+# Qwen3.5-0.8B's released config.json: the text part is tests/dist/qwen35_0p8b_config.json (it
+# carries no tower); the tower and the special ids are these.
+QWEN3_5_0P8B_TEXT = REPO / "tests" / "dist" / "qwen35_0p8b_config.json"
+QWEN3_5_0P8B_VISION = {
+    "model_type": "qwen3_5", "depth": 12, "hidden_size": 768, "num_heads": 12,
+    "intermediate_size": 3072, "in_channels": 3, "patch_size": 16, "temporal_patch_size": 2,
+    "spatial_merge_size": 2, "out_hidden_size": 1024, "num_position_embeddings": 2304,
+    "hidden_act": "gelu_pytorch_tanh", "deepstack_visual_indexes": []}
+QWEN3_5_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                   vision_end_token_id=248054)
+
+
+def qwen3_5_vl_0p8b():
+    """Qwen3.5-0.8B's shape, tower included (module docstring), with the real special ids."""
+    hf = json.loads(QWEN3_5_0P8B_TEXT.read_text())
+    return family_named("qwen3_5_vl").config_from_hf(
+        {**hf, **QWEN3_5_IDS, "vision_config": QWEN3_5_0P8B_VISION})
+
+
+def qwen3_5_vl_tiny():
+    """A CPU-sized Qwen3.5-VL (launch/configs/qwen35_vl_tiny.yaml at vocab 516: 3 DeltaNet
+    layers and one gated full-attention layer, a 2-block tower of patch 16)."""
+    ids = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302,
+               vision_end_token_id=303)
+    return _from_yaml("qwen3_5_vl", "qwen35_vl_tiny.yaml", ["model.vocab_size=516"], ids)
 
 
 # family -> name -> (config, default seq, merged tokens per image (cycled with the images),
@@ -184,10 +227,16 @@ PRESETS = {
                  "tiny": (qwen3_vl_tiny, 256, (9, 16, 6), 512)},
     "glm4v": {"9b": (glm4v_9b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
               "tiny": (glm4v_tiny, 256, (9, 16, 6), 512)},
+    "qwen3_5_vl": {"0.8b": (qwen3_5_vl_0p8b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
+                   "tiny": (qwen3_5_vl_tiny, 256, (9, 16, 6), 512)},
 }
 HF_CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
               "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-              "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration")}
+              "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
+              "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
+# family -> transformers' model module (and liger's apply_liger_kernel_to_<name>) where the
+# two names differ
+HF_MODULES = {"qwen3_5_vl": "qwen3_5"}
 
 
 def _train_step(model, optimizer, args, loss_fn, group=None):
@@ -230,11 +279,13 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
     cuda = device.type == "cuda"
     state = ParallelState.build(1, args.cp)
     family = family_of(cfg)
+    # the Qwen3.5 families: fla's kernels on CUDA where they run, else the reference (warned)
+    hybrid = {"gdn_kernel": "auto"} if "gdn_kernel" in family.options else {}
     model = family.build(cfg, state, device=device, dtype=torch.float32,
                          activation_checkpointing=args.activation_checkpointing,
                          vision_attention=args.vision_attention,
                          cp_mode=args.cp_mode if args.cp > 1 else "none",
-                         vision_cp=args.vision_cp)
+                         vision_cp=args.vision_cp, **hybrid)
     model.train()
     optimizer = _optimizer(model, cuda)
     # As pretrain's step (mpcore.batches.local_inputs): the tokens are planned on the host and
@@ -277,6 +328,8 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
     result["target_tokens_per_step"] = targets.double().mean().item()
     result["batches_sha256"] = digest(t for b, p in zip(batches, pixels, strict=True)
                                       for t in (b.ids.view(-1), p, b.grid))
+    if hybrid:
+        result["gdn_kernel"] = deltanet_kernel(model, device)
     return result
 
 
@@ -305,7 +358,8 @@ def _hf_model(cfg, attn: str, device):
 
 
 def apply_liger(family: str) -> dict:
-    """Apply liger-kernel's patches for ``family`` (class level, before the model is built);
+    """Apply liger-kernel's patches for ``family`` (transformers' module name: ``HF_MODULES``;
+    class level, before the model is built);
     which of them can take effect on the installed transformers. ``ImportError`` when liger
     has none for the family."""
     import importlib
@@ -354,7 +408,8 @@ def liger_modules(model) -> dict:
 def bench_hf(args, cfg, batches: list[Batch], device, attn: str = "sdpa",
              liger: bool = False) -> dict:
     cuda = device.type == "cuda"
-    patches = apply_liger(family_of(cfg).name) if liger else None
+    name = family_of(cfg).name
+    patches = apply_liger(HF_MODULES.get(name, name)) if liger else None
     model = _hf_model(cfg, attn, device)
     model.train()
     if args.activation_checkpointing:
@@ -421,6 +476,19 @@ def _guarded(name: str, fn, *args, **kwargs) -> dict:
 
 
 def run_baselines(args, cfg, batches: list[Batch], device, report: dict) -> None:
+    """Every transformers side; for a Qwen3.5 family also ``hf_fast_path``: what its DeltaNet
+    fast path found installed and the fallback warnings it logged while the sides ran."""
+    captured = _Captured()
+    logging.getLogger("transformers").addHandler(captured)
+    try:
+        _run_baselines(args, cfg, batches, device, report)
+    finally:
+        logging.getLogger("transformers").removeHandler(captured)
+    if "gdn_kernel" in family_of(cfg).options:
+        report["hf_fast_path"] = {**hf_paths(), "fallback_warnings": captured.lines}
+
+
+def _run_baselines(args, cfg, batches: list[Batch], device, report: dict) -> None:
     import transformers
     from transformers.utils import is_flash_attn_2_available
 
@@ -493,9 +561,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
     parser.add_argument("--family", default="qwen2_vl", choices=sorted(PRESETS),
-                        help="the model family (its 2B shape or a tiny one, --config)")
-    parser.add_argument("--config", default=None, choices=["2b", "9b", "tiny"],
-                        help="the family's large shape (2b; glm4v: 9b) or a tiny one")
+                        help="the model family (its released shape or a tiny one, --config)")
+    parser.add_argument("--config", default=None, choices=["2b", "9b", "0.8b", "tiny"],
+                        help="the family's large shape (2b; glm4v: 9b; qwen3_5_vl: 0.8b) or a "
+                             "tiny one")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps first (default: one per distinct batch, so no "
