@@ -1,9 +1,10 @@
-"""Benchmark: a Qwen3-MoE training step, mpcore vs transformers, and the expert GEMMs' rate.
+"""Benchmark: a Qwen3-MoE or Qwen3.5-MoE training step, mpcore vs transformers, and the expert
+GEMMs' rate.
 
 Usage (one GPU):
-    python -m tests.perf.bench_moe [OUT.json] [--layers 6] [--seq 4096] [--steps 10]
-        [--warmup 3] [--hf-experts grouped_mm,batched_mm,eager] [--skip-hf] [--tiny]
-        [--megatron] [--megatron-timeout 420]
+    python -m tests.perf.bench_moe [OUT.json] [--family qwen3_moe|qwen3_5_moe] [--layers N]
+        [--seq 4096] [--steps 10] [--warmup 3] [--hf-experts grouped_mm,batched_mm,eager]
+        [--skip-hf] [--tiny] [--megatron] [--megatron-timeout 420]
 
 The model is Qwen3-30B-A3B (launch/configs/qwen3_30b_a3b.yaml: hidden 2048, 32 heads, 4 KV
 heads of 128, 128 experts of width 768, top 8, vocab 151936, untied head) cut to ``--layers``
@@ -17,7 +18,26 @@ family's model (experts backend auto: PyTorch's grouped GEMM on CUDA), the aux l
 ``mpcore.moe_step.MoeStep`` as training computes it. transformers: ``Qwen3MoeForCausalLM`` of
 the same config with SDPA attention and ``output_router_logits``, once per experts
 implementation of ``--hf-experts`` that this transformers has (the fastest is the peer).
-``--megatron``: Megatron-core's MoE as a second peer, in its own subprocess (run first, before
+``--family qwen3_5_moe``: Qwen3.5-35B-A3B's text decoder (``QWEN3_5_35B_A3B``, the release's
+config.json text fields, transformers' ``Qwen3_5MoeTextConfig`` defaults: hidden 2048, 40
+layers in the pattern of three Gated DeltaNet layers (16 key / 32 value heads of 128, 4-tap
+conv) then one gated full-attention layer (16 heads, 2 KV heads of 256, a quarter rotated,
+theta 1e7): ``full_attention_interval`` 4; every layer's feed-forward 256 experts of width 512,
+top 8 renormalised, plus a shared expert of 512 behind its sigmoid gate; vocab 248320, untied
+head, aux coef 1e-3) cut to its first ``--layers`` layers of that pattern, default 4: the
+smallest cut that keeps the pattern (the first full-attention layer is layer 3), and the only
+one that fits one GPU: each layer holds 0.84 B parameters (the experts 0.81 B), 13.5 GB with
+fp32 gradients and AdamW state, the embedding and head 1.02 B (16.3 GB), so 4 layers are 4.38
+B parameters, 65.3 GiB before activations; 8 (two periods) would be 115 GiB, past an H200
+once transformers' full [seq, 248320] logits are added. On an H100 (80 GB) the 4-layer
+transformers rows may run out of memory (recorded as their error); an H200 fits them. A cut
+without a full-attention layer is refused. mpcore: the qwen3_5_moe family's model with
+``gdn_kernel=auto`` (fla on CUDA when it runs; ``mpcore.gdn_kernel`` says which kernel ran);
+transformers: ``Qwen3_5MoeForCausalLM``, each experts implementation as for Qwen3-MoE, its
+DeltaNet fast path recorded in ``hf_fast_path`` (``tests/perf/bench_qwen35.hf_paths`` and the
+fallback warnings it logged). ``--tiny`` shrinks either family's widths and counts, keeping its
+layer pattern.
+``--megatron`` (Qwen3-MoE only): Megatron-core's MoE as a second peer, in its own subprocess (run first, before
 this process takes GPU memory): ``GPTModel`` with the TransformerEngine layer spec for MoE (TE's
 grouped GEMM experts, ``moe_grouped_gemm``), the alltoall token dispatcher at ep = 1 with its
 permute and router fusions, the router in fp32, softmax over the top-k logits
@@ -50,6 +70,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import subprocess
 import sys
 import zlib
@@ -61,6 +82,7 @@ from mpcore.models.common.moe import run_experts
 from mpcore.models.registry import family_named
 from mpcore.moe_step import MoeStep
 from mpcore.parallel.state import ParallelState
+from tests.perf.bench_qwen35 import _Captured, deltanet_kernel, hf_paths
 from tests.perf.megatron_peer import (
     AdamSettings,
     cuda,
@@ -87,9 +109,46 @@ QWEN3_30B_A3B = dict(
 TINY = {**QWEN3_30B_A3B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# Qwen3.5-35B-A3B's config.json text fields (transformers' Qwen3_5MoeTextConfig defaults are the
+# same); num_hidden_layers and layer_types set by --layers (``cut``).
+QWEN3_5_35B_A3B = dict(
+    architectures=["Qwen3_5MoeForCausalLM"], vocab_size=248320, hidden_size=2048,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, attn_output_gate=True,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+TINY_3_5 = {**QWEN3_5_35B_A3B, "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32}
+# family -> (full shape, tiny shape, name in the JSON, default --layers)
+SHAPES = {"qwen3_moe": (QWEN3_30B_A3B, TINY, "Qwen3-30B-A3B", 6),
+          "qwen3_5_moe": (QWEN3_5_35B_A3B, TINY_3_5, "Qwen3.5-35B-A3B", 4)}
 HF_EXPERTS = ("grouped_mm", "batched_mm", "eager")
 # step_timing.adamw: torch's AdamW defaults at lr 1e-4; the clip of _train_step.
 ADAM = AdamSettings(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, grad_clip=1.0)
+
+
+def cut(family: str, tiny: bool, layers: int) -> dict:
+    """The config.json dict of ``family``'s shape (``--tiny``: its tiny one) with its first
+    ``layers`` decoder layers. Qwen3.5-MoE: ``layer_types`` the first ``layers`` of the release's
+    pattern (full attention every ``full_attention_interval``-th layer), given to both sides;
+    ``ValueError`` when the cut has no full-attention layer."""
+    full, small, _, _ = SHAPES[family]
+    hf = {**(small if tiny else full), "num_hidden_layers": layers}
+    if "full_attention_interval" in hf:
+        every = hf["full_attention_interval"]
+        hf["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                             for i in range(layers)]
+        if "full_attention" not in hf["layer_types"]:
+            raise ValueError(f"--layers {layers} cuts {SHAPES[family][2]} before its first "
+                             f"full-attention layer (layer {every - 1}): use --layers >= "
+                             f"{every}, so that the cut keeps the hybrid pattern")
+    return hf
 
 
 def token_batches(hf: dict, seq: int, n: int) -> list[torch.Tensor]:
@@ -117,11 +176,14 @@ def _train_step(model, opt, device, loss_of):
     return step
 
 
-def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
-    family = family_named("qwen3_moe")
+def bench_mpcore(hf: dict, batches, device, steps, warmup, family_name: str = "qwen3_moe"
+                 ) -> dict:
+    family = family_named(family_name)
     cfg = family.config_from_hf(hf)
     state = ParallelState()
-    model = family.build(cfg, state, seed=0, device=device)
+    # Qwen3.5-MoE: fla's DeltaNet kernels on CUDA where they run, else the reference (warned)
+    hybrid = {"gdn_kernel": "auto"} if "gdn_kernel" in family.options else {}
+    model = family.build(cfg, state, seed=0, device=device, **hybrid)
     opt = adamw(model.parameters(), device)
     it = iter(batches)
 
@@ -134,6 +196,8 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
         return ce + moe.share()
 
     result = timed(_train_step(model, opt, device, loss_of), steps, warmup, device)
+    if hybrid:
+        result["gdn_kernel"] = deltanet_kernel(model, device)
     return {**result, "params": num_params(model)}
 
 
@@ -148,16 +212,24 @@ def hf_experts_available() -> tuple[str, ...]:
     return tuple(n for n in HF_EXPERTS if n in names)
 
 
-def bench_hf(hf: dict, batches, device, steps, warmup, experts: str) -> dict:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# family -> transformers' (config, model) class names; keys of our config dicts it does not take
+HF_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
+HF_DROPPED = ("architectures", "attn_output_gate", "full_attention_interval")
 
-    config = Qwen3MoeConfig(**{k: v for k, v in hf.items() if k != "architectures"},
-                            output_router_logits=True)
+
+def bench_hf(hf: dict, batches, device, steps, warmup, experts: str,
+             family: str = "qwen3_moe") -> dict:
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[family])
+    config = config_cls(**{k: v for k, v in hf.items() if k not in HF_DROPPED},
+                        output_router_logits=True)
     kwargs = {"attn_implementation": "sdpa"}
     if experts != "default":
         kwargs["experts_implementation"] = experts
     with torch.device(device):
-        model = Qwen3MoeForCausalLM._from_config(config, **kwargs)
+        model = model_cls._from_config(config, **kwargs)
     model.train()
     opt = adamw(model.parameters(), device)
     it = iter(batches)
@@ -321,7 +393,11 @@ def bench_experts(hf: dict, seq: int, device, steps, warmup) -> dict | None:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", default=str(DEFAULT_OUT))
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--family", default="qwen3_moe", choices=sorted(SHAPES),
+                   help="Qwen3-30B-A3B's or Qwen3.5-35B-A3B's decoder, cut to --layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of the cut (default: 6 for qwen3_moe, 4 for "
+                        "qwen3_5_moe: module docstring)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -334,7 +410,14 @@ def parse_args(argv):
                         "on CUDA), in its own subprocess")
     p.add_argument("--megatron-timeout", type=int, default=420, help="seconds for that row")
     p.add_argument("--megatron-row", action="store_true", help=argparse.SUPPRESS)  # the child
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.megatron and args.family != "qwen3_moe":
+        p.error(f"--megatron: the Megatron-core row is built for Qwen3-MoE only (its GPTModel "
+                f"has no Gated DeltaNet layers); drop --megatron, or use --family qwen3_moe "
+                f"(got --family {args.family})")
+    if args.layers is None:
+        args.layers = SHAPES[args.family][3]
+    return args
 
 
 def check_params(name: str, found: int, expected: int) -> None:
@@ -354,7 +437,7 @@ def run_hf(result: dict, hf: dict, batches, device, args) -> None:
     result["hf"] = {}
     for name in names:
         try:
-            r = bench_hf(hf, batches, device, args.steps, args.warmup, name)
+            r = bench_hf(hf, batches, device, args.steps, args.warmup, name, args.family)
         except torch.OutOfMemoryError as e:  # batched_mm gathers a weight copy per routed row
             r = {"error": f"out of memory: {str(e).splitlines()[0]}"}
             torch.cuda.empty_cache()
@@ -374,6 +457,19 @@ def run_hf(result: dict, hf: dict, batches, device, args) -> None:
     result["speedup"] = peer["step_s"] / result["mpcore"]["step_s"]
     if device.type == "cuda":
         result["memory_ratio"] = result["mpcore"]["peak_gib"] / peer["peak_gib"]
+
+
+def run_hf_logged(result: dict, hf: dict, batches, device, args) -> None:
+    """``run_hf``; for Qwen3.5-MoE also ``hf_fast_path``: what transformers' DeltaNet fast path
+    found installed (``bench_qwen35.hf_paths``) and the fallback warnings it logged."""
+    captured = _Captured()
+    logging.getLogger("transformers").addHandler(captured)
+    try:
+        run_hf(result, hf, batches, device, args)
+    finally:
+        logging.getLogger("transformers").removeHandler(captured)
+        if args.family != "qwen3_moe":
+            result["hf_fast_path"] = {**hf_paths(), "fallback_warnings": captured.lines}
 
 
 def add_megatron(result: dict, row: dict, seq: int) -> None:
@@ -409,9 +505,13 @@ def _write(path, result: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    hf = {**(TINY if args.tiny else QWEN3_30B_A3B), "num_hidden_layers": args.layers}
+    try:
+        hf = cut(args.family, args.tiny, args.layers)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     batches = token_batches(hf, args.seq, args.steps + args.warmup)
-    counts = family_named("qwen3_moe").num_params(family_named("qwen3_moe").config_from_hf(hf))
+    family = family_named(args.family)
+    counts = family.num_params(family.config_from_hf(hf))
     if args.megatron_row:
         _write(args.out, bench_megatron(hf, batches, args.steps, args.warmup, counts["total"]))
         return 0
@@ -420,15 +520,19 @@ def main(argv=None) -> int:
     if megatron is not None:
         _progress("megatron", megatron)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "shape": "tiny" if args.tiny else "Qwen3-30B-A3B", "layers": args.layers,
+              "shape": "tiny" if args.tiny else SHAPES[args.family][2], "layers": args.layers,
               "seq": args.seq, "params": counts["total"], "active_params": counts["active"],
               "torch": torch.__version__, "tokens_crc32": tokens_crc(batches),
-              "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup)}
+              "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup,
+                                     args.family)}
+    if args.family != "qwen3_moe":
+        result = {"family": args.family, "layer_types": hf["layer_types"], **result}
     _progress("mpcore", result["mpcore"])
     check_params("mpcore (built)", result["mpcore"]["params"], counts["total"])
     result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
     if not args.skip_hf:
-        run_hf(result, hf, batches, device, args)
+        _write(args.out, result)  # mpcore's row kept should every transformers row fail
+        run_hf_logged(result, hf, batches, device, args)
     if megatron is not None:
         add_megatron(result, megatron, args.seq)
     result["experts"] = bench_experts(hf, args.seq, device, args.steps, args.warmup)
