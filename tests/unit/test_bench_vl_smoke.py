@@ -30,6 +30,7 @@ from mpcore.data import VLDataset
 from mpcore.data.images import load_image, process_image
 from mpcore.data.vl_manifest import iter_manifest
 from tests.perf import (
+    bench_qwen35,
     bench_vl,
     vl_batches,
 )
@@ -148,6 +149,40 @@ def test_other_vl_families_side_by_side(family, tmp_path):
     """The Qwen3-VL and GLM-4V families through the same benchmark: the family's registry
     entry builds our side, transformers' model of the family the baseline, same batches."""
     report = _run(tmp_path / f"{family}.json", "prepared", family)
+    _check_family(report, family)
+    # no DeltaNet layers: neither our kernel nor transformers' fast path is reported
+    assert "gdn_kernel" not in report["mpcore"] and "hf_fast_path" not in report
+
+
+def test_qwen3_5_vl_side_by_side(tmp_path):
+    """Qwen3.5-VL (the hybrid Gated DeltaNet decoder behind the tower without DeepStack)
+    through the same benchmark, plus what each side's DeltaNet layers ran: ours under
+    gdn_kernel=auto (the reference on the CPU: fla is CUDA-only), transformers' fast path as
+    found installed, its fallback warnings logged when flash-linear-attention is missing."""
+    report = _run(tmp_path / "qwen3_5_vl.json", "prepared", "qwen3_5_vl")
+    _check_family(report, "qwen3_5_vl")
+    kernel = report["mpcore"]["gdn_kernel"]
+    assert (kernel["requested"], kernel["ran"]) == ("auto", "reference"), kernel
+    assert "CUDA-only" in kernel["why"], kernel
+    fast = report["hf_fast_path"]
+    assert {k: fast[k] for k in bench_qwen35.hf_paths()} == bench_qwen35.hf_paths()
+    if fast["flash-linear-attention"] is None:
+        assert any("chunk_gated_delta_rule" in w for w in fast["fallback_warnings"]), fast
+
+
+def test_qwen3_5_vl_released_shape():
+    """``--config 0.8b`` is Qwen3.5-0.8B with its tower (0.85 B parameters, the count both
+    sides' models must reach) and the release's special ids."""
+    cfg = bench_vl.qwen3_5_vl_0p8b()
+    params = bench_vl.count_params(cfg)
+    assert params["mpcore"] == params["transformers"] == 852_985_920
+    assert (cfg.image_token_id, cfg.vision_start_token_id) == (248056, 248053)
+    assert (cfg.vision.depth, cfg.vision.hidden_size, cfg.vision.out_hidden_size) == (
+        12, 768, 1024)
+    assert cfg.text.layer_types.count("full_attention") == 6 and cfg.text.num_layers == 24
+
+
+def _check_family(report: dict, family: str) -> None:
     assert report["family"] == family
     params = report["num_params"]
     assert params["mpcore"] == params["transformers"] > 0
