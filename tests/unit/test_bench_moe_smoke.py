@@ -2,7 +2,11 @@
 time on a GPU: the tiny shape, 2 layers, seq 64, 2 timed steps after 1 warmup; the JSON has
 finite positive step times that agree with tokens/s, null peaks on CPU, losses near ln(vocab)
 for fresh models on random tokens on both sides, the parameter counts of the cut model, and no
-expert GEMM benchmark without CUDA."""
+expert GEMM benchmark without CUDA. ``--family qwen3_5_moe`` likewise (its tiny shape, the
+default 4-layer cut: three DeltaNet layers, then full attention), with every transformers
+experts implementation that runs on the CPU, the parameter count of each transformers model
+equal to ours, the DeltaNet kernel our side ran and transformers' fast path as found; a cut
+without a full-attention layer and ``--megatron`` are refused."""
 
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
+
+from tests.perf import bench_moe, bench_qwen35
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,3 +46,59 @@ def test_bench_moe_cpu_smoke(tmp_path):
             assert abs(loss - math.log(512)) < 1.0, loss
     assert math.isclose(result["speedup"],
                         result["hf"]["eager"]["step_s"] / result["mpcore"]["step_s"])
+
+
+def _bench(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.perf.bench_moe", str(out), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_bench_moe_qwen3_5_moe_cpu_smoke(tmp_path):  # ~5 s on 2 cores
+    out = tmp_path / "bench.json"
+    proc = _bench(out, "--family", "qwen3_5_moe", "--tiny", "--seq", "64", "--steps", "2",
+                  "--warmup", "1", "--hf-experts", "grouped_mm,eager")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["family"], result["shape"], result["layers"]) == ("qwen3_5_moe", "tiny", 4)
+    assert result["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert result["experts"] is None and 0 < result["active_params"] < result["params"]
+    assert list(result["hf"]) == ["grouped_mm", "eager"]
+    assert result["hf_fastest"] in result["hf"]
+    for r in (result["mpcore"], *result["hf"].values()):
+        assert r["params"] == result["params"]  # the same model on every side
+        assert r["step_s"] > 0 and math.isclose(r["tokens_per_s"], 64 / r["step_s"])
+        assert r["peak_gib"] is None
+        for loss in (r["loss_first"], r["loss_last"]):
+            assert abs(loss - math.log(512)) < 1.0, loss
+    assert math.isclose(result["speedup"], result["hf"][result["hf_fastest"]]["step_s"]
+                        / result["mpcore"]["step_s"])
+    kernel = result["mpcore"]["gdn_kernel"]
+    assert (kernel["requested"], kernel["ran"]) == ("auto", "reference"), kernel
+    fast = result["hf_fast_path"]
+    assert {k: fast[k] for k in bench_qwen35.hf_paths()} == bench_qwen35.hf_paths()
+    if fast["flash-linear-attention"] is None:
+        assert any("chunk_gated_delta_rule" in w for w in fast["fallback_warnings"]), fast
+
+
+def test_bench_moe_qwen3_5_moe_cut_and_refusals(tmp_path):
+    """The full shape's default cut is the release's first four layers (4.38 B parameters,
+    the count transformers' model of it has); fewer layers, or a Megatron row, are refused
+    before anything is built; the Qwen3-MoE default is unchanged."""
+    args = bench_moe.parse_args(["--family", "qwen3_5_moe"])
+    hf = bench_moe.cut(args.family, False, args.layers)
+    assert hf["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    counts = bench_moe.family_named("qwen3_5_moe").num_params(
+        bench_moe.family_named("qwen3_5_moe").config_from_hf(hf))
+    assert counts["total"] == 4_381_469_760
+    config = transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in hf.items() if k not in bench_moe.HF_DROPPED})
+    with torch.device("meta"):
+        theirs = transformers.Qwen3_5MoeForCausalLM._from_config(config)
+    assert sum(p.numel() for p in theirs.parameters()) == counts["total"]
+    assert bench_moe.parse_args([]).layers == 6 and bench_moe.parse_args([]).family == "qwen3_moe"
+    with pytest.raises(ValueError, match="full-attention"):
+        bench_moe.cut("qwen3_5_moe", False, 3)
+    proc = _bench(tmp_path / "x.json", "--family", "qwen3_5_moe", "--megatron")
+    assert proc.returncode == 2 and "Qwen3-MoE only" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.json").exists()
