@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -170,12 +170,20 @@ elif [ "${1:-}" = qwen35 ]; then
       grep -E "max \||fp32|bf16:|passed|failed|Error" "$out/gpu_tests_qwen35_score.log" \
         | cut -c1-400 | head -40 ;;
     bench)
-      run bench_qwen35_mtp 150 python3 -m tests.perf.bench_qwen35_mtp "$out/qwen35_mtp_$card.json"
+      run bench_qwen35_mtp 300 python3 -m tests.perf.bench_qwen35_mtp "$out/qwen35_mtp_$card.json"
       tail -c 1200 "$out/bench_qwen35_mtp.log"
       run bench_qwen35_8k ${QWEN35_BENCH_S:-420} python3 -m tests.perf.bench_qwen35 \
         "$out/qwen35_$card.json" --seq 8192 --profile "$out/profile_qwen35_layer_$card.txt"
       tail -c 1500 "$out/bench_qwen35_8k.log"
       grep -E "^== |Self CUDA time total" "$out/profile_qwen35_layer_$card.txt" ;;
+    rest)
+      # A fresh machine after Triton's cache of an earlier one was unpacked into ~/.triton:
+      # the MTP step, then the Qwen3.5-0.8B VL step on real images against transformers.
+      run bench_qwen35_mtp 200 python3 -m tests.perf.bench_qwen35_mtp "$out/qwen35_mtp_$card.json"
+      tail -c 1200 "$out/bench_qwen35_mtp.log"
+      run bench_vl_qwen35 300 python3 -m tests.perf.bench_vl "$out/vl_qwen3_5_$card.json" \
+        --family qwen3_5_vl
+      tail -c 2500 "$out/bench_vl_qwen35.log" ;;
     bench32)
       run bench_qwen35_32k 400 python3 -m tests.perf.bench_qwen35 \
         "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
