@@ -14,24 +14,21 @@ import math
 
 import pytest
 
-from mpcore.config import load_config
 from mpcore.launch import prepare_vl_data
 from mpcore.train import train
 from tests.dist.harness import run_distributed
+from tests.dist.test_vl_sft_layouts import STEPS
+from tests.dist.test_vl_sft_layouts import sft as layouts_sft
 from tests.unit.test_vl_chat import CONVERSATIONS, write_images, write_jsonl
 from tests.unit.vl_releases import make_qwen35_moe_release, make_release
 
-STEPS, SEQ_LEN = 3, 192
+SEQ_LEN = 192
 RELEASES = {"glm4v": lambda folder: make_release("glm4v", folder),
             "qwen3_5_vl_moe": make_qwen35_moe_release}
 
 
 def sft(tmp: str, run: str, *overrides: str):
-    return load_config(None, [
-        f"model.init_from={tmp}/release", f"data.vl_paths=[{tmp}/data]",
-        f"data.seq_len={SEQ_LEN}", "data.micro_batch=1", "data.grad_accum=2",
-        f"training.max_steps={STEPS}", "training.device=cpu", f"logging.run_dir={tmp}/{run}",
-        "checkpoint.every=0", "optimizer.lr=1e-3", "schedule.warmup_steps=1", *overrides])
+    return layouts_sft(tmp, run, *overrides, seq_len=SEQ_LEN)
 
 
 def _pp2(rank, world, tmp, overrides):

@@ -47,10 +47,11 @@ LAYOUTS = {
 }
 
 
-def sft(tmp: str, run: str, *overrides: str):
+def sft(tmp: str, run: str, *overrides: str, seq_len: int = SEQ_LEN):
+    """The SFT run from ``tmp``'s release and prepared data (``test_pp_init_from_vl`` too)."""
     return load_config(None, [
         f"model.init_from={tmp}/release", f"data.vl_paths=[{tmp}/data]",
-        f"data.seq_len={SEQ_LEN}", "data.micro_batch=1", "data.grad_accum=2",
+        f"data.seq_len={seq_len}", "data.micro_batch=1", "data.grad_accum=2",
         f"training.max_steps={STEPS}", "training.device=cpu", f"logging.run_dir={tmp}/{run}",
         "checkpoint.every=0", "optimizer.lr=1e-3", "schedule.warmup_steps=1", *overrides])
 

@@ -70,7 +70,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
-import logging
 import subprocess
 import sys
 import zlib
@@ -82,7 +81,7 @@ from mpcore.models.common.moe import run_experts
 from mpcore.models.registry import family_named
 from mpcore.moe_step import MoeStep
 from mpcore.parallel.state import ParallelState
-from tests.perf.bench_qwen35 import _Captured, deltanet_kernel, hf_paths
+from tests.perf.bench_qwen35 import deltanet_kernel, fast_path_recorded
 from tests.perf.megatron_peer import (
     AdamSettings,
     cuda,
@@ -460,16 +459,9 @@ def run_hf(result: dict, hf: dict, batches, device, args) -> None:
 
 
 def run_hf_logged(result: dict, hf: dict, batches, device, args) -> None:
-    """``run_hf``; for Qwen3.5-MoE also ``hf_fast_path``: what transformers' DeltaNet fast path
-    found installed (``bench_qwen35.hf_paths``) and the fallback warnings it logged."""
-    captured = _Captured()
-    logging.getLogger("transformers").addHandler(captured)
-    try:
+    """``run_hf``; for Qwen3.5-MoE also ``hf_fast_path`` (``bench_qwen35.fast_path_recorded``)."""
+    with fast_path_recorded(result, record=args.family != "qwen3_moe"):
         run_hf(result, hf, batches, device, args)
-    finally:
-        logging.getLogger("transformers").removeHandler(captured)
-        if args.family != "qwen3_moe":
-            result["hf_fast_path"] = {**hf_paths(), "fallback_warnings": captured.lines}
 
 
 def add_megatron(result: dict, row: dict, seq: int) -> None:

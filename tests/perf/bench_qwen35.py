@@ -28,6 +28,7 @@ JSON goes to OUT (default tests/perf/results/qwen35_h200.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -121,6 +122,21 @@ def deltanet_kernel(model, device) -> dict | None:
     return {"requested": layer.gdn_kernel,
             "ran": layer.kernel(torch.empty(0, device=device, dtype=dtype)),
             "why": layer.describe_kernel(device, dtype)}
+
+
+@contextlib.contextmanager
+def fast_path_recorded(into: dict, record: bool = True):
+    """Around transformers' runs: then ``into["hf_fast_path"]`` (when ``record``) holds what
+    its Qwen3.5 DeltaNet fast path found installed (:func:`hf_paths`) and the fallback warnings
+    transformers logged meanwhile."""
+    captured = _Captured()
+    logging.getLogger("transformers").addHandler(captured)
+    try:
+        yield
+    finally:
+        logging.getLogger("transformers").removeHandler(captured)
+        if record:
+            into["hf_fast_path"] = {**hf_paths(), "fallback_warnings": captured.lines}
 
 
 def bench_hf(hf: dict, batches, device, steps, warmup) -> dict:

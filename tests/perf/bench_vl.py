@@ -101,7 +101,6 @@ import dataclasses
 import gc
 import inspect
 import json
-import logging
 import math
 import statistics
 import sys
@@ -120,7 +119,7 @@ from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf
 from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import init_distributed
-from tests.perf.bench_qwen35 import _Captured, deltanet_kernel, hf_paths
+from tests.perf.bench_qwen35 import deltanet_kernel, fast_path_recorded
 from tests.perf.bench_train import _sync, _timed  # (one timing for every benchmark)
 from tests.perf.vl_batches import Batch, build_batches, digest
 
@@ -476,16 +475,10 @@ def _guarded(name: str, fn, *args, **kwargs) -> dict:
 
 
 def run_baselines(args, cfg, batches: list[Batch], device, report: dict) -> None:
-    """Every transformers side; for a Qwen3.5 family also ``hf_fast_path``: what its DeltaNet
-    fast path found installed and the fallback warnings it logged while the sides ran."""
-    captured = _Captured()
-    logging.getLogger("transformers").addHandler(captured)
-    try:
+    """Every transformers side; for a Qwen3.5 family also ``hf_fast_path``
+    (``bench_qwen35.fast_path_recorded``)."""
+    with fast_path_recorded(report, record="gdn_kernel" in family_of(cfg).options):
         _run_baselines(args, cfg, batches, device, report)
-    finally:
-        logging.getLogger("transformers").removeHandler(captured)
-    if "gdn_kernel" in family_of(cfg).options:
-        report["hf_fast_path"] = {**hf_paths(), "fallback_warnings": captured.lines}
 
 
 def _run_baselines(args, cfg, batches: list[Batch], device, report: dict) -> None:
