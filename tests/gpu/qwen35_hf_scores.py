@@ -36,6 +36,30 @@ VISION = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_t
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_vl_moe")
 
 
+# Each family's transformers config class and model class (``make_checkpoint``).
+HF_CLASSES = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+              "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+              "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+              "qwen3_5_vl_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
+
+
+def config_kwargs(family: str, head_dim: int = 128, max_positions: int = 4096) -> dict:
+    """``family``'s tiny config with DeltaNet heads of ``head_dim`` (key and value) and
+    ``max_positions``, as its transformers config class (``HF_CLASSES``) takes it; with
+    ``architectures`` added, the config.json our family's ``config_from_hf`` reads."""
+    heads = dict(linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                 max_position_embeddings=max_positions)
+    if family == "qwen3_5":
+        return {**HF_CONFIG, **heads}
+    if family == "qwen3_5_moe":
+        return {**MOE_TEXT, **heads}
+    text = {**TEXT, **heads}
+    if family == "qwen3_5_vl_moe":
+        text = {k: v for k, v in text.items() if k != "intermediate_size"} | {
+            k: MOE_TEXT[k] for k in MOE_KEYS}
+    return dict(text_config=text, vision_config=dict(TOWER), tie_word_embeddings=False, **TOKENS)
+
+
 def make_checkpoint(family: str, folder: Path, seed: int = 0, head_dim: int = 128,
                     lengths: list[int] = TEXT_LENGTHS) -> tuple[str, dict]:
     """Save ``family``'s tiny transformers model with DeltaNet heads of ``head_dim`` (key and
@@ -43,37 +67,17 @@ def make_checkpoint(family: str, folder: Path, seed: int = 0, head_dim: int = 12
     or ``"vl"`` with ``hf_qwen3_vl_tiny.stream``'s images, video and text-only documents."""
     import transformers
 
-    heads = dict(linear_key_head_dim=head_dim, linear_value_head_dim=head_dim)
-
-    if family in ("qwen3_5", "qwen3_5_moe"):
-        # the shared tiny configs allow 512 positions; the documents here reach 2999 tokens
-        heads["max_position_embeddings"] = max(4096, max(lengths))
-        if family == "qwen3_5":
-            config = transformers.Qwen3_5TextConfig(**{**HF_CONFIG, **heads})
-            model = transformers.Qwen3_5ForCausalLM(config)
-        else:
-            config = transformers.Qwen3_5MoeTextConfig(**{**MOE_TEXT, **heads})
-            model = transformers.Qwen3_5MoeForCausalLM(config)
-        ids, cu = packed_docs(lengths, seed=seed + 1)
-        kind, s = "text", dict(input_ids=ids, cu_seqlens=cu)
-    else:
-        text = {**TEXT, **heads}
-        if family == "qwen3_5_vl":
-            config = transformers.Qwen3_5Config(text_config=text, vision_config=dict(TOWER),
-                                                tie_word_embeddings=False, **TOKENS)
-            model = transformers.Qwen3_5ForConditionalGeneration(config)
-        else:
-            text = {k: v for k, v in text.items() if k != "intermediate_size"} | {
-                k: MOE_TEXT[k] for k in MOE_KEYS}
-            config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=dict(TOWER),
-                                                   tie_word_embeddings=False, **TOKENS)
-            model = transformers.Qwen3_5MoeForConditionalGeneration(config)
-        kind, s = "vl", stream(seed + 1)
-    model = randomize_(model.eval(), seed)
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[family])
+    # the shared tiny configs allow 512 positions; the documents here reach 2999 tokens
+    config = config_cls(**config_kwargs(family, head_dim, max(4096, max(lengths))))
+    model = randomize_(model_cls(config).eval(), seed)
     if "moe" in family:
         sharpen_router_(model)
     model.save_pretrained(folder)
-    return kind, s
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        ids, cu = packed_docs(lengths, seed=seed + 1)
+        return "text", dict(input_ids=ids, cu_seqlens=cu)
+    return "vl", stream(seed + 1)
 
 
 def hf_scores(folder, kind: str, s: dict, device: str, dtype: torch.dtype):

@@ -1,0 +1,158 @@
+"""Loss and every parameter's gradient of a tiny Qwen3.5 model of any family on one packed
+stream, and how the GPU tests judge a bf16 run against the same model in float64.
+
+Layout: a packed stream ``dict(input_ids [T], cu_seqlens [D+1])``, a VL family's with its
+images and video whole (``pixel_values [N, patch_dim]``, ``image_grid_thw [I, 3]``, ...;
+``tests.dist.hf_qwen3_vl_tiny.stream``). The models are built through the family's registry
+record (``family.build``, ``family.local_inputs``), from the tiny config.json of
+``qwen35_hf_scores.config_kwargs``, so nothing here asks which family it has beyond whether it
+reads images (``family.modality``).
+
+The judgement (``check_against_float64``): a wrong kernel is off by O(1); bf16 is off by its
+own rounding, which swings several-fold from layer to layer on one reduced gradient. So the
+loss and each KIND of parameter (its name without the layer index, worst layer against worst
+layer) under the kernel tested must be within twice the reference kernel's own bf16 error
+against float64, plus a floor (1e-3 of the loss; 1e-2 for a gradient)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpcore.models import family_named
+from mpcore.models.common.hybrid import kernels
+from mpcore.models.common.moe import MoeBlock
+from mpcore.moe_step import MoeStep
+from mpcore.parallel.state import ParallelState
+from tests.dist.hf_qwen3_vl_tiny import stream
+from tests.dist.qwen35_tiny import packed_docs
+from tests.gpu.qwen35_hf_scores import VISION, config_kwargs
+
+# A VL stream's documents with images and a video (``hf_qwen3_vl_tiny.DOCS``' parts); the
+# text-only documents of the case's lengths follow them.
+VISUAL_DOCS = [[5, ("image", 1, 4, 6), 4], [2, ("image", 1, 6, 4), 1, ("image", 1, 2, 2), 3],
+               [3, ("video", 3, 4, 4), 2]]
+ROUTER_STD = 0.5  # router weights' scale: top-k far from ties (qwen35_moe_tiny's sharp router)
+DECAY = (0.02, 0.3)  # A = lo + span * U(0, 1): weak decays (qwen35_tiny.randomize_'s)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms) in float64; 0 when both are 0."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def fla_rule_or_skip() -> None:
+    """fla refuses some GPU / Triton pairs at run time (``kernels.fla_refusal``): then there is
+    no fla delta rule to compare, and ``auto`` runs the reference."""
+    refusal = kernels.fla_refusal(torch.cuda.current_device())
+    if refusal is not None:
+        pytest.skip(f"fla-core refuses this GPU and Triton: {refusal}")
+
+
+def tiny_case(name: str, lengths: list[int], head_dim: int = 128, seed: int = 0):
+    """``(family, cfg, stream)``: family ``name``'s tiny config (DeltaNet key and value heads of
+    ``head_dim``; positions up to the longest document) and a packed stream of text documents
+    of ``lengths``, after ``VISUAL_DOCS`` for a family that reads images."""
+    family = family_named(name)
+    hf = config_kwargs(name, head_dim, max(4096, max(lengths)))
+    cfg = family.config_from_hf({"architectures": list(family.hf_architectures), **hf})
+    if family.modality == "image-text":
+        s = stream(seed, docs=VISUAL_DOCS + [[n] for n in lengths])
+    else:
+        ids, cu = packed_docs(lengths, seed)
+        s = dict(input_ids=ids, cu_seqlens=cu)
+    return family, cfg, s
+
+
+@torch.no_grad()
+def tiny_weights_(model, seed: int = 5) -> None:
+    """The built weights made telling, in place (the same in every run of a case): every
+    DeltaNet's ``A`` drawn from ``DECAY`` and every MoE router's weights scaled from their
+    init std to ``ROUTER_STD``. The init's ``A = U(1, 16)`` forgets within a token or two,
+    so a long document tests no state, and ``A_log``'s gradient is 4 to 6 orders below the
+    others' (fp32 alone is then 0.16 off float64 on it, CPU, 83 tokens); near-uniform routers
+    let bf16 flip many top-k choices, each moving an expert's gradient by O(1 / its tokens),
+    noise that would swamp what the kernels do."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, span = DECAY
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.log(lo + span * torch.rand(p.shape, generator=gen)))
+    for module in model.modules():
+        if isinstance(module, MoeBlock):
+            module.gate.weight.mul_(ROUTER_STD / module.init_std)
+
+
+def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: str = "cuda",
+                seed: int = 3, init_: Callable | None = None
+                ) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and every parameter's gradient (float64 on the CPU, by name) of ``family``'s model
+    of ``cfg`` on stream ``s`` with DeltaNet ``kernel``: under bf16 autocast (``dtype``
+    bfloat16; fp32 weights, the production path), or wholly in ``dtype`` without autocast
+    (float32; or float64, the truth: the reference attention, and the loss taken from the
+    logits, since the fused loss head takes no float64). The loss is the summed next-token
+    loss over T, plus a MoE model's load-balancing and z terms as the trainer adds them
+    (``mpcore.moe_step.MoeStep``: one micro-batch, the whole step). ``init_(model)`` changes
+    the built weights in place (``tiny_weights_``)."""
+    state = ParallelState()
+    half, wide = dtype == torch.bfloat16, dtype == torch.float64
+    model = family.build(cfg, state, seed=seed, device=device, gdn_kernel=kernel,
+                         dtype=torch.float32 if half else dtype,
+                         attention_backend="reference" if wide else "auto")
+    if init_ is not None:
+        init_(model)
+    vision = {k: s[k].to(device) for k in VISION if s.get(k) is not None}
+    ids = s["input_ids"]
+    _, inputs = family.local_inputs(state, ids.to(device), s["cu_seqlens"].to(device), cfg,
+                                    **vision)
+    moe = MoeStep.start(model, [inputs], state, forward=None)  # one micro-batch: no count pass
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=half):
+        if wide:
+            labels = inputs.pop("labels")
+            logits = model(**inputs, output="logits")[:, :family.decoder(model).cfg.vocab_size]
+            loss = F.cross_entropy(logits.double(), labels, ignore_index=-100,
+                                   reduction="sum") / ids.numel()
+        else:
+            loss = model(**inputs, output="loss").sum() / ids.numel()
+        if moe is not None:
+            loss = loss + moe.share()
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.double().cpu() for n, p in model.named_parameters()}
+
+
+def worst_per_kind(grads: dict, truth: dict) -> dict[str, float]:
+    """Each kind of parameter's (its name with ``.N.`` for the layer index) worst ``rel`` error
+    of ``grads`` against ``truth``, over its layers."""
+    kinds: dict[str, float] = {}
+    for name, want in truth.items():
+        kind = re.sub(r"\.\d+\.", ".N.", name)
+        kinds[kind] = max(kinds.get(kind, 0.0), rel(grads[name], want))
+    return kinds
+
+
+def check_against_float64(truth: tuple, ref: tuple, fla: tuple) -> None:
+    """Assert the module docstring's bounds on ``fla``'s ``(loss, grads)`` (``model_grads`` in
+    bf16 with the kernel tested) given the reference kernel's in bf16 (``ref``) and the model's
+    in float64 (``truth``); prints the losses, the worst gradients (A_log among them) and the
+    per-kind table: which error is the kernel's own and which is bf16's."""
+    (true_loss, want), (ref_loss, ours), (fla_loss, theirs) = truth, ref, fla
+    print(f"loss: float64 {true_loss:.6f}, reference bf16 {ref_loss:.6f}, fla bf16 {fla_loss:.6f}")
+    assert abs(fla_loss - true_loss) <= 2 * abs(ref_loss - true_loss) + 1e-3 * true_loss
+    rows = sorted((rel(theirs[n], g) / max(rel(ours[n], g), 1e-3), n, rel(theirs[n], g),
+                   rel(ours[n], g)) for n, g in want.items())
+    print("fla / reference bf16 gradient error vs float64 (worst 4; name, fla, reference):",
+          [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows[-4:]])
+    print("A_log:", [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows if "A_log" in n])
+    # Worst layer against worst layer: bf16's error on one reduced gradient swings
+    # several-fold from layer to layer (A_log at 295b7e3 / H100: reference 0.018, 0.053,
+    # 0.255 over the three DeltaNet layers; fla 0.049, 0.054, 0.164), so one layer's ratio is
+    # noise; a wrong fla path is off by O(1) in every layer.
+    fla_kinds, ref_kinds = worst_per_kind(theirs, want), worst_per_kind(ours, want)
+    print("per kind, worst layer (fla, reference):",
+          {k: (f"{fla_kinds[k]:.4f}", f"{ref_kinds[k]:.4f}") for k in sorted(fla_kinds)})
+    for kind, err in fla_kinds.items():
+        assert err <= 2 * ref_kinds[kind] + 1e-2, (kind, err, ref_kinds[kind])
