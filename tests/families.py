@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpcore.models.registry import family_named
 from tests.dist import (
     hf_glm4v_tiny,
     hf_moe_tiny,
@@ -46,6 +47,15 @@ class Tiny:
     image: tuple[int, int, int] | None = None
     load_options: dict = field(default_factory=dict)
     text_ids: int = 90
+
+
+def hf_classes(name: str) -> tuple[type, type]:
+    """transformers' ``(config class, model class)`` of family ``name``: the first architecture
+    its registry record reads (``hf_architectures``) and that model class's own config class."""
+    import transformers
+
+    model_cls = getattr(transformers, family_named(name).hf_architectures[0])
+    return model_cls.config_class, model_cls
 
 
 def _vl(save, image, **kw) -> Tiny:

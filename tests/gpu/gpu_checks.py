@@ -9,9 +9,9 @@ import torch
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / |b|`` (Frobenius norms) in float64."""
+    """``|a - b| / |b|`` (Frobenius norms) in float64; 0 when both are 0."""
     a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
 def second_run_never_syncs(run: Callable[[], torch.Tensor],

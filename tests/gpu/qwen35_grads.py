@@ -30,6 +30,7 @@ from mpcore.moe_step import MoeStep
 from mpcore.parallel.state import ParallelState
 from tests.dist.hf_qwen3_vl_tiny import stream
 from tests.dist.qwen35_tiny import packed_docs
+from tests.gpu.gpu_checks import rel_err
 from tests.gpu.qwen35_hf_scores import VISION, config_kwargs
 
 # A VL stream's documents with images and a video (``hf_qwen3_vl_tiny.DOCS``' parts); the
@@ -38,11 +39,6 @@ VISUAL_DOCS = [[5, ("image", 1, 4, 6), 4], [2, ("image", 1, 6, 4), 1, ("image", 
                [3, ("video", 3, 4, 4), 2]]
 ROUTER_STD = 0.5  # router weights' scale: top-k far from ties (qwen35_moe_tiny's sharp router)
 DECAY = (0.02, 0.3)  # A = lo + span * U(0, 1): weak decays (qwen35_tiny.randomize_'s)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / |b|`` (Frobenius norms) in float64; 0 when both are 0."""
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def fla_rule_or_skip() -> None:
@@ -125,12 +121,12 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
 
 
 def worst_per_kind(grads: dict, truth: dict) -> dict[str, float]:
-    """Each kind of parameter's (its name with ``.N.`` for the layer index) worst ``rel`` error
+    """Each kind of parameter's (its name with ``.N.`` for the layer index) worst ``rel_err`` error
     of ``grads`` against ``truth``, over its layers."""
     kinds: dict[str, float] = {}
     for name, want in truth.items():
         kind = re.sub(r"\.\d+\.", ".N.", name)
-        kinds[kind] = max(kinds.get(kind, 0.0), rel(grads[name], want))
+        kinds[kind] = max(kinds.get(kind, 0.0), rel_err(grads[name], want))
     return kinds
 
 
@@ -142,8 +138,8 @@ def check_against_float64(truth: tuple, ref: tuple, fla: tuple) -> None:
     (true_loss, want), (ref_loss, ours), (fla_loss, theirs) = truth, ref, fla
     print(f"loss: float64 {true_loss:.6f}, reference bf16 {ref_loss:.6f}, fla bf16 {fla_loss:.6f}")
     assert abs(fla_loss - true_loss) <= 2 * abs(ref_loss - true_loss) + 1e-3 * true_loss
-    rows = sorted((rel(theirs[n], g) / max(rel(ours[n], g), 1e-3), n, rel(theirs[n], g),
-                   rel(ours[n], g)) for n, g in want.items())
+    rows = sorted((rel_err(theirs[n], g) / max(rel_err(ours[n], g), 1e-3), n, rel_err(theirs[n], g),
+                   rel_err(ours[n], g)) for n, g in want.items())
     print("fla / reference bf16 gradient error vs float64 (worst 4; name, fla, reference):",
           [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows[-4:]])
     print("A_log:", [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows if "A_log" in n])

@@ -30,22 +30,16 @@ from tests.dist.hf_qwen35_vl_tiny import TEXT, TOWER
 from tests.dist.qwen35_moe_tiny import CONFIG as MOE_TEXT
 from tests.dist.qwen35_moe_tiny import MOE_KEYS, sharpen_router_
 from tests.dist.qwen35_tiny import HF_CONFIG, VOCAB, packed_docs, randomize_
+from tests.families import hf_classes
 
 TEXT_LENGTHS = [1, 2, 3, 77, 1000, 2999]  # 1, 2, 3, odd, long: as the reported gap's stream
 VISION = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_vl_moe")
 
 
-# Each family's transformers config class and model class (``make_checkpoint``).
-HF_CLASSES = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-              "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
-              "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
-              "qwen3_5_vl_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
-
-
 def config_kwargs(family: str, head_dim: int = 128, max_positions: int = 4096) -> dict:
     """``family``'s tiny config with DeltaNet heads of ``head_dim`` (key and value) and
-    ``max_positions``, as its transformers config class (``HF_CLASSES``) takes it; with
+    ``max_positions``, as its transformers config class (``tests.families.hf_classes``) takes it; with
     ``architectures`` added, the config.json our family's ``config_from_hf`` reads."""
     heads = dict(linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
                  max_position_embeddings=max_positions)
@@ -65,9 +59,7 @@ def make_checkpoint(family: str, folder: Path, seed: int = 0, head_dim: int = 12
     """Save ``family``'s tiny transformers model with DeltaNet heads of ``head_dim`` (key and
     value) in ``folder``; returns ``(kind, stream)``: ``"text"`` with documents of ``lengths``,
     or ``"vl"`` with ``hf_qwen3_vl_tiny.stream``'s images, video and text-only documents."""
-    import transformers
-
-    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[family])
+    config_cls, model_cls = hf_classes(family)
     # the shared tiny configs allow 512 positions; the documents here reach 2999 tokens
     config = config_cls(**config_kwargs(family, head_dim, max(4096, max(lengths))))
     model = randomize_(model_cls(config).eval(), seed)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from mpcore.models import family_named
 from mpcore.models.common.hybrid import deltanet, kernels
 from mpcore.models.common.hybrid.config import Qwen35Config
-from tests.gpu.qwen35_grads import check_against_float64, fla_rule_or_skip, model_grads, rel
+from tests.gpu.gpu_checks import rel_err
+from tests.gpu.qwen35_grads import check_against_float64, fla_rule_or_skip, model_grads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(kernels.fla_ops() is None,
@@ -59,10 +60,10 @@ def test_conv_fla_matches_reference_forward_backward():
     pos = deltanet.segment_positions(cu, t)
     ours = kernels.short_conv(x, w, pos, cu, "reference")
     fla = kernels.short_conv(x, w, pos, cu, "fla")
-    assert rel(fla, ours) < 2e-2
+    assert rel_err(fla, ours) < 2e-2
     weights = torch.randn(t, c, device="cuda")
     for a, b in zip(_grads(fla, (x, w), weights), _grads(ours, (x, w), weights), strict=True):
-        assert rel(a, b) < 2e-2
+        assert rel_err(a, b) < 2e-2
 
 
 def _rule_inputs(lengths, hk, hv, dk, dv, seed):
@@ -100,7 +101,7 @@ def test_delta_rule_both_kernels_against_float64(lengths):
     report = {}
     for kernel in ("fla", "reference"):
         out = kernels.gated_delta_rule(*inputs, cu, kernel)
-        errors = [rel(out, truth)] + [rel(a, b) for a, b in zip(
+        errors = [rel_err(out, truth)] + [rel_err(a, b) for a, b in zip(
             _grads(out, inputs, weights), truth_grads, strict=True)]
         report[kernel] = dict(zip(names, errors, strict=True))
         del out
@@ -170,6 +171,6 @@ def test_layer_fla_path_matches_reference_path():
     truth = results[("reference", torch.float64)]
     for name, want, ours, theirs in zip(names, truth, results[("reference", torch.bfloat16)],
                                         results[("fla", torch.bfloat16)], strict=True):
-        e_ref, e_fla = rel(ours, want), rel(theirs, want)
+        e_ref, e_fla = rel_err(ours, want), rel_err(theirs, want)
         print(f"{name}: reference bf16 {e_ref:.4f}, fla bf16 {e_fla:.4f}")
         assert e_fla <= 2 * e_ref + 1e-2, (name, e_fla, e_ref)

@@ -81,6 +81,7 @@ from mpcore.models.common.moe import run_experts
 from mpcore.models.registry import family_named
 from mpcore.moe_step import MoeStep
 from mpcore.parallel.state import ParallelState
+from tests.families import hf_classes
 from tests.perf.bench_qwen35 import deltanet_kernel, fast_path_recorded
 from tests.perf.megatron_peer import (
     AdamSettings,
@@ -211,17 +212,13 @@ def hf_experts_available() -> tuple[str, ...]:
     return tuple(n for n in HF_EXPERTS if n in names)
 
 
-# family -> transformers' (config, model) class names; keys of our config dicts it does not take
-HF_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-              "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
+# keys of our config dicts that transformers' config class does not take
 HF_DROPPED = ("architectures", "attn_output_gate", "full_attention_interval")
 
 
 def bench_hf(hf: dict, batches, device, steps, warmup, experts: str,
              family: str = "qwen3_moe") -> dict:
-    import transformers
-
-    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[family])
+    config_cls, model_cls = hf_classes(family)
     config = config_cls(**{k: v for k, v in hf.items() if k not in HF_DROPPED},
                         output_router_logits=True)
     kwargs = {"attn_implementation": "sdpa"}

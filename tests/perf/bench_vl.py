@@ -119,6 +119,7 @@ from mpcore.models.qwen3_vl import config_from_hf as qwen3_vl_from_hf
 from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import init_distributed
+from tests.families import hf_classes
 from tests.perf.bench_qwen35 import deltanet_kernel, fast_path_recorded
 from tests.perf.bench_train import _sync, _timed  # (one timing for every benchmark)
 from tests.perf.vl_batches import Batch, build_batches, digest
@@ -229,10 +230,6 @@ PRESETS = {
     "qwen3_5_vl": {"0.8b": (qwen3_5_vl_0p8b, 8192, (1024, 400, 700, 1300, 560, 880), 2048),
                    "tiny": (qwen3_5_vl_tiny, 256, (9, 16, 6), 512)},
 }
-HF_CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-              "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-              "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
-              "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
 # family -> transformers' model module (and liger's apply_liger_kernel_to_<name>) where the
 # two names differ
 HF_MODULES = {"qwen3_5_vl": "qwen3_5"}
@@ -332,16 +329,9 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
     return result
 
 
-def _hf_classes(cfg):
-    import transformers
-
-    config_cls, model_cls = HF_CLASSES[family_of(cfg).name]
-    return getattr(transformers, config_cls), getattr(transformers, model_cls)
-
-
 def hf_config(cfg):
     """transformers' config of ``cfg`` (the config.json our export writes)."""
-    config_cls, _ = _hf_classes(cfg)
+    config_cls, _ = hf_classes(family_of(cfg).name)
     fields = family_of(cfg).hf_config_dict(cfg)
     fields.pop("model_type")
     fields["text_config"] = {**fields["text_config"], "use_cache": False}
@@ -349,7 +339,7 @@ def hf_config(cfg):
 
 
 def _hf_model(cfg, attn: str, device):
-    _, model_cls = _hf_classes(cfg)
+    _, model_cls = hf_classes(family_of(cfg).name)
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: a 2B CPU init takes a while
         model = model_cls._from_config(hf_config(cfg), attn_implementation=attn)
@@ -445,7 +435,7 @@ def bench_hf(args, cfg, batches: list[Batch], device, attn: str = "sdpa",
 def count_params(cfg) -> dict:
     """Parameter counts of our model (the family's logical count) and transformers' (built on
     the meta device)."""
-    _, model_cls = _hf_classes(cfg)
+    _, model_cls = hf_classes(family_of(cfg).name)
     with torch.device("meta"):
         theirs = model_cls._from_config(hf_config(cfg))
     return {"mpcore": family_of(cfg).num_params(cfg)["total"],
