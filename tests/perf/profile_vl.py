@@ -1,13 +1,17 @@
-"""Where mpcore's VL training step spends its time: torch.profiler over a few steps of the
-Qwen2-VL-2B shape on the shipped real images (the step and batches of ``bench_vl.py``).
+"""Where a VL training step spends its time: torch.profiler over a few steps of the
+Qwen2-VL-2B shape (or ``--family``'s) on the shipped real images (the step and batches of
+``bench_vl.py``); mpcore's step, or transformers' with ``--side hf`` (SDPA), to set the two
+side by side.
 
-    python -m tests.perf.profile_vl [OUT.txt] [bench_vl options]
+    python -m tests.perf.profile_vl [OUT.txt] [--side mpcore|hf] [bench_vl options]
 
 Warms up over every distinct batch twice (so no shape is seen for the first time while
 profiled: a new image size builds cuDNN graphs and may compile a Triton variant), then
 profiles 3 steps and prints the device's idle gaps, the top operators by device time and by
 host time, and the lines that synchronise with the device in one more step (the idle gaps and
-the sync count are ``profile_train.py``'s).
+the sync count are ``profile_train.py``'s). The forward passes of the whole model and of its tower
+are marked as ``fwd:model`` / ``fwd:visual`` ranges (``MARKED``): the first table then splits
+the forward's time between the tower and the rest (decoder and loss head).
 """
 
 from __future__ import annotations
@@ -19,37 +23,82 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.perf import bench_vl
+from tests.perf.bench_train import _sync
 from tests.perf.profile_train import host_syncs, idle_gaps
 
 WARMUP_ROUNDS = 2  # passes over the distinct batches before anything is measured
 PROFILED = 3
+ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                       else [])
+# module paths of the whole model and of its tower on each side (the first that exists is
+# marked); the decoder's forward is the difference (ours runs it through ``text.decode``, no
+# module call)
+MARKED = {"model": ("",), "visual": ("visual", "model.visual")}
+
+
+def mark_ranges(model: torch.nn.Module) -> list[str]:
+    """Wrap the forward of each ``MARKED`` module of ``model`` in a ``record_function`` range
+    named ``fwd:<part>``; the paths it marked."""
+    modules = dict(model.named_modules())
+    marked = []
+    for part, paths in MARKED.items():
+        path = next((p for p in paths if p in modules), None)
+        if path is None:
+            continue
+        ranges = []
+        modules[path].register_forward_pre_hook(
+            lambda *_, part=part, ranges=ranges: ranges.append(
+                torch.profiler.record_function(f"fwd:{part}").__enter__()))
+        modules[path].register_forward_hook(
+            lambda *_, ranges=ranges: ranges.pop().__exit__(None, None, None))
+        marked.append(path)
+    return marked
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = argv.pop(0) if argv and not argv[0].startswith("--") else "/tmp/profile_vl.txt"
+    side = "mpcore"
+    if "--side" in argv:
+        at = argv.index("--side")
+        side = argv[at + 1]
+        del argv[at:at + 2]
+        if side not in ("mpcore", "hf"):
+            raise SystemExit(f"--side must be mpcore or hf, got {side}")
     captured = {}
+    cuda = torch.cuda.is_available()
     distinct = bench_vl.parse_args([*argv]).distinct_batches
 
     def timed(step, steps, warmup, **_):  # bench_vl._timed, profiled instead
         first = WARMUP_ROUNDS * distinct
         for i in range(first):
             step(i)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _sync()
+        with profile(activities=ACTIVITIES) as prof:
             for i in range(first, first + PROFILED):
                 step(i)
-            torch.cuda.synchronize()
+            _sync()
         captured["prof"] = prof
-        captured["syncs"] = host_syncs(lambda: step(first + PROFILED))
+        captured["syncs"] = (host_syncs(lambda: step(first + PROFILED)) if cuda
+                             else "no CUDA: host syncs not counted\n")
         return {"step_ms": 1.0, "peak_gib": 0.0, "first_loss": 0.0, "last_loss": 0.0}
 
-    bench_vl._timed = timed
+    make_optimizer = bench_vl._optimizer
+
+    def optimizer(model, cuda):  # both sides make theirs once the model is built
+        captured["marked"] = mark_ranges(model)
+        return make_optimizer(model, cuda)
+
+    bench_vl._timed, bench_vl._optimizer = timed, optimizer
+    if side == "hf":  # main's one side is transformers' step
+        bench_vl.bench_mpcore = bench_vl.bench_hf
     bench_vl.main([str(Path(out).with_suffix(".json")), "--skip-hf", *argv])
     prof = captured["prof"]
     events = prof.key_averages()
-    text = (events.table(sort_by="cuda_time_total", row_limit=40) + "\n"
-            + events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n"
+    text = (f"side: {side}; forward ranges on {captured['marked']}\n"
+            + (events.table(sort_by="cuda_time_total", row_limit=40) + "\n"
+               + events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n" if cuda
+               else events.table(sort_by="cpu_time_total", row_limit=40) + "\n")
             + events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
             + idle_gaps(prof, PROFILED) + "\n" + captured["syncs"])
     Path(out).write_text(text)

@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest|diag|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -185,6 +185,40 @@ elif [ "${1:-}" = qwen35 ]; then
       run bench_vl_qwen35 300 python3 -m tests.perf.bench_vl "$out/vl_qwen3_5_$card.json" \
         --family qwen3_5_vl
       tail -c 2500 "$out/bench_vl_qwen35.log" ;;
+    diag)
+      # Correctness beside a diagnosis, on separate cores: every family's 8k case and the
+      # kernel-level and model tests (they compare numbers only; their float64 truth is CPU
+      # work) on cores 4-15, while cores 0-3 profile the Qwen3.5-0.8B VL step, ours then
+      # transformers' (profile_vl.py; where the time goes, not a reported timing).
+      OMP_NUM_THREADS=12 taskset -c 4-15 timeout ${QWEN35_TEST_S:-560} python3 -m pytest -q -s \
+        -p no:cacheprovider -o addopts="" tests/gpu/test_qwen35_fla_gpu.py \
+        tests/gpu/test_qwen35_families_fla_gpu.py -k "not (families and 32k)" \
+        > "$out/gpu_tests_qwen35_families_$card.log" 2>&1 &
+      for side in mpcore hf; do
+        run profile_vl_$side 270 taskset -c 0-3 python3 -m tests.perf.profile_vl \
+          "$out/profile_vl_qwen3_5_${side}_$card.txt" --side $side --family qwen3_5_vl
+        grep -E "side:|fwd:|device idle|Self CUDA time total|host sync" \
+          "$out/profile_vl_qwen3_5_${side}_$card.txt" | cut -c1-200 | head -12
+        tail -3 "$out/profile_vl_$side.log" | cut -c1-300; rm -f "$out/profile_vl_$side.log"
+      done
+      wait
+      grep -E "rel error|loss:|A_log|worst|tokens:|passed|failed|Error" \
+        "$out/gpu_tests_qwen35_families_$card.log" | cut -c1-300 | head -60 ;;
+    peers)
+      # The peers an H100 cannot hold (transformers' full-vocabulary logits at 32k, the MoE
+      # cut's experts): the 32k text step both sides, then the Qwen3.5-MoE cut against
+      # transformers' grouped_mm experts (our row is written before theirs start); logs stay
+      # on the machine (their tails print), Triton's cache comes back in 15 MB pieces.
+      run bench_qwen35_32k 240 python3 -m tests.perf.bench_qwen35 \
+        "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
+      tail -c 1200 "$out/bench_qwen35_32k.log"
+      run bench_moe_qwen35 ${QWEN35_MOE_S:-300} python3 -m tests.perf.bench_moe \
+        "$out/moe_qwen3_5_$card.json" --family qwen3_5_moe --steps 5 --warmup 2 \
+        --hf-experts grouped_mm
+      tail -c 2000 "$out/bench_moe_qwen35.log"
+      rm -f "$out/bench_qwen35_32k.log" "$out/bench_moe_qwen35.log"
+      tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
+        && ls -l /tmp/triton_cache.tgz && split -b 15M -d /tmp/triton_cache.tgz "$out/tcache" ;;
     bench32)
       run bench_qwen35_32k 400 python3 -m tests.perf.bench_qwen35 \
         "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer

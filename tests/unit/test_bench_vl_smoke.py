@@ -245,3 +245,24 @@ def test_cp2_under_torchrun_trains_like_one_process(report, vision_cp, tmp_path)
     got, want = json.loads(out.read_text())["mpcore"], report["mpcore"]
     for key in ("first_loss", "last_loss"):
         assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got, want)
+
+
+@pytest.mark.parametrize("side,tower", [("mpcore", "visual"), ("hf", "model.visual")])
+def test_profile_vl_marks_each_sides_tower(side, tower, tmp_path):
+    """tests/perf/profile_vl.py on either side: the profiled steps ran (3 of each marked
+    forward), and the tower's forward range is the model's share, inside it."""
+    out = tmp_path / "profile.txt"
+    cmd = [sys.executable, "-m", "tests.perf.profile_vl", str(out), "--side", side,
+           "--family", "qwen3_5_vl", "--config", "tiny", "--seq", str(SEQ)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    text = out.read_text()
+    assert f"side: {side}; forward ranges on ['', '{tower}']" in text, text[:500]
+    totals = {}
+    for line in text.splitlines():
+        cols = line.split()
+        if cols and cols[0] in ("fwd:model", "fwd:visual"):
+            assert cols[-1] == "3", line  # one range per profiled step
+            totals[cols[0]] = float(cols[4].removesuffix("ms"))  # CPU total, ms
+    assert 0 < totals["fwd:visual"] < totals["fwd:model"], totals
