@@ -126,12 +126,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def grad_tol(name: str, tol: float) -> float:
-    """``tol``, times 5 for the DeltaNet's ``A_log`` and ``dt_bias``: their gradient is one sum
-    per head over every token whose terms nearly cancel, so the same terms summed in another
-    order (here: one backward per micro-batch, accumulated, against one backward of the summed
-    loss) move it by ~1e-5 relative (as in tests/dist/test_qwen35_dist.py); a wrong gradient
-    moves it by orders of magnitude more."""
-    return 5 * tol if name.endswith(("A_log", "dt_bias")) else tol
+    """``tol``, times 5 for the DeltaNet's ``A_log``, ``dt_bias`` and ``in_proj_a``: their
+    gradient is one sum over every token of the decay gate's gradient (per head; for
+    ``in_proj_a`` times the token's input), terms that nearly cancel, so the same terms summed
+    in another order (here: one backward per micro-batch, accumulated, against one backward of
+    the summed loss) move it by 1e-5 to 3e-5 relative (as in tests/dist/test_qwen35_dist.py;
+    in_proj_a 3.1e-5 in test_qwen35_hybrid_interleaved on torch 2.13); a wrong gradient moves
+    it by orders of magnitude more."""
+    return 5 * tol if name.endswith(("A_log", "dt_bias", "in_proj_a.weight")) else tol
 
 
 def check_against(ref: dict, ranks: list[dict], tol: float = 1e-5) -> None:
