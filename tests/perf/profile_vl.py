@@ -16,6 +16,7 @@ the forward's time between the tower and the rest (decoder and loss head).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,8 +29,6 @@ from tests.perf.profile_train import host_syncs, idle_gaps
 
 WARMUP_ROUNDS = 2  # passes over the distinct batches before anything is measured
 PROFILED = 3
-ACTIVITIES = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
-                                       else [])
 # module paths of the whole model and of its tower on each side (the first that exists is
 # marked); the decoder's forward is the difference (ours runs it through ``text.decode``, no
 # module call)
@@ -58,15 +57,13 @@ def mark_ranges(model: torch.nn.Module) -> list[str]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = argv.pop(0) if argv and not argv[0].startswith("--") else "/tmp/profile_vl.txt"
-    side = "mpcore"
-    if "--side" in argv:
-        at = argv.index("--side")
-        side = argv[at + 1]
-        del argv[at:at + 2]
-        if side not in ("mpcore", "hf"):
-            raise SystemExit(f"--side must be mpcore or hf, got {side}")
+    sides = argparse.ArgumentParser(add_help=False)  # the rest are bench_vl's options
+    sides.add_argument("--side", default="mpcore", choices=["mpcore", "hf"])
+    known, argv = sides.parse_known_args(argv)
+    side = known.side
     captured = {}
     cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     distinct = bench_vl.parse_args([*argv]).distinct_batches
 
     def timed(step, steps, warmup, **_):  # bench_vl._timed, profiled instead
@@ -74,7 +71,7 @@ def main(argv=None) -> int:
         for i in range(first):
             step(i)
         _sync()
-        with profile(activities=ACTIVITIES) as prof:
+        with profile(activities=activities) as prof:
             for i in range(first, first + PROFILED):
                 step(i)
             _sync()

@@ -145,6 +145,24 @@ elif [ "${1:-}" = qwen35 ]; then
     fla.__version__)" 2>&1 | tail -1
   card=h200
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && card=h100
+  bench32k() {  # seconds: the Qwen3.5-0.8B text step at 32768, both sides
+    run bench_qwen35_32k "$1" python3 -m tests.perf.bench_qwen35 \
+      "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
+    tail -c 1500 "$out/bench_qwen35_32k.log"
+  }
+  bring_triton_cache() {
+    # Triton's cache (fla's compiled kernels and autotuning results) for a later machine:
+    # carried back, it spares that machine the cold compile. At most 60 MB comes back beside
+    # the JSON (at 8406033 it was 68 MB and its last piece was left out, so none of it could
+    # be used): only whole.
+    tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
+      && ls -l /tmp/triton_cache.tgz
+    if [ "$(stat -c %s /tmp/triton_cache.tgz 2>/dev/null || echo 0)" -le 60000000 ]; then
+      split -b 15M -d /tmp/triton_cache.tgz "$out/tcache"
+    else
+      echo "Triton's cache is over 60 MB: not brought back (it would arrive cut)"
+    fi
+  }
   case "${2:-check}" in
     tests)
       run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
@@ -201,32 +219,17 @@ elif [ "${1:-}" = qwen35 ]; then
       # The peers an H100 cannot hold (transformers' full-vocabulary logits at 32k, the MoE
       # cut's experts): the 32k text step both sides, then the Qwen3.5-MoE cut against
       # transformers' grouped_mm experts (our row is written before theirs start); logs stay
-      # on the machine (their tails print), Triton's cache comes back in 15 MB pieces.
-      run bench_qwen35_32k 240 python3 -m tests.perf.bench_qwen35 \
-        "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
-      tail -c 1200 "$out/bench_qwen35_32k.log"
+      # on the machine (their tails print), Triton's cache comes back if whole.
+      bench32k 240
       run bench_moe_qwen35 ${QWEN35_MOE_S:-300} python3 -m tests.perf.bench_moe \
         "$out/moe_qwen3_5_$card.json" --family qwen3_5_moe --steps 5 --warmup 2 \
         --hf-experts grouped_mm
       tail -c 2000 "$out/bench_moe_qwen35.log"
       rm -f "$out/bench_qwen35_32k.log" "$out/bench_moe_qwen35.log"
-      # At most 60 MB comes back beside the JSON (at 8406033 the cache was 68 MB and its last
-      # piece was left out, so none of it could be used): bring it only whole.
-      tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
-        && ls -l /tmp/triton_cache.tgz
-      if [ "$(stat -c %s /tmp/triton_cache.tgz 2>/dev/null || echo 0)" -le 60000000 ]; then
-        split -b 15M -d /tmp/triton_cache.tgz "$out/tcache"
-      else
-        echo "Triton's cache is over 60 MB: not brought back (it would arrive cut)"
-      fi ;;
+      bring_triton_cache ;;
     bench32)
-      run bench_qwen35_32k 400 python3 -m tests.perf.bench_qwen35 \
-        "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
-      tail -c 1500 "$out/bench_qwen35_32k.log"
-      # Triton's cache (fla's compiled kernels and autotuning results) for a later machine:
-      # carried back, it spares that machine the cold compile.
-      tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
-        && ls -l /tmp/triton_cache.tgz && split -b 15M -d /tmp/triton_cache.tgz "$out/tcache" ;;
+      bench32k 400
+      bring_triton_cache ;;
   esac
 else
   run model 240 python -m tests.perf.bench_model "$out/model_h200.json" --steps 10 --warmup 3
