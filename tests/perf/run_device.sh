@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest|diag|peers   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest|diag [SIDE]|vlsplit|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -153,15 +153,18 @@ elif [ "${1:-}" = qwen35 ]; then
   bring_triton_cache() {
     # Triton's cache (fla's compiled kernels and autotuning results) for a later machine:
     # carried back, it spares that machine the cold compile. At most 60 MB comes back beside
-    # the JSON (at 8406033 it was 68 MB and its last piece was left out, so none of it could
-    # be used): only whole.
+    # the JSON of one call (at 8406033 it was 68 MB and its last piece was left out), so the
+    # pieces past 60 MB wait in /tmp/tcache_rest for bring_cache_rest in the next call.
+    # A later machine: carry the pieces, `cat tcache* | tar -C ~/.triton -xzf -`.
     tar -C "$HOME/.triton" -czf /tmp/triton_cache.tgz cache 2>/dev/null \
       && ls -l /tmp/triton_cache.tgz
-    if [ "$(stat -c %s /tmp/triton_cache.tgz 2>/dev/null || echo 0)" -le 60000000 ]; then
-      split -b 15M -d /tmp/triton_cache.tgz "$out/tcache"
-    else
-      echo "Triton's cache is over 60 MB: not brought back (it would arrive cut)"
-    fi
+    rm -rf /tmp/tcache_rest && mkdir -p /tmp/tcache_rest
+    split -b 15M -d /tmp/triton_cache.tgz /tmp/tcache_rest/tcache
+    for piece in $(ls /tmp/tcache_rest | head -4); do mv "/tmp/tcache_rest/$piece" "$out/"; done
+    echo "Triton cache pieces left for the next call: $(ls /tmp/tcache_rest | wc -l)"
+  }
+  bring_cache_rest() {
+    if [ -d /tmp/tcache_rest ]; then mv /tmp/tcache_rest/* "$out/" 2>/dev/null; fi
   }
   case "${2:-check}" in
     tests)
@@ -207,14 +210,30 @@ elif [ "${1:-}" = qwen35 ]; then
       # The Qwen3.5-0.8B VL step profiled, ours then transformers' (profile_vl.py; where the
       # time goes, not a reported timing), the GPU to itself. Ours compiles fla's kernels
       # first on a fresh machine: at 8406033 its profile, given 270 s on 4 cores beside the
-      # GPU tests, ran out of time; run this mode alone.
-      for side in mpcore hf; do
+      # GPU tests, ran out of time; run this mode alone. A third argument picks one side
+      # (mpcore or hf).
+      for side in ${3:-mpcore hf}; do
         run profile_vl_$side ${QWEN35_PROFILE_S:-420} python3 -m tests.perf.profile_vl \
           "$out/profile_vl_qwen3_5_${side}_$card.txt" --side $side --family qwen3_5_vl
         grep -E "side:|fwd:|device idle|Self CUDA time total|host sync" \
           "$out/profile_vl_qwen3_5_${side}_$card.txt" | cut -c1-200 | head -12
         tail -3 "$out/profile_vl_$side.log" | cut -c1-300; rm -f "$out/profile_vl_$side.log"
-      done ;;
+      done
+      bring_triton_cache ;;
+    vlsplit)
+      # The VL step's time split: bench_vl both sides on this card, ours with the flash vision
+      # kernel instead of cuDNN, then the same decoder's text step (bench_qwen35 at 8192) both
+      # sides: the VL step minus the text step is what the tower and the VL inputs cost.
+      run bench_vl_qwen35 ${QWEN35_VL_S:-300} python3 -m tests.perf.bench_vl \
+        "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
+      tail -c 1200 "$out/bench_vl_qwen35.log"
+      run bench_vl_qwen35_flash 120 python3 -m tests.perf.bench_vl \
+        "$out/vl_qwen3_5_${card}_flash.json" --family qwen3_5_vl --skip-hf --vision-attention flash
+      tail -c 600 "$out/bench_vl_qwen35_flash.log"
+      run bench_qwen35_8k 180 python3 -m tests.perf.bench_qwen35 "$out/qwen35_$card.json" \
+        --seq 8192 --skip-layer
+      tail -c 1200 "$out/bench_qwen35_8k.log"
+      bring_cache_rest ;;
     peers)
       # The peers an H100 cannot hold (transformers' full-vocabulary logits at 32k, the MoE
       # cut's experts): the 32k text step both sides, then the Qwen3.5-MoE cut against
