@@ -49,6 +49,10 @@ class VisionLanguageModel(nn.Module):
     decoder_cls: type[Transformer] = Transformer
     """The family's decoder: ``Transformer`` or a subclass that chooses its own blocks (then
     ``decoder_layer`` stays None)."""
+    auto_vision_attention: str = "cudnn"
+    """The tower's attention kernel on CUDA under ``vision_attention="auto"``: cuDNN (one dense
+    call per distinct segment length) unless the family's measured step says flash (one varlen
+    call per block), ``mpcore.models.common.vision_attention.segment_attention``."""
 
     def __init__(self, cfg, state: ParallelState, *, sequence_parallel: bool = False,
                  cp_mode: str = "none", activation_checkpointing: bool = False,
@@ -71,8 +75,14 @@ class VisionLanguageModel(nn.Module):
         keep = decoder_options.get("keep_layers")
         self.visual = self.tower_cls(cfg.vision, state,
                                      activation_checkpointing=activation_checkpointing,
-                                     attention_kernel=vision_attention, dtype=dtype
-                                     ) if keep is None or keep.start == 0 else None
+                                     attention_kernel=self.vision_kernel(vision_attention),
+                                     dtype=dtype) if keep is None or keep.start == 0 else None
+
+    @classmethod
+    def vision_kernel(cls, vision_attention: str) -> str:
+        """The tower's attention kernel that ``vision_attention`` names for this family
+        (``auto``: ``auto_vision_attention``)."""
+        return cls.auto_vision_attention if vision_attention == "auto" else vision_attention
 
     @property
     def sequence_parallel(self) -> bool:

@@ -324,6 +324,7 @@ def bench_mpcore(args, cfg, batches: list[Batch], device) -> dict:
     result["target_tokens_per_step"] = targets.double().mean().item()
     result["batches_sha256"] = digest(t for b, p in zip(batches, pixels, strict=True)
                                       for t in (b.ids.view(-1), p, b.grid))
+    result["vision_attention"] = model.vision_kernel(args.vision_attention)  # what auto ran
     if hybrid:
         result["gdn_kernel"] = deltanet_kernel(model, device)
     return result
@@ -578,7 +579,9 @@ def parse_args(argv):
     parser.add_argument("--vision-cp", default="split", choices=["split", "replicate"],
                         help="how the cp ranks share the tower's work (mpcore.models.common.vision_cp)")
     parser.add_argument("--vision-attention", default="auto", choices=["auto", "flash", "cudnn"],
-                        help="mpcore's vision attention kernel on CUDA (mpcore.models.common.vision_attention)")
+                        help="mpcore's vision attention kernel on CUDA "
+                             "(mpcore.models.common.vision_attention; auto: the family's, "
+                             "VisionLanguageModel.auto_vision_attention)")
     parser.add_argument("--count-params", action="store_true",
                         help="print both models' parameter counts (meta device) and exit")
     args = parser.parse_args(argv)

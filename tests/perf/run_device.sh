@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest|diag [SIDE]|vlsplit|peers   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -166,7 +166,29 @@ elif [ "${1:-}" = qwen35 ]; then
   bring_cache_rest() {
     if [ -d /tmp/tcache_rest ]; then mv /tmp/tcache_rest/* "$out/" 2>/dev/null; fi
   }
+  if ls /tmp/tcache/tcache* >/dev/null 2>&1 && [ ! -d "$HOME/.triton/cache" ]; then
+    # Triton's cache of an earlier machine (bring_triton_cache's pieces, carried and copied to
+    # /tmp/tcache): fla's kernels compiled and autotuned already.
+    mkdir -p "$HOME/.triton" && cat /tmp/tcache/tcache* | tar -C "$HOME/.triton" -xzf - \
+      && echo "Triton cache unpacked: $(du -sh "$HOME/.triton/cache" | cut -f1)"
+  fi
   case "${2:-check}" in
+    vlcheck)
+      # The VL step both sides (the tower's kernel as the family's auto picks it), then the VL
+      # and VL-MoE families' GPU tests at 8k (fla and our reference against float64).
+      run bench_vl_qwen35 ${QWEN35_VL_S:-300} python3 -m tests.perf.bench_vl \
+        "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
+      tail -c 700 "$out/bench_vl_qwen35.log"
+      run gpu_tests_qwen35_vl ${QWEN35_TEST_S:-280} python3 -m pytest -q -s -p no:cacheprovider \
+        -o addopts="" tests/gpu/test_qwen35_families_fla_gpu.py -k "8k and vl"
+      grep -E "rel error|loss:|worst|tokens:|passed|failed|Error" \
+        "$out/gpu_tests_qwen35_vl.log" | cut -c1-400 | head -40 ;;
+    moe)
+      # The Qwen3.5-MoE cut against transformers' grouped_mm experts, the call to itself.
+      run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
+        "$out/moe_qwen3_5_$card.json" --family qwen3_5_moe --steps 5 --warmup 2 \
+        --hf-experts grouped_mm
+      tail -c 2000 "$out/bench_moe_qwen35.log" ;;
     tests)
       run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_fla_gpu.py tests/gpu/test_qwen35_families_fla_gpu.py \

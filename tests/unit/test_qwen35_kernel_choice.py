@@ -120,3 +120,51 @@ def test_fla_probe_runs_its_backward_under_a_callers_no_grad(mode):
         raise RuntimeError("Triton too old")
 
     assert kernels.probe(refusing, torch.device("cpu")) == "RuntimeError: Triton too old"
+
+
+@pytest.mark.parametrize("takes_host", [True, False])
+def test_fla_gets_the_segments_host_copy_when_it_takes_one(monkeypatch, takes_host):
+    # The batch's host copy of cu_seqlens reaches fla's conv and delta rule as cu_seqlens_cpu
+    # (they then plan chunks without a device sync); an fla without that argument gets none.
+    from mpcore.batches import to_device
+    from mpcore.models.common.hybrid import cp as deltanet_cp
+    from mpcore.parallel.attention import AttentionPlan
+    seen = []
+
+    def conv(x, weight, activation=None, cu_seqlens=None, **rest):
+        seen.append(("conv", cu_seqlens, rest))
+        return x
+
+    def rule(q, k, v, g, beta, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **rest):
+        seen.append(("rule", cu_seqlens, rest))
+        return v, None
+
+    if takes_host:  # fla-core 0.6's signatures name the host copy
+        conv_fla, rule_fla = conv, rule
+
+        def conv(x, weight, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+            return conv_fla(x, weight, activation, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+        def rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None,
+                 use_qk_l2norm_in_kernel=False):
+            return rule_fla(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+    monkeypatch.setattr(kernels, "fla_ops", lambda: (rule, conv, None))
+    kernels._host_segments_taken.cache_clear()
+    cu_host = torch.tensor([0, 3, 7], dtype=torch.int32)
+    batch = to_device({"cu_seqlens": cu_host}, torch.device("cpu"), -100)
+    doc, pos = torch.tensor([0] * 3 + [1] * 4), torch.tensor([0, 1, 2, 0, 1, 2, 3])
+    seq = deltanet_cp.sequence_of(AttentionPlan(doc, pos, batch["cu_seqlens"]), "cpu")
+    assert seq.cu_host.tolist() == [0, 3, 7] and seq.cu_host.dtype == torch.int64
+    x = torch.randn(7, 4)
+    kernels.short_conv(x, torch.randn(4, 2), seq.positions, seq.cu_seqlens, "fla", seq.cu_host)
+    kernels.gated_delta_rule(x.view(7, 1, 4), x.view(7, 1, 4), x.view(7, 1, 4), x[:, :1],
+                             x[:, :1], seq.cu_seqlens, "fla", seq.cu_host)
+    kernels._host_segments_taken.cache_clear()
+    assert [name for name, *_ in seen] == ["conv", "rule"]
+    for _, cu, rest in seen:
+        assert cu.tolist() == [0, 3, 7] and cu.dtype == torch.int64
+        assert (rest.get("cu_seqlens_cpu") is seq.cu_host) if takes_host else not rest
+    # Without cu_seqlens the segments are found from doc_id, on the host as well.
+    seq = deltanet_cp.sequence_of(AttentionPlan(doc, pos), "cpu")
+    assert seq.cu_host.tolist() == seq.cu_seqlens.tolist() == [0, 3, 7]

@@ -62,3 +62,18 @@ def test_a_qwen35_vl_checkpoint_given_to_another_family_is_refused(tmp_path):
                                              f"a qwen3_5_vl checkpoint"):
             run_family(load_config(None, [f"model.family={family}",
                                           f"model.init_from={tmp_path}"]))
+
+
+def test_auto_vision_attention_is_the_familys_measured_kernel():
+    # qwen3_5_vl's host-bound step runs its tower on flash under auto; the MoE variant and the
+    # other families keep cuDNN; a kernel named explicitly is what every block runs.
+    from mpcore.models.common.vl_model import VisionLanguageModel
+    from mpcore.models.qwen3_5_vl_moe.model import Qwen35VLMoeModel
+    cfg = FAMILY.config_from_section(load_config(str(CONFIG)).model, IDS)
+    for asked, ran in (("auto", "flash"), ("cudnn", "cudnn"), ("flash", "flash")):
+        model = build_model(cfg, ParallelState(), seed=0, vision_attention=asked)
+        assert {layer.attention.kernel for layer in model.visual.layers} == {ran}
+    assert VisionLanguageModel.vision_kernel("auto") == "cudnn"
+    assert Qwen35VLMoeModel.vision_kernel("auto") == "cudnn"
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        build_model(cfg, ParallelState(), seed=0, vision_attention="ring")

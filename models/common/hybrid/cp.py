@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from mpcore.kernels import host_checked
 from mpcore.parallel.attention import AttentionPlan
 from mpcore.parallel.attention.comm import gather_metadata
 from mpcore.parallel.collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads
@@ -41,14 +42,15 @@ class Sequence(NamedTuple):
     inverse: torch.Tensor | None  # (N,) int64: gathered position -> run order
     positions: torch.Tensor  # (N,) int64, position inside its segment (run order)
     cu_seqlens: torch.Tensor  # (S+1,) int64 segments in run order
+    cu_host: torch.Tensor | None = None  # the same on the host when known there without a sync
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _segments(doc_id: torch.Tensor, device) -> torch.Tensor:
+def _segments(doc_id: torch.Tensor) -> torch.Tensor:
     _, counts = torch.unique_consecutive(doc_id, return_counts=True)
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def sequence_of(plan: AttentionPlan, device) -> Sequence:
@@ -58,11 +60,14 @@ def sequence_of(plan: AttentionPlan, device) -> Sequence:
     if plan in _CACHE:
         return _CACHE[plan]
     if plan.cp == 1:
-        # The local stream is contiguous per segment: positions restart at each segment.
-        doc, pos = plan.doc_id.to(device), plan.pos.to(device)
+        # The local stream is contiguous per segment: positions restart at each segment. The
+        # segments on the host too (the batch's kept copy, or found there: a sync when doc_id
+        # is on the device), so fla's kernels plan their chunks without asking the device.
         cu = plan.cu_seqlens
-        seq = Sequence(None, None, pos, (cu if cu is not None else _segments(doc.cpu(), device)
-                                         ).to(device, torch.int64))
+        host = _segments(plan.doc_id.cpu()) if cu is None else host_checked.host_copy(cu)
+        seq = Sequence(None, None, plan.pos.to(device),
+                       (host if cu is None else cu).to(device, torch.int64),
+                       None if host is None else host.to(torch.int64))
     else:
         docs, poss = gather_metadata(plan.doc_id, plan.pos, plan.group, device)  # (cp, L)
         doc, pos = docs.reshape(-1), poss.reshape(-1)
@@ -71,7 +76,7 @@ def sequence_of(plan: AttentionPlan, device) -> Sequence:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
         seq = Sequence(order.to(device), inverse.to(device), pos[order].to(device),
-                       _segments(doc[order], device))
+                       _segments(doc[order]).to(device))
     _CACHE[plan] = seq
     return seq
 

@@ -14,6 +14,7 @@ This module is the ONE place that looks for fla-core. Both kernels take the same
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import torch
@@ -188,15 +189,33 @@ def _resolved(kernel: str) -> str:
     return kernel
 
 
+@functools.cache
+def _host_segments_taken() -> bool:
+    """fla-core's conv and delta rule take ``cu_seqlens_cpu`` (0.6: the segments' host copy,
+    so they plan their chunks without a device sync)."""
+    ops = fla_ops()
+    return all("cu_seqlens_cpu" in inspect.signature(op).parameters for op in ops[:2])
+
+
+def _segments_kwargs(cu_seqlens: torch.Tensor, cu_host: torch.Tensor | None,
+                     device: torch.device) -> dict:
+    out = {"cu_seqlens": cu_seqlens.to(device, torch.int64)}
+    if cu_host is not None and _host_segments_taken():
+        out["cu_seqlens_cpu"] = cu_host
+    return out
+
+
 def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-               cu_seqlens: torch.Tensor, kernel: str) -> torch.Tensor:
+               cu_seqlens: torch.Tensor, kernel: str,
+               cu_host: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(causal depthwise conv)`` of ``x [T, C]`` (may be a view with a row stride: fla
     reads it in place) by ``weight [C, K]`` per segment (``positions [T]`` in-segment
-    positions, ``cu_seqlens [S+1]`` the segments); ``kernel``: ``"fla"`` or ``"reference"``."""
+    positions, ``cu_seqlens [S+1]`` the segments, ``cu_host`` the same int64 on the host when
+    known there); ``kernel``: ``"fla"`` or ``"reference"``."""
     if _resolved(kernel) == "reference":
         return deltanet.causal_conv1d(x, weight, positions)
     out = fla_ops()[1](x[None], weight.to(x.dtype), activation="silu",
-                       cu_seqlens=cu_seqlens.to(x.device, torch.int64))
+                       **_segments_kwargs(cu_seqlens, cu_host, x.device))
     out = out[0] if isinstance(out, tuple) else out  # newer fla also returns a final state
     return out[0]
 
@@ -211,16 +230,17 @@ def _fla_groups_heads() -> bool:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, cu_seqlens: torch.Tensor, kernel: str) -> torch.Tensor:
+                     beta: torch.Tensor, cu_seqlens: torch.Tensor, kernel: str,
+                     cu_host: torch.Tensor | None = None) -> torch.Tensor:
     """``deltanet.chunk_gated_delta_rule`` (q, k L2-normalised inside) through ``kernel``
     (``"fla"`` or ``"reference"``): ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g`` (fp32),
-    ``beta [T, Hv]`` -> ``[T, Hv, Dv]``."""
+    ``beta [T, Hv]`` -> ``[T, Hv, Dv]``; ``cu_host``: ``short_conv``'s."""
     if _resolved(kernel) == "reference":
         return deltanet.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
     hk, hv = k.shape[1], v.shape[1]
     if hv != hk and not _fla_groups_heads():
         q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
     out, _ = fla_ops()[0](q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
-                          cu_seqlens=cu_seqlens.to(v.device, torch.int64),
+                          **_segments_kwargs(cu_seqlens, cu_host, v.device),
                           use_qk_l2norm_in_kernel=True)
     return out[0]

@@ -183,12 +183,13 @@ class GatedDeltaNet(nn.Module):
                 torch.stack([g, beta], dim=-1), plan, seq)  # (N, C/cp), (N, Hv/cp, 2)
             g, beta = gates[..., 0], gates[..., 1]
         weight = deltanet_cp.rank_channels(self.conv_weight[:, 0], self.conv_sizes, plan)
-        mixed = kernels.short_conv(mixed, weight, seq.positions, seq.cu_seqlens, kernel)
+        mixed = kernels.short_conv(mixed, weight, seq.positions, seq.cu_seqlens, kernel,
+                                   seq.cu_host)
         qc, kc, vc = mixed.split([s // cp for s in self.conv_sizes], dim=-1)
         n = mixed.shape[0]
         core = kernels.gated_delta_rule(
             qc.reshape(n, hk // cp, dk), kc.reshape(n, hk // cp, dk), vc.reshape(n, hv // cp, dv),
-            g, beta.to(vc.dtype), seq.cu_seqlens, kernel)
+            g, beta.to(vc.dtype), seq.cu_seqlens, kernel, seq.cu_host)
         core = deltanet_cp.tokens_split(core, plan, seq)  # (L, Hv, Dv)
         out = self.norm(core, z.reshape(num, hv, dv), kernel)
         return self.out_proj(out.reshape(num, hv * dv))
