@@ -174,15 +174,15 @@ elif [ "${1:-}" = qwen35 ]; then
   fi
   case "${2:-check}" in
     vlcheck)
-      # The VL step both sides (the tower's kernel as the family's auto picks it), then the VL
-      # and VL-MoE families' GPU tests at 8k (fla and our reference against float64).
-      run bench_vl_qwen35 ${QWEN35_VL_S:-300} python3 -m tests.perf.bench_vl \
-        "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
-      tail -c 700 "$out/bench_vl_qwen35.log"
+      # The VL and VL-MoE families' GPU tests at 8k (fla and our reference against float64),
+      # then the VL step both sides (the tower's kernel as the family's auto picks it).
       run gpu_tests_qwen35_vl ${QWEN35_TEST_S:-280} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_families_fla_gpu.py -k "8k and vl"
       grep -E "rel error|loss:|worst|tokens:|passed|failed|Error" \
-        "$out/gpu_tests_qwen35_vl.log" | cut -c1-400 | head -40 ;;
+        "$out/gpu_tests_qwen35_vl.log" | cut -c1-400 | head -40
+      run bench_vl_qwen35 ${QWEN35_VL_S:-300} python3 -m tests.perf.bench_vl \
+        "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
+      tail -c 700 "$out/bench_vl_qwen35.log" ;;
     moe)
       # The Qwen3.5-MoE cut against transformers' grouped_mm experts, the call to itself.
       run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
