@@ -157,7 +157,8 @@ def segment_attention(q, k, v, segments: Segments, scale: float,
     segment length); ``auto`` is cudnn: a Qwen2-VL-2B training step on an H200 took 562.6 ms
     with it, 574.8 ms with flash (tests/perf/results/vl_h200*.json; head dim 80, images of
     1.7k-5.4k patches), at 1.4 GiB more peak (the per-length gathers are saved for backward).
-    Elsewhere the batched SDPA reference."""
+    A VL model resolves ``auto`` per family first (``VisionLanguageModel.auto_vision_attention``):
+    Qwen3.5-0.8B's host-bound step runs flash. Elsewhere the batched SDPA reference."""
     if kernel not in KERNELS:
         raise ValueError(f"vision attention kernel must be one of {KERNELS}, got {kernel!r}")
     if q.shape[0] == 0:
