@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpcore.batches import place
 from mpcore.models import family_named
 from mpcore.models.common.hybrid import kernels
 from mpcore.models.common.moe import MoeBlock
@@ -101,10 +102,12 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
                          attention_backend="reference" if wide else "auto")
     if init_ is not None:
         init_(model)
-    vision = {k: s[k].to(device) for k in VISION if s.get(k) is not None}
+    vision = {k: s[k] for k in VISION if s.get(k) is not None}
     ids = s["input_ids"]
-    _, inputs = family.local_inputs(state, ids.to(device), s["cu_seqlens"].to(device), cfg,
-                                    **vision)
+    # As pretrain's step: planned on the host, then placed (mpcore.batches.place), so the
+    # batch's host copies (cu_seqlens among them: fla plans its chunks from it) ride along.
+    _, local = family.local_inputs(state, ids.cpu(), s["cu_seqlens"].cpu(), cfg, **vision)
+    inputs = place(local, family, torch.device(device))
     moe = MoeStep.start(model, [inputs], state, forward=None)  # one micro-batch: no count pass
     with torch.autocast(device, dtype=torch.bfloat16, enabled=half):
         if wide:
