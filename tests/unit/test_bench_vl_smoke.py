@@ -266,3 +266,5 @@ def test_profile_vl_marks_each_sides_tower(side, tower, tmp_path):
             assert cols[-1] == "3", line  # one range per profiled step
             totals[cols[0]] = float(cols[4].removesuffix("ms"))  # CPU total, ms
     assert 0 < totals["fwd:visual"] < totals["fwd:model"], totals
+    # the side's JSON files the run under the side that ran
+    assert set(json.loads(out.with_suffix(".json").read_text())) & {"mpcore", "hf"} == {side}
