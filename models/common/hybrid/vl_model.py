@@ -48,7 +48,9 @@ class Qwen35VLModel(VisionLanguageModel):
     decoder_cls = Qwen35Transformer
     # Qwen3.5-0.8B's step is host-bound (its GPU work is small): one flash call per block
     # beats cuDNN's call per image size. On one H200 at 7083ec0 (bench_vl --family qwen3_5_vl,
-    # 5 images of 5 sizes per step): 275.0 ms with flash, 307.6 ms with cuDNN.
+    # 5 images of 5 sizes per step): 275.0 ms with flash, 307.6 ms with cuDNN. Where the GPU
+    # bounds the step instead (a larger model), cuDNN was 2% faster (Qwen2-VL-2B): the cheaper
+    # side of the bet.
     auto_vision_attention = "flash"
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
