@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mpcore.batches import place
+from mpcore.models import family_named
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hybrid import kernels
 from mpcore.models.common.hybrid.hf import config_from_hf, text_fields
@@ -72,9 +74,11 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
     it = iter(batches)
 
     def step() -> float:
-        ids = next(it).to(device)
-        cu = torch.tensor([0, ids.numel()], device=device)
-        _, inputs = local_text_inputs(state, ids, cu)
+        # As pretrain's step (mpcore.batches.local_inputs): planned on the host, then placed
+        # with the host copies the checks and fla's chunk planning read (no device sync).
+        ids = next(it).cpu()
+        _, local = local_text_inputs(state, ids, torch.tensor([0, ids.numel()]))
+        inputs = place(local, family_named("qwen3_5"), device)
         with autocast(device):
             loss = model(**inputs, output="loss_sum") / (ids.numel() - 1)
         loss.backward()
