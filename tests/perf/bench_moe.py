@@ -94,7 +94,7 @@ from tests.perf.megatron_peer import (
     training_pieces,
     transformer_config,
 )
-from tests.perf.step_timing import adamw, autocast, timed
+from tests.perf.step_timing import adamw, autocast, placed_inputs, timed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,9 +188,8 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup, family_name: str = "q
     it = iter(batches)
 
     def loss_of():
-        ids = next(it).to(device)
-        _, inputs = family.local_inputs(state, ids, torch.tensor([0, ids.numel()],
-                                                                 device=device), cfg)
+        ids = next(it)
+        inputs = placed_inputs(family, state, ids, cfg, device)
         moe = MoeStep.start(model, [inputs], state, lambda inp: model(**inp, output="loss_sum"))
         ce = model(**inputs, output="loss_sum") / (ids.numel() - 1)
         return ce + moe.share()

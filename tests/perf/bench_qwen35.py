@@ -42,17 +42,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mpcore.batches import place
 from mpcore.models import family_named
 from mpcore.models.common.decoder import init_weights
 from mpcore.models.common.hybrid import kernels
 from mpcore.models.common.hybrid.hf import config_from_hf, text_fields
 from mpcore.models.common.hybrid.layers import GatedDeltaNet
 from mpcore.models.common.hybrid.model import build
-from mpcore.models.common.inputs import local_text_inputs
 from mpcore.parallel.attention import AttentionPlan
 from mpcore.parallel.state import ParallelState
-from tests.perf.step_timing import adamw, autocast, timed
+from tests.perf.step_timing import adamw, autocast, placed_inputs, timed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,13 +70,11 @@ def bench_mpcore(hf: dict, batches, device, steps, warmup) -> dict:
     model = build(cfg, state, seed=0, device=device)
     opt = adamw(model.parameters(), device)
     it = iter(batches)
+    family = family_named("qwen3_5")
 
     def step() -> float:
-        # As pretrain's step (mpcore.batches.local_inputs): planned on the host, then placed
-        # with the host copies the checks and fla's chunk planning read (no device sync).
-        ids = next(it).cpu()
-        _, local = local_text_inputs(state, ids, torch.tensor([0, ids.numel()]))
-        inputs = place(local, family_named("qwen3_5"), device)
+        ids = next(it)
+        inputs = placed_inputs(family, state, ids, cfg, device)
         with autocast(device):
             loss = model(**inputs, output="loss_sum") / (ids.numel() - 1)
         loss.backward()

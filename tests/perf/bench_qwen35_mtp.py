@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
+from mpcore.models import family_named
 from mpcore.models.common.hybrid import kernels
 from mpcore.models.common.hybrid.counts import flops_per_token
 from mpcore.models.common.hybrid.hf import config_from_hf
 from mpcore.models.common.hybrid.model import build
-from mpcore.models.common.hybrid.mtp import MtpOutput, local_inputs
+from mpcore.models.common.hybrid.mtp import MtpOutput
 from mpcore.parallel.state import ParallelState
-from tests.perf.step_timing import adamw, autocast, timed
+from tests.perf.step_timing import adamw, autocast, placed_inputs, timed
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).parent / "results"
@@ -57,11 +58,11 @@ def bench(cfg, batches, device, steps: int, warmup: int) -> dict:
     model = build(cfg, state, seed=0, device=device)
     opt = adamw(model.parameters(), device)
     it = iter(batches)
+    family = family_named("qwen3_5")
 
     def step() -> float:
-        ids = next(it).to(device)
-        cu = torch.tensor([0, ids.numel()], device=device)
-        _, inputs = local_inputs(state, ids, cu, cfg)
+        ids = next(it)
+        inputs = placed_inputs(family, state, ids, cfg, device)
         with autocast(device):
             out = model(**inputs, output="loss_sum")
         if isinstance(out, MtpOutput):  # one document: N - 1 and N - 2 valid targets

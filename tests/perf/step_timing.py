@@ -1,6 +1,7 @@
 """Timing helpers shared by the family benchmarks (bench_qwen35.py, bench_moe.py): a median step
 time after warmup with the device synchronised around each step, the peak allocated memory, the
-first and last loss; bf16 autocast and AdamW as both sides of a comparison take them."""
+first and last loss; bf16 autocast and AdamW as both sides of a comparison take them; our
+inputs as pretrain makes them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import statistics
 import time
 
 import torch
+
+from mpcore.batches import place
 
 
 def sync(device: torch.device) -> None:
@@ -43,3 +46,13 @@ def autocast(device: torch.device):
 def adamw(params, device: torch.device) -> torch.optim.Optimizer:
     """AdamW at lr 1e-4, fused on CUDA."""
     return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+
+
+def placed_inputs(family, state, ids: torch.Tensor, cfg, device: torch.device) -> dict:
+    """Model inputs of one packed document ``ids`` as pretrain's step makes them
+    (``mpcore.batches.local_inputs``): the family's ``local_inputs`` on the host, then placed on
+    ``device`` with the host copies that the range checks and fla's chunk planning read, so
+    nothing in the step asks the device."""
+    ids = ids.cpu()
+    _, local = family.local_inputs(state, ids, torch.tensor([0, ids.numel()]), cfg)
+    return place(local, family, device)
