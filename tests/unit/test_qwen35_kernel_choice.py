@@ -130,27 +130,26 @@ def test_fla_gets_the_segments_host_copy_when_it_takes_one(monkeypatch, takes_ho
     from mpcore.models.common.hybrid import cp as deltanet_cp
     from mpcore.parallel.attention import AttentionPlan
     seen = []
-
-    def conv(x, weight, activation=None, cu_seqlens=None, **rest):
-        seen.append(("conv", cu_seqlens, rest))
-        return x
-
-    def rule(q, k, v, g, beta, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **rest):
-        seen.append(("rule", cu_seqlens, rest))
-        return v, None
-
     if takes_host:  # fla-core 0.6's signatures name the host copy
-        conv_fla, rule_fla = conv, rule
-
         def conv(x, weight, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
-            return conv_fla(x, weight, activation, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+            seen.append(("conv", cu_seqlens, {"cu_seqlens_cpu": cu_seqlens_cpu}))
+            return x
 
         def rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None,
                  use_qk_l2norm_in_kernel=False):
-            return rule_fla(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+            seen.append(("rule", cu_seqlens, {"cu_seqlens_cpu": cu_seqlens_cpu}))
+            return v, None
+    else:
+        def conv(x, weight, activation=None, cu_seqlens=None, **rest):
+            seen.append(("conv", cu_seqlens, rest))
+            return x
+
+        def rule(q, k, v, g, beta, cu_seqlens=None, use_qk_l2norm_in_kernel=False, **rest):
+            seen.append(("rule", cu_seqlens, rest))
+            return v, None
 
     monkeypatch.setattr(kernels, "fla_ops", lambda: (rule, conv, None))
-    kernels._host_segments_taken.cache_clear()
+    kernels._host_segments_taken.cache_clear()  # and again at the end: it read the stand-ins
     cu_host = torch.tensor([0, 3, 7], dtype=torch.int32)
     batch = to_device({"cu_seqlens": cu_host}, torch.device("cpu"), -100)
     doc, pos = torch.tensor([0] * 3 + [1] * 4), torch.tensor([0, 1, 2, 0, 1, 2, 3])
