@@ -84,8 +84,48 @@ def tiny_weights_(model, seed: int = 5) -> None:
             module.gate.weight.mul_(ROUTER_STD / module.init_std)
 
 
+class PinnedRoutes:
+    """Every MoE router's top-k choices in the first run it is attached to (the float64 truth),
+    imposed on the later runs: a bf16 run routes each token to the experts float64 chose, with
+    its own gate probabilities as the weights (renormalised as the block does). Top-k is a
+    step function: a token whose best experts are near-tied under float64 changes expert under
+    any rounding, and each such flip moves the gradients of the few tokens near it by O(1 /
+    their count). At a VL model's 25 image and video tokens that is the tower's whole gradient
+    (one flip at an image token, CPU float32: 0.005 of it), so the flips a run happens to take
+    would be judged as its kernel's error. ``flips[run][block]`` counts the tokens whose choice
+    the run would have changed (printed: how close the run came to the truth's routing)."""
+
+    def __init__(self):
+        self.choices: dict[str, torch.Tensor] = {}
+        self.flips: list[dict[str, int]] = []
+
+    def attach(self, model) -> None:
+        """Record (first run) or impose (later runs) the choices of ``model``'s MoE blocks."""
+        pinning = bool(self.choices)
+        if pinning:
+            self.flips.append({})
+        for name, module in model.named_modules():
+            if isinstance(module, MoeBlock):
+                module.route = self._route(name, module, module.route, pinning)
+
+    def _route(self, name: str, block: MoeBlock, route: Callable, pinning: bool) -> Callable:
+        def pinned(x: torch.Tensor):
+            logits, probs, weights, experts = route(x)
+            if not pinning:
+                self.choices[name] = experts.detach().cpu()
+                return logits, probs, weights, experts
+            want = self.choices[name].to(experts.device)
+            moved = (want.sort(-1).values != experts.sort(-1).values).any(-1)
+            self.flips[-1][name] = int(moved.sum())
+            weights = probs.gather(-1, want)
+            if block.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, probs, weights.to(x.dtype), want
+        return pinned
+
+
 def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: str = "cuda",
-                seed: int = 3, init_: Callable | None = None
+                seed: int = 3, init_: Callable | None = None, routes: PinnedRoutes | None = None
                 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and every parameter's gradient (float64 on the CPU, by name) of ``family``'s model
     of ``cfg`` on stream ``s`` with DeltaNet ``kernel``: under bf16 autocast (``dtype``
@@ -94,7 +134,8 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
     logits, since the fused loss head takes no float64). The loss is the summed next-token
     loss over T, plus a MoE model's load-balancing and z terms as the trainer adds them
     (``mpcore.moe_step.MoeStep``: one micro-batch, the whole step). ``init_(model)`` changes
-    the built weights in place (``tiny_weights_``)."""
+    the built weights in place (``tiny_weights_``); ``routes`` records the MoE
+    routing of the first run given it and pins the later runs' to it (``PinnedRoutes``)."""
     state = ParallelState()
     half, wide = dtype == torch.bfloat16, dtype == torch.float64
     model = family.build(cfg, state, seed=seed, device=device, gdn_kernel=kernel,
@@ -102,6 +143,8 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
                          attention_backend="reference" if wide else "auto")
     if init_ is not None:
         init_(model)
+    if routes is not None:
+        routes.attach(model)
     vision = {k: s[k] for k in VISION if s.get(k) is not None}
     ids = s["input_ids"]
     # As pretrain's step: planned on the host, then placed (mpcore.batches.place), so the

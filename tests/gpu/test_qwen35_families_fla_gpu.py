@@ -3,7 +3,8 @@ backward, against our reference kernel and float64. Skipped without CUDA (confte
 
 Each family's tiny model (``qwen35_grads.tiny_case``: the shared tiny shapes at the released
 DeltaNet head size, 128, built through the family's registry record, weak decays and sharp
-routers: ``tiny_weights_``) on one packed stream: text documents of 1, 2, 3, 1001 and 8192
+routers: ``tiny_weights_``; a MoE model's bf16 runs routed as its float64 run routed:
+``PinnedRoutes``) on one packed stream: text documents of 1, 2, 3, 1001 and 8192
 tokens (32768 instead of 8192: marked slow), after two documents with images and one with a
 video for a VL family. Loss (a MoE model's with its load-balancing term) and every parameter's
 gradient, under bf16 autocast on CUDA with ``gdn_kernel="fla"`` and with ``"reference"``,
@@ -20,6 +21,7 @@ import torch
 
 from mpcore.models.common.hybrid import kernels
 from tests.gpu.qwen35_grads import (
+    PinnedRoutes,
     check_against_float64,
     fla_rule_or_skip,
     model_grads,
@@ -40,9 +42,14 @@ CASES = {"8k": [1, 2, 3, 1001, 8192],
 def test_family_fla_and_reference_against_float64(name, lengths):
     fla_rule_or_skip()
     family, cfg, s = tiny_case(name, lengths)
+    routes = PinnedRoutes()
     truth = model_grads(family, cfg, s, "reference", torch.float64, device="cpu",
-                        init_=tiny_weights_)
-    ref, fla = (model_grads(family, cfg, s, kernel, torch.bfloat16, init_=tiny_weights_)
+                        init_=tiny_weights_, routes=routes)
+    ref, fla = (model_grads(family, cfg, s, kernel, torch.bfloat16, init_=tiny_weights_,
+                            routes=routes)
                 for kernel in ("reference", "fla"))
     print(f"{name}, {s['input_ids'].numel()} tokens:")
+    if routes.flips:
+        print("tokens whose experts bf16 would have changed (pinned to float64's; reference, fla):",
+              [sum(run.values()) for run in routes.flips])
     check_against_float64(truth, ref, fla)

@@ -6,12 +6,15 @@ bf16 autocast run and the per-kind judgement, with the reference kernel everywhe
 CUDA-only). The reference in float32 must agree with the same model in float64: loss within
 1e-6 relative, every kind of parameter's worst layer within 1e-4 (measured: about 2e-6; the
 routers', experts' and tower's included). The judgement passes a bf16 run judged against
-itself and fails one kind's gradient 10% off. About 1 s per family on 2 cores."""
+itself and fails one kind's gradient 10% off. About 1 s per family on 2 cores. The MoE
+families' pinned routing (``PinnedRoutes``): a run pinned to its own float64 choices is the
+unpinned run exactly, and one pinned to other choices routes by them and counts every token."""
 
 import pytest
 import torch
 
 from tests.gpu.qwen35_grads import (
+    PinnedRoutes,
     check_against_float64,
     model_grads,
     tiny_case,
@@ -40,3 +43,31 @@ def test_reference_float32_matches_float64_and_the_judgement_sees_a_wrong_kind(n
     off = {n: g * 1.1 if n.endswith("A_log") else g for n, g in half[1].items()}
     with pytest.raises(AssertionError, match="A_log"):
         check_against_float64(truth, half, (half[0], off))
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if "moe" in n])
+def test_pinned_routes_impose_the_recorded_choices(name):
+    family, cfg, s = tiny_case(name, [1, 2, 3, 77])
+
+    def run(routes):
+        return model_grads(family, cfg, s, "reference", torch.float64, device="cpu",
+                           init_=tiny_weights_, routes=routes)
+
+    routes = PinnedRoutes()
+    truth = run(routes)
+    assert routes.choices and not routes.flips  # recorded, nothing pinned yet
+    same = run(routes)
+    assert all(n == 0 for n in routes.flips[-1].values()), routes.flips
+    assert same[0] == truth[0]
+    assert all(torch.equal(same[1][n], g) for n, g in truth[1].items())
+
+    # Every token sent to the next expert up: the pinned run must route by these choices.
+    experts = getattr(cfg, "text", cfg).num_experts
+    routes.choices = {b: (c + 1) % experts for b, c in routes.choices.items()}
+    moved = run(routes)
+    # The first block's input is unchanged, so every token's choice is moved there; later
+    # blocks' inputs are, and a token may happen to pick the shifted experts itself.
+    (first, n), *later = routes.flips[-1].items()
+    assert n == routes.choices[first].shape[0], routes.flips
+    assert all(m > routes.choices[b].shape[0] // 2 for b, m in later), routes.flips
+    assert abs(moved[0] - truth[0]) > 1e-6 * truth[0], (moved[0], truth[0])
