@@ -19,7 +19,9 @@ allocated memory (reset between sides; null on CPU), first and last loss. ``laye
 ``GatedDeltaNet`` forward + backward on ``[seq, hidden]`` bf16 (``ours_ms``) against
 ``floor_ms``: the same work composed straight from fla's pieces (the two projections as plain
 bf16 matmuls, fla's conv, its delta rule with the gates and L2 norm, its fused gated RMSNorm,
-no layout changes) and ``fla_ms``: fla's conv + rule alone (the earlier definition);
+no layout changes), ``floor_fused_gate_ms``: that floor with fla's in-kernel gate and beta
+sigmoid (with ``fused_gate_saving`` and its gradients' distance from the floor's), and
+``fla_ms``: fla's conv + rule alone (the earlier definition);
 ``overhead`` = ours / floor - 1 (the <= 10% target), ``overhead_vs_kernels`` = ours / fla - 1.
 With ``--profile``: ``ours_device_ms`` / ``floor_device_ms``, the kernels' time per run in
 the profile, and ``overhead_device`` from them (the layer alone is launch-bound at 8192 tokens:
@@ -187,8 +189,12 @@ def _layer_inputs(cfg, seq, device):
     return layer, x, plan
 
 
-def _floor(layer, x, seq):
-    """The layer's work straight from fla's pieces (module docstring): one step's closure."""
+def _floor(layer, x, seq, fused_gate: bool = False):
+    """The layer's work straight from fla's pieces (module docstring): one step's closure. With
+    ``fused_gate``, fla's delta rule takes the raw gate and beta and computes the decay
+    (``-exp(A_log) * softplus(a + dt_bias)``) and ``sigmoid(beta)`` in its kernel
+    (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``): the launches that saves are a
+    candidate for our layer (tests/perf/NOTES.md)."""
     chunk_rule, conv, gated_norm = kernels.fla_ops()
     hk, hv = layer.num_key_heads, layer.num_value_heads
     dk, dv = layer.key_dim, layer.value_dim
@@ -204,10 +210,16 @@ def _floor(layer, x, seq):
                      cu_seqlens=cu)
         mixed = mixed[0] if isinstance(mixed, tuple) else mixed
         qc, kc, vc = mixed[0].split(sizes[:3], dim=-1)
-        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+        if fused_gate:
+            g, beta = a, b
+            gates = dict(use_gate_in_kernel=True, A_log=layer.A_log, dt_bias=layer.dt_bias,
+                         use_beta_sigmoid_in_kernel=True)
+        else:
+            g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+            beta, gates = b.sigmoid(), {}
         o, _ = chunk_rule(qc.reshape(1, seq, hk, dk), kc.reshape(1, seq, hk, dk),
-                          vc.reshape(1, seq, hv, dv), g[None], b.sigmoid()[None],
-                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+                          vc.reshape(1, seq, hv, dv), g[None], beta[None],
+                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True, **gates)
         o = gated_norm(o[0], z.reshape(seq, hv, dv), layer.norm.norm.weight, None,
                        activation="silu", eps=layer.norm.norm.eps)
         with autocast(x.device):
@@ -257,11 +269,39 @@ def bench_layer(hf: dict, seq: int, device, steps, warmup, profile: str | None) 
            "overhead_vs_kernels": a["step_s"] / b["step_s"] - 1,
            "ours_peak_gib": a["peak_gib"], "floor_peak_gib": f["peak_gib"],
            "fla_peak_gib": b["peak_gib"]}
+    out.update(_fused_gate_floor(layer, x, seq, f, steps, warmup, device))
     if profile:
         device_ms = write_profile(profile, {"ours": ours, "floor": floor})
         out.update(ours_device_ms=device_ms["ours"], floor_device_ms=device_ms["floor"],
                    overhead_device=device_ms["ours"] / device_ms["floor"] - 1)
     return out
+
+
+def _fused_gate_floor(layer, x, seq, floor: dict, steps, warmup, device) -> dict:
+    """``floor_fused_gate_ms`` (``_floor`` with fla's in-kernel gates), the launches' saving
+    against the floor (``fused_gate_saving`` = floor / fused - 1), and how far the fused path's
+    gradients of ``A_log``, ``dt_bias`` and ``x`` are from the floor's (relative max error: 0
+    is the same function, bf16 noise is about 1e-2). A fla that refuses the flags is recorded
+    as ``floor_fused_gate_error``, the rest of the row kept."""
+    try:
+        watched = {"x": x, "A_log": layer.A_log, "dt_bias": layer.dt_bias}
+        grads = {}
+        for fused in (False, True):
+            for t in watched.values():
+                t.grad = None
+            _floor(layer, x, seq, fused_gate=fused)()
+            missing = [name for name, t in watched.items() if t.grad is None]
+            if missing:
+                raise RuntimeError(f"no gradient for {missing} (fused_gate={fused})")
+            grads[fused] = {name: t.grad.float().clone() for name, t in watched.items()}
+        diff = {name: float((grads[True][name] - a).abs().max() / a.abs().max().clamp_min(1e-30))
+                for name, a in grads[False].items()}
+        t = timed(_floor(layer, x, seq, fused_gate=True), steps, warmup, device)
+    except Exception as e:  # a refusal of fla's is this row's result, the rest is kept
+        return {"floor_fused_gate_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"floor_fused_gate_ms": 1e3 * t["step_s"],
+            "fused_gate_saving": floor["step_s"] / t["step_s"] - 1,
+            "fused_gate_grad_rel_diff": diff}
 
 
 def write_profile(path: str, steps: dict) -> dict:
