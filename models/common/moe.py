@@ -60,12 +60,27 @@ def swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 EXPERT_BACKENDS = ("auto", "reference", "grouped")
 
 
+GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what _grouped_mm takes
+
+
+def _grouped_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the grouped GEMM runs in: autocast's where it is on (``grouped_swiglu_experts``
+    casts to it), else ``x``'s."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 def grouped_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` (PyTorch's grouped GEMM, 2.8+) takes these operands: it
-    exists in this torch and every row stride is a multiple of 16 bytes."""
+    exists in this torch, the dtype it would run in (``_grouped_dtype``) is one it takes (not
+    float64: a float64 model runs the loop) and every row stride in that dtype is a multiple
+    of 16 bytes."""
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
         return False
-    size = x.element_size()
+    dtype = _grouped_dtype(x)
+    if dtype not in GROUPED_DTYPES:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
     return all(n * size % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1]))
 
 
@@ -102,8 +117,10 @@ def run_experts(x, w13, w2, counts: torch.Tensor | list[int], backend: str = "au
     if use and grouped_available(x, w13, w2):
         return grouped_swiglu_experts(x, w13, w2, counts)
     if backend == "grouped" and x.shape[0]:
-        raise ValueError("experts backend 'grouped' needs torch._grouped_mm (PyTorch 2.8+) and "
-                         "16-byte aligned expert widths; use 'auto' or 'reference'")
+        raise ValueError("experts backend 'grouped' needs torch._grouped_mm (PyTorch 2.8+), "
+                         f"operands in {[str(d) for d in GROUPED_DTYPES]} (these run in "
+                         f"{_grouped_dtype(x)}) and 16-byte aligned expert widths; use 'auto' "
+                         "or 'reference'")
     if sizes is None:
         sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
     return swiglu_experts(x, w13, w2, sizes)

@@ -164,3 +164,29 @@ def test_grouped_gemm_under_autocast_takes_fp32_master_weights():
     assert got13.dtype == got2.dtype == torch.float32
     for a, b in ((got13, ref13), (got2, ref2)):
         assert float((a - b).norm() / b.norm()) < 1e-2  # bf16 products, summed differently
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_gemm_is_offered_only_for_the_dtype_and_widths_it_takes():
+    """The grouped GEMM's fitness is judged in the dtype it would run in: float64 (a float64
+    reference model on CUDA) runs the loop under ``auto`` and is refused by name under
+    ``grouped``; under bf16 autocast the widths must align in bf16, not in the fp32 weights'
+    size (36 fp32 columns are 144 bytes, 16-aligned; in bf16 they are 72, which is not)."""
+    from mpcore.models.common.moe import grouped_available, run_experts, swiglu_experts
+
+    gen = torch.Generator().manual_seed(5)
+    w13 = torch.randn(2, 48, 32, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(2, 32, 24, generator=gen, dtype=torch.float64)
+    x = torch.randn(6, 32, generator=gen, dtype=torch.float64)
+    assert grouped_available(x.float(), w13.float(), w2.float())
+    assert not grouped_available(x, w13, w2)
+    with pytest.raises(ValueError, match=r"operands in .*torch.float32.* run in torch.float64"):
+        run_experts(x, w13, w2, [2, 4], backend="grouped")
+    torch.testing.assert_close(run_experts(x, w13, w2, [2, 4], backend="auto"),
+                               swiglu_experts(x, w13, w2, [2, 4]), rtol=0, atol=0)
+
+    narrow = torch.randn(2, 36, 32, generator=gen)  # 2I = 36: 16-aligned in fp32 only
+    assert grouped_available(x.float(), narrow, w2.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not grouped_available(x.float(), narrow, w2.float())
+        assert grouped_available(x.float(), w13.float(), w2.float())
