@@ -13,8 +13,9 @@ tests/unit/test_qwen35_family_grads.py proves there, and CUDA has no float64 MoE
 GEMM takes none). Bounds (``check_against_float64``): fla's loss within twice the reference's
 bf16 error plus 1e-3 of the loss; each kind of parameter's worst layer (router, experts,
 shared expert, tower included) within twice the reference's plus 1e-2. The float64 runs
-dominate the time: about 40 s (text) to 80 s (VL-MoE) on 2 CPU cores at 8k, four times that
-and more at 32k (the attention's documents are quadratic)."""
+dominate the time: about 40 s (text) to 80 s (VL-MoE) on 2 CPU cores at 8k; at 32k the text
+family's took 596 s there and 16 GB (the attention's documents are quadratic), so the 32k
+cases run one family per device call (``run_device.sh qwen35 tests32 FAMILY``)."""
 
 import pytest
 import torch

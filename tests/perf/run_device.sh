@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe|peers   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 FAMILY|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -183,6 +183,15 @@ elif [ "${1:-}" = qwen35 ]; then
       run bench_vl_qwen35 ${QWEN35_VL_S:-300} python3 -m tests.perf.bench_vl \
         "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
       tail -c 700 "$out/bench_vl_qwen35.log" ;;
+    tests32)
+      # One family's 32k case (a third argument: qwen3_5, qwen3_5_moe, qwen3_5_vl or
+      # qwen3_5_vl_moe), a call each: its float64 truth on the CPU took 596 s for the text
+      # family on 2 cores here (16 GB), so the four do not fit one call.
+      run gpu_tests_qwen35_32k_${3:?name a family} ${QWEN35_TEST_S:-560} python3 -m pytest -q -s \
+        -p no:cacheprovider -o addopts="" \
+        "tests/gpu/test_qwen35_families_fla_gpu.py::test_family_fla_and_reference_against_float64[$3-32k]"
+      grep -E "tokens|loss:|worst|passed|failed|Error" "$out/gpu_tests_qwen35_32k_$3.log" \
+        | cut -c1-600 | head -20 ;;
     moe)
       # The Qwen3.5-MoE cut against transformers' grouped_mm experts, the call to itself.
       run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
