@@ -242,10 +242,11 @@ elif [ "${1:-}" = qwen35 ]; then
       # time goes, not a reported timing), the GPU to itself. Ours compiles fla's kernels
       # first on a fresh machine: at 8406033 its profile, given 270 s on 4 cores beside the
       # GPU tests, ran out of time; run this mode alone. A third argument picks one side
-      # (mpcore or hf).
+      # (mpcore or hf). QWEN35_STACKS=aten::index lists that operator's call sites.
       for side in ${3:-mpcore hf}; do
         run profile_vl_$side ${QWEN35_PROFILE_S:-420} python3 -m tests.perf.profile_vl \
-          "$out/profile_vl_qwen3_5_${side}_$card.txt" --side $side --family qwen3_5_vl
+          "$out/profile_vl_qwen3_5_${side}_$card.txt" --side $side --family qwen3_5_vl \
+          ${QWEN35_STACKS:+--stacks "$QWEN35_STACKS"}
         grep -E "side:|fwd:|device idle|Self CUDA time total|host sync" \
           "$out/profile_vl_qwen3_5_${side}_$card.txt" | cut -c1-200 | head -12
         tail -3 "$out/profile_vl_$side.log" | cut -c1-300; rm -f "$out/profile_vl_$side.log"

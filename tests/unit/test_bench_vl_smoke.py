@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -268,3 +269,20 @@ def test_profile_vl_marks_each_sides_tower(side, tower, tmp_path):
     assert 0 < totals["fwd:visual"] < totals["fwd:model"], totals
     # the side's JSON files the run under the side that ran
     assert set(json.loads(out.with_suffix(".json").read_text())) & {"mpcore", "hf"} == {side}
+
+
+def test_profile_vl_lists_the_call_sites_of_named_operators(tmp_path):
+    """``--stacks``: the report names where each operator was called from. On the CPU (the
+    reference attention) ``aten::index`` is called from the tower's attention and the input
+    planning; an operator the step never calls is said to be none called."""
+    out = tmp_path / "profile.txt"
+    cmd = [sys.executable, "-m", "tests.perf.profile_vl", str(out), "--stacks",
+           "aten::index,aten::no_such_op", "--family", "qwen3_5_vl", "--config", "tiny",
+           "--seq", str(SEQ)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    sites = out.read_text().split("call sites of aten::index, aten::no_such_op over 3 steps")[1]
+    assert re.search(r"^aten::index: \d+ calls, self host [\d.]+ ms", sites, re.M), sites[:2000]
+    assert "models/common/vision_attention.py" in sites, sites[:2000]
+    assert re.search(r"^aten::no_such_op: none called$", sites, re.M), sites[-500:]
