@@ -80,7 +80,7 @@ def grouped_available(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> b
     dtype = _grouped_dtype(x)
     if dtype not in GROUPED_DTYPES:
         return False
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return all(n * size % 16 == 0 for n in (w13.shape[-1], w13.shape[-2], w2.shape[-1]))
 
 
@@ -91,9 +91,8 @@ def grouped_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     on ``x``'s device, so the group offsets are a cumsum on the device and nothing waits for
     it (a list is copied there first). Under autocast the operands are cast to its dtype as
     ``F.linear`` would be (autocast does not cast ``_grouped_mm``)."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        dtype = torch.get_autocast_dtype(kind)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = _grouped_dtype(x)
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
     if not isinstance(counts, torch.Tensor):
         counts = torch.tensor(counts, device=x.device)

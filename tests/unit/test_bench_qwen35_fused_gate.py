@@ -26,8 +26,7 @@ SEQ = 40
 
 def conv(x, weight, activation, cu_seqlens):
     assert activation == "silu"
-    positions = torch.arange(x.shape[1]) - cu_seqlens[torch.searchsorted(
-        cu_seqlens, torch.arange(x.shape[1]), right=True) - 1]
+    positions = deltanet.segment_positions(cu_seqlens, x.shape[1])
     return deltanet.causal_conv1d(x[0], weight, positions)[None]
 
 
