@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 FAMILY|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe|peers   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 FAMILY|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe [SEQ]|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -193,10 +193,16 @@ elif [ "${1:-}" = qwen35 ]; then
       grep -E "tokens|loss:|worst|passed|failed|Error" "$out/gpu_tests_qwen35_32k_$3.log" \
         | cut -c1-600 | head -20 ;;
     moe)
-      # The Qwen3.5-MoE cut against transformers' grouped_mm experts, the call to itself.
+      # The Qwen3.5-MoE cut against transformers' grouped_mm experts, in a call to itself; a
+      # third argument sets the sequence (default 4096; another one names the file _seqN).
+      # On a fresh H100 at 8f37787 our row's warmup took about 6 minutes (fla's cold compile
+      # and autotuning for the cut's heads), so transformers' row ran out of the call; the
+      # next call on the warm machine ran both rows at 2048 in 190 s. On a fresh machine run
+      # `moe 2048` first, then `moe` in the next call.
+      seq=${3:-4096}; tag=""; [ "$seq" = 4096 ] || tag="_seq$seq"
       run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
-        "$out/moe_qwen3_5_$card.json" --family qwen3_5_moe --steps 5 --warmup 2 \
-        --hf-experts grouped_mm
+        "$out/moe_qwen3_5_$card$tag.json" --family qwen3_5_moe --seq "$seq" --steps 5 \
+        --warmup 2 --hf-experts grouped_mm
       tail -c 2000 "$out/bench_moe_qwen35.log" ;;
     tests)
       run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
