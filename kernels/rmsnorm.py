@@ -303,13 +303,15 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim: Triton on CUDA tensors, the PyTorch reference elsewhere.
+    """RMSNorm over the last dim: Triton on CUDA tensors, the PyTorch reference elsewhere and
+    for float64 (the Triton kernels accumulate the weight's gradient in float32; float64 runs
+    are the references that judge the others, as in layernorm, swiglu and rope).
 
-    x [..., H] (fp32, fp16 or bf16), weight [H]; returns [..., H] in promote(x.dtype,
+    x [..., H] (fp32, fp16 or bf16; float64), weight [H]; returns [..., H] in promote(x.dtype,
     weight.dtype), or in ``out_dtype`` (one rounding of that result). Raises ValueError if
     weight is not [H] or lives on another device.
     """
-    if x.is_cuda:
+    if x.is_cuda and torch.float64 not in (x.dtype, weight.dtype):
         return rms_norm_triton(x, weight, eps, out_dtype)
     return rms_norm_reference(x, weight, eps, out_dtype)
 
@@ -318,7 +320,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float = 1e-6, out_dtype: torch.dtype | None = None):
     """The residual add and the next RMSNorm, ``s = x + delta; y = rms_norm(s)``: returns
     ``(s, y)``; ``s`` in promote(x.dtype, delta.dtype), ``y`` as :func:`rms_norm`. One fused
-    pass each way on CUDA, the PyTorch reference elsewhere."""
-    if x.is_cuda:
+    pass each way on CUDA, the PyTorch reference elsewhere and for float64 (as :func:`rms_norm`)."""
+    if x.is_cuda and torch.float64 not in (x.dtype, delta.dtype, weight.dtype):
         return add_rms_norm_triton(x, delta, weight, eps, out_dtype)
     return add_rms_norm_reference(x, delta, weight, eps, out_dtype)

@@ -95,3 +95,29 @@ def test_fused_add_norm_matches_the_unfused_graph(dtypes, s_used):
         assert got.dtype == want.dtype, name
         err = _rel_err(got, want)
         assert err <= (1e-6 if got.dtype == torch.float32 else 1e-4), (name, err)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["rms_norm", "add_rms_norm"])
+def test_float64_takes_the_reference_on_cuda(monkeypatch, fused):
+    """float64 runs are the truths others are judged against: on CUDA they take the PyTorch
+    reference, as on the CPU (the Triton kernels would sum the weight's gradient in fp32), and
+    fp32 still takes the kernels."""
+    from mpcore.kernels import rmsnorm
+
+    called = []
+    for name in ("rms_norm_triton", "add_rms_norm_triton"):
+        real = getattr(rmsnorm, name)
+        monkeypatch.setattr(rmsnorm, name,
+                            lambda *a, _real=real, **k: called.append(1) or _real(*a, **k))
+    for dtype, want_kernel in ((torch.float64, False), (torch.float32, True)):
+        called.clear()
+        x = torch.randn(8, 896, device="cuda", dtype=dtype)
+        w = torch.ones(896, device="cuda", dtype=dtype)
+        if fused:
+            s, y = add_rms_norm(x, torch.randn_like(x), w, 1e-6)
+        else:
+            y = rms_norm(x, w, 1e-6)
+        assert y.dtype == dtype and bool(called) == want_kernel, (dtype, called)
+        if dtype == torch.float64:
+            base = s if fused else x
+            torch.testing.assert_close(y, rms_norm_reference(base, w, 1e-6), rtol=0, atol=0)

@@ -185,8 +185,9 @@ elif [ "${1:-}" = qwen35 ]; then
       tail -c 700 "$out/bench_vl_qwen35.log" ;;
     tests32)
       # One family's 32k case (a third argument: qwen3_5, qwen3_5_moe, qwen3_5_vl or
-      # qwen3_5_vl_moe), a call each: its float64 truth on the CPU took 596 s for the text
-      # family on 2 cores here (16 GB), so the four do not fit one call.
+      # qwen3_5_vl_moe). Its float64 truth now runs on the GPU (on the CPU it took 596 s and
+      # 16 GB for the text family on 2 cores here); untimed there, so one family a call until
+      # the first one says how long a case takes.
       run gpu_tests_qwen35_32k_${3:?name a family} ${QWEN35_TEST_S:-560} python3 -m pytest -q -s \
         -p no:cacheprovider -o addopts="" \
         "tests/gpu/test_qwen35_families_fla_gpu.py::test_family_fla_and_reference_against_float64[$3-32k]"

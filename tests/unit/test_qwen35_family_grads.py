@@ -8,14 +8,19 @@ CUDA-only). The reference in float32 must agree with the same model in float64: 
 routers', experts' and tower's included). The judgement passes a bf16 run judged against
 itself and fails one kind's gradient 10% off. About 1 s per family on 2 cores. The MoE
 families' pinned routing (``PinnedRoutes``): a run pinned to its own float64 choices is the
-unpinned run exactly, and one pinned to other choices routes by them and counts every token."""
+unpinned run exactly, and one pinned to other choices routes by them and counts every token.
+Two float64 truths (``check_truths_agree``, which lets the GPU test's 32k cases take their
+truth from the GPU): one whose RMSNorms reduce their fp32 mean of squares in another order, as
+another device would, agrees with the first; a bf16 run does not."""
 
 import pytest
 import torch
 
+from mpcore.kernels import rmsnorm
 from tests.gpu.qwen35_grads import (
     PinnedRoutes,
     check_against_float64,
+    check_truths_agree,
     model_grads,
     tiny_case,
     tiny_weights_,
@@ -71,3 +76,31 @@ def test_pinned_routes_impose_the_recorded_choices(name):
     assert n == routes.choices[first].shape[0], routes.flips
     assert all(m > routes.choices[b].shape[0] // 2 for b, m in later), routes.flips
     assert abs(moved[0] - truth[0]) > 1e-6 * truth[0], (moved[0], truth[0])
+
+
+def norm_reduced_another_way(x, weight, eps=1e-6, out_dtype=None):
+    """``rmsnorm.rms_norm_reference`` with the fp32 mean of squares reduced another way (in
+    float64, rounded once to fp32): an ulp at most, what another device's order does."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True).float() + eps)
+    y = weight * h.to(x.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_two_float64_truths_agree_and_a_bf16_run_does_not(name, monkeypatch):
+    family, cfg, s = tiny_case(name, [1, 2, 3, 77])
+    routes = PinnedRoutes()
+
+    def run(dtype):
+        return model_grads(family, cfg, s, "reference", dtype, device="cpu",
+                           init_=tiny_weights_, routes=routes)
+
+    truth = run(torch.float64)
+    with monkeypatch.context() as m:
+        m.setattr(rmsnorm, "rms_norm_reference", norm_reduced_another_way)
+        other = run(torch.float64)
+    assert any(not torch.equal(other[1][n], g) for n, g in truth[1].items())  # it did move
+    check_truths_agree(truth, other, ("cpu", "cpu, norms reduced another way"))
+    with pytest.raises(AssertionError):
+        check_truths_agree(truth, run(torch.bfloat16), ("cpu", "cpu, bf16"))
