@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 FAMILY|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe [SEQ]|peers   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 'FAMILY...'|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe [SEQ]|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -184,15 +184,18 @@ elif [ "${1:-}" = qwen35 ]; then
         "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
       tail -c 700 "$out/bench_vl_qwen35.log" ;;
     tests32)
-      # One family's 32k case (a third argument: qwen3_5, qwen3_5_moe, qwen3_5_vl or
-      # qwen3_5_vl_moe). Its float64 truth now runs on the GPU (on the CPU it took 596 s and
-      # 16 GB for the text family on 2 cores here); untimed there, so one family a call until
-      # the first one says how long a case takes.
-      run gpu_tests_qwen35_32k_${3:?name a family} ${QWEN35_TEST_S:-560} python3 -m pytest -q -s \
-        -p no:cacheprovider -o addopts="" \
-        "tests/gpu/test_qwen35_families_fla_gpu.py::test_family_fla_and_reference_against_float64[$3-32k]"
-      grep -E "tokens|loss:|worst|passed|failed|Error" "$out/gpu_tests_qwen35_32k_$3.log" \
-        | cut -c1-600 | head -20 ;;
+      # The 32k cases of the families named in the third argument (one or several of
+      # qwen3_5, qwen3_5_moe, qwen3_5_vl, qwen3_5_vl_moe, in one quoted word), one after
+      # another, each given QWEN35_TEST_S seconds. Their float64 truth now runs on the GPU (on
+      # the CPU it took 596 s and 16 GB for the text family on 2 cores here); not yet timed
+      # there, so name one family in the first call and size the next calls by it.
+      for family in ${3:?name one or more families}; do
+        run gpu_tests_qwen35_32k_$family ${QWEN35_TEST_S:-560} python3 -m pytest -q -s \
+          -p no:cacheprovider -o addopts="" \
+          "tests/gpu/test_qwen35_families_fla_gpu.py::test_family_fla_and_reference_against_float64[$family-32k]"
+        grep -E "tokens|truth on|loss:|worst|passed|failed|Error" \
+          "$out/gpu_tests_qwen35_32k_$family.log" | cut -c1-600 | head -20
+      done ;;
     moe)
       # The Qwen3.5-MoE cut against transformers' grouped_mm experts, in a call to itself; a
       # third argument sets the sequence (default 4096; another one names the file _seqN).
