@@ -178,7 +178,7 @@ elif [ "${1:-}" = qwen35 ]; then
       # then the VL step both sides (the tower's kernel as the family's auto picks it).
       run gpu_tests_qwen35_vl ${QWEN35_TEST_S:-280} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_families_fla_gpu.py -k "8k and vl"
-      grep -E "rel error|loss:|worst|tokens:|passed|failed|Error" \
+      grep -E "rel error|truth on|loss:|worst|tokens:|passed|failed|Error" \
         "$out/gpu_tests_qwen35_vl.log" | cut -c1-400 | head -40
       run bench_vl_qwen35 ${QWEN35_VL_S:-300} python3 -m tests.perf.bench_vl \
         "$out/vl_qwen3_5_$card.json" --family qwen3_5_vl
@@ -212,7 +212,7 @@ elif [ "${1:-}" = qwen35 ]; then
       run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_fla_gpu.py tests/gpu/test_qwen35_families_fla_gpu.py \
         -k "not (families and 32k)"
-      grep -E "rel error|loss:|A_log|worst|: reference bf16|passed|failed|Error" \
+      grep -E "rel error|truth on|loss:|A_log|worst|: reference bf16|passed|failed|Error" \
         "$out/gpu_tests_qwen35.log" | cut -c1-600 | head -60 ;;
     check)
       # The score tests (their float64 truth is CPU work) beside the bf16 model test: both only
