@@ -20,7 +20,7 @@ about 1e-6; bf16's errors are 1e-2 and a wrong path's O(1)). At 32k on the GPU a
 CPU's took 596 s and 16 GB for the text family on 2 cores (the attention's documents are
 quadratic). A float64 MoE runs its experts' loop on CUDA (``grouped_available``: the grouped
 GEMM takes no float64). At 8k the CPU truths took about 40 s (text) to 80 s (VL-MoE) on 2
-cores. ``run_device.sh qwen35 tests32 FAMILY`` runs one family's 32k case."""
+cores. ``run_device.sh qwen35 tests32 'FAMILY...'`` runs the named families' 32k cases."""
 
 import pytest
 import torch
