@@ -61,7 +61,9 @@ allocated memory (reset between sides; null on CPU), first and last loss, the pa
 expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random router),
 forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as one dense
 SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to OUT (default
-tests/perf/results/moe_h200.json).
+tests/perf/results/moe_h200.json), first once our row is done, with ``hf`` saying that
+transformers' rows have not finished (``HF_UNFINISHED``): a run ended during them (a call's time
+limit) leaves our row and says so.
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ TINY_3_5 = {**QWEN3_5_35B_A3B, "vocab_size": 512, "hidden_size": 64, "num_attent
 SHAPES = {"qwen3_moe": (QWEN3_30B_A3B, TINY, "Qwen3-30B-A3B", 6),
           "qwen3_5_moe": (QWEN3_5_35B_A3B, TINY_3_5, "Qwen3.5-35B-A3B", 4)}
 HF_EXPERTS = ("grouped_mm", "batched_mm", "eager")
+HF_UNFINISHED = ("not finished: the process ended during transformers' rows (a time limit or a "
+                 "crash; its log says which)")
 # step_timing.adamw: torch's AdamW defaults at lr 1e-4; the clip of _train_step.
 ADAM = AdamSettings(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, grad_clip=1.0)
 
@@ -519,7 +523,9 @@ def main(argv=None) -> int:
     check_params("mpcore (built)", result["mpcore"]["params"], counts["total"])
     result["mpcore"]["tokens_per_s"] = args.seq / result["mpcore"]["step_s"]
     if not args.skip_hf:
-        _write(args.out, result)  # mpcore's row kept should every transformers row fail
+        # mpcore's row kept should every transformers row fail, or the process be ended during
+        # them (a call's time limit): the file then says that they did not finish.
+        _write(args.out, {**result, "hf": HF_UNFINISHED})
         run_hf_logged(result, hf, batches, device, args)
     if megatron is not None:
         add_megatron(result, megatron, args.seq)

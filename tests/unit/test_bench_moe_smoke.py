@@ -6,7 +6,8 @@ expert GEMM benchmark without CUDA. ``--family qwen3_5_moe`` likewise (its tiny 
 default 4-layer cut: three DeltaNet layers, then full attention), with every transformers
 experts implementation that runs on the CPU, the parameter count of each transformers model
 equal to ours, the DeltaNet kernel our side ran and transformers' fast path as found; a cut
-without a full-attention layer and ``--megatron`` are refused."""
+without a full-attention layer and ``--megatron`` are refused. A run ended during transformers'
+rows leaves our row in the JSON, which says that theirs did not finish."""
 
 from __future__ import annotations
 
@@ -102,3 +103,19 @@ def test_bench_moe_qwen3_5_moe_cut_and_refusals(tmp_path):
     proc = _bench(tmp_path / "x.json", "--family", "qwen3_5_moe", "--megatron")
     assert proc.returncode == 2 and "Qwen3-MoE only" in proc.stderr, proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_run_ended_during_transformers_rows_leaves_our_row_and_says_so(tmp_path, monkeypatch):
+    out = tmp_path / "bench.json"
+
+    def ended(*args):  # what a call's time limit does to the process in transformers' rows
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(bench_moe, "run_hf_logged", ended)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="killed"):
+        bench_moe.main([str(out), "--tiny", "--layers", "2", "--seq", "32", "--steps", "1",
+                        "--warmup", "0"])
+    result = json.loads(out.read_text())
+    assert result["mpcore"]["step_s"] > 0
+    assert result["hf"] == bench_moe.HF_UNFINISHED
