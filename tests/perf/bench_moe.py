@@ -84,7 +84,7 @@ from mpcore.models.registry import family_named
 from mpcore.moe_step import MoeStep
 from mpcore.parallel.state import ParallelState
 from tests.families import hf_classes
-from tests.perf.bench_qwen35 import deltanet_kernel, fast_path_recorded
+from tests.perf.bench_qwen35 import HF_UNFINISHED, deltanet_kernel, fast_path_recorded
 from tests.perf.megatron_peer import (
     AdamSettings,
     cuda,
@@ -131,8 +131,6 @@ TINY_3_5 = {**QWEN3_5_35B_A3B, "vocab_size": 512, "hidden_size": 64, "num_attent
 SHAPES = {"qwen3_moe": (QWEN3_30B_A3B, TINY, "Qwen3-30B-A3B", 6),
           "qwen3_5_moe": (QWEN3_5_35B_A3B, TINY_3_5, "Qwen3.5-35B-A3B", 4)}
 HF_EXPERTS = ("grouped_mm", "batched_mm", "eager")
-HF_UNFINISHED = ("not finished: the process ended during transformers' rows (a time limit or a "
-                 "crash; its log says which)")
 # step_timing.adamw: torch's AdamW defaults at lr 1e-4; the clip of _train_step.
 ADAM = AdamSettings(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, grad_clip=1.0)
 

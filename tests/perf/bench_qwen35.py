@@ -332,6 +332,12 @@ def write_profile(path: str, steps: dict) -> dict:
     return device_ms
 
 
+# What a JSON holds for transformers' row(s) while they run: a process ended during them (a
+# call's time limit) leaves our rows and says that theirs did not finish.
+HF_UNFINISHED = ("not finished: the process ended during transformers' rows (a time limit or a "
+                 "crash; its log says which)")
+
+
 def _save(result: dict, out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
@@ -372,6 +378,7 @@ def main(argv=None) -> int:
         result["mpcore"] = oom_row(e, device)
     _save(result, args.out)
     if not args.skip_hf:
+        _save({**result, "hf": HF_UNFINISHED}, args.out)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         result["hf"] = bench_hf(hf, batches, device, args.steps, args.warmup)

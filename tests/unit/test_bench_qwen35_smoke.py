@@ -1,7 +1,8 @@
 """Smoke run of tests/perf/bench_qwen35.py on the CPU (CUDA hidden), so that it works the first
 time on a GPU: a tiny Qwen3.5 config.json, seq 64, 2 timed steps after 1 warmup; the JSON has
 finite positive step times that agree with tokens/s, null peaks on CPU, losses near ln(vocab)
-for fresh models on random tokens on both sides, and no layer benchmark without CUDA."""
+for fresh models on random tokens on both sides, and no layer benchmark without CUDA. A run
+ended during transformers' row leaves ours in the JSON, which says that theirs did not finish."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist.qwen35_tiny import HF_CONFIG, VOCAB
+from tests.perf import bench_qwen35
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,3 +44,21 @@ def test_bench_qwen35_cpu_smoke(tmp_path):
     assert set(result["hf_paths"]) >= {"flash-linear-attention", "causal_conv1d importable"}
     assert isinstance(result["hf"]["fallback_warnings"], list)
     assert math.isclose(result["speedup"], result["hf"]["step_s"] / result["mpcore"]["step_s"])
+
+
+def test_a_run_ended_during_transformers_row_leaves_ours_and_says_so(tmp_path, monkeypatch):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HF_CONFIG | {"architectures": ["Qwen3_5ForCausalLM"]}))
+    out = tmp_path / "bench.json"
+
+    def ended(*args):  # what a call's time limit does to the process in transformers' row
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(bench_qwen35, "bench_hf", ended)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="killed"):
+        bench_qwen35.main([str(out), "--config", str(config), "--seq", "32", "--steps", "1",
+                           "--warmup", "0", "--skip-layer"])
+    result = json.loads(out.read_text())
+    assert result["mpcore"]["step_s"] > 0
+    assert result["hf"] == bench_qwen35.HF_UNFINISHED
