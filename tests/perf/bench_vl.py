@@ -120,7 +120,7 @@ from mpcore.models.qwen3_vl import config_from_section as qwen3_vl_from_section
 from mpcore.parallel.state import ParallelState
 from mpcore.processes import init_distributed
 from tests.families import hf_classes
-from tests.perf.bench_qwen35 import deltanet_kernel, fast_path_recorded
+from tests.perf.bench_qwen35 import HF_UNFINISHED, deltanet_kernel, fast_path_recorded
 from tests.perf.bench_train import _sync, _timed  # (one timing for every benchmark)
 from tests.perf.vl_batches import Batch, build_batches, digest
 
@@ -465,6 +465,11 @@ def _guarded(name: str, fn, *args, **kwargs) -> dict:
     return result
 
 
+def _write_json(out: Path, report: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def run_baselines(args, cfg, batches: list[Batch], device, report: dict) -> None:
     """Every transformers side; for a Qwen3.5 family also ``hf_fast_path``
     (``bench_qwen35.fast_path_recorded``)."""
@@ -636,13 +641,15 @@ def main(argv=None) -> int:
               "num_params": params, "data_path": args.data, "data": data}
     print(json.dumps(report["data"], indent=1), flush=True)
     report["mpcore"] = _guarded("mpcore", bench_mpcore, args, cfg, batches, device)
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(args.out)
     if not args.skip_hf:
+        if lead:  # our row kept, and said to be alone, should the process end in theirs
+            _write_json(out, {**report, "hf": HF_UNFINISHED})
         run_baselines(args, cfg, batches, device, report)
         compare(report)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+    if lead:
+        _write_json(out, report)
         print(json.dumps(report, indent=1))
         print(f"\nwrote {out}\n{table(report)}")
     if dist.is_initialized():

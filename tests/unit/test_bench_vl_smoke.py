@@ -10,7 +10,8 @@ batches (digest) and targets per step on both sides, finite positive tokens/s th
 the step time, null peak memory on CPU, finite losses near ln(vocab) for fresh models, liger
 reported missing (it needs CUDA), and the speedup computed against the baseline that ran. In
 process: the prepared store holds process_image's own upscale of every original image, bit for
-bit, and the loader's batches are the store's samples, each once.
+bit, and the loader's batches are the store's samples, each once. A run ended during
+transformers' rows leaves ours in the JSON, which says that theirs did not finish.
 """
 
 from __future__ import annotations
@@ -286,3 +287,19 @@ def test_profile_vl_lists_the_call_sites_of_named_operators(tmp_path):
     assert re.search(r"^aten::index: \d+ calls, self host [\d.]+ ms", sites, re.M), sites[:2000]
     assert "models/common/vision_attention.py" in sites, sites[:2000]
     assert re.search(r"^aten::no_such_op: none called$", sites, re.M), sites[-500:]
+
+
+def test_a_run_ended_during_transformers_rows_leaves_ours_and_says_so(tmp_path, monkeypatch):
+    out = tmp_path / "vl.json"
+
+    def ended(*args):  # what a call's time limit does to the process in transformers' rows
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(bench_vl, "run_baselines", ended)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="killed"):
+        bench_vl.main([str(out), "--config", "tiny", "--seq", str(SEQ), "--micro-batch", "1",
+                       "--steps", "1", "--warmup", "0", "--data", "synthetic"])
+    result = json.loads(out.read_text())
+    assert result["mpcore"]["step_ms"] > 0
+    assert result["hf"] == bench_qwen35.HF_UNFINISHED
