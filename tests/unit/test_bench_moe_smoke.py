@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from tests.perf import bench_moe, bench_qwen35
+from tests.unit.bench_ended import ended_in_transformers_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,16 +107,8 @@ def test_bench_moe_qwen3_5_moe_cut_and_refusals(tmp_path):
 
 
 def test_a_run_ended_during_transformers_rows_leaves_our_row_and_says_so(tmp_path, monkeypatch):
-    out = tmp_path / "bench.json"
-
-    def ended(*args):  # what a call's time limit does to the process in transformers' rows
-        raise SystemExit("killed")
-
-    monkeypatch.setattr(bench_moe, "run_hf_logged", ended)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="killed"):
-        bench_moe.main([str(out), "--tiny", "--layers", "2", "--seq", "32", "--steps", "1",
-                        "--warmup", "0"])
-    result = json.loads(out.read_text())
+    result = ended_in_transformers_rows(monkeypatch, bench_moe, "run_hf_logged",
+                                        tmp_path / "bench.json", "--tiny", "--layers", "2",
+                                        "--seq", "32", "--steps", "1", "--warmup", "0")
     assert result["mpcore"]["step_s"] > 0
     assert result["hf"] == bench_moe.HF_UNFINISHED

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.dist.qwen35_tiny import HF_CONFIG, VOCAB
 from tests.perf import bench_qwen35
+from tests.unit.bench_ended import ended_in_transformers_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,16 +49,9 @@ def test_bench_qwen35_cpu_smoke(tmp_path):
 def test_a_run_ended_during_transformers_row_leaves_ours_and_says_so(tmp_path, monkeypatch):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(HF_CONFIG | {"architectures": ["Qwen3_5ForCausalLM"]}))
-    out = tmp_path / "bench.json"
-
-    def ended(*args):  # what a call's time limit does to the process in transformers' row
-        raise SystemExit("killed")
-
-    monkeypatch.setattr(bench_qwen35, "bench_hf", ended)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="killed"):
-        bench_qwen35.main([str(out), "--config", str(config), "--seq", "32", "--steps", "1",
-                           "--warmup", "0", "--skip-layer"])
-    result = json.loads(out.read_text())
+    result = ended_in_transformers_rows(monkeypatch, bench_qwen35, "bench_hf",
+                                        tmp_path / "bench.json", "--config", str(config),
+                                        "--seq", "32", "--steps", "1", "--warmup", "0",
+                                        "--skip-layer")
     assert result["mpcore"]["step_s"] > 0
     assert result["hf"] == bench_qwen35.HF_UNFINISHED

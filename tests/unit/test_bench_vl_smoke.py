@@ -36,6 +36,7 @@ from tests.perf import (
     bench_vl,
     vl_batches,
 )
+from tests.unit.bench_ended import ended_in_transformers_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -290,16 +291,9 @@ def test_profile_vl_lists_the_call_sites_of_named_operators(tmp_path):
 
 
 def test_a_run_ended_during_transformers_rows_leaves_ours_and_says_so(tmp_path, monkeypatch):
-    out = tmp_path / "vl.json"
-
-    def ended(*args):  # what a call's time limit does to the process in transformers' rows
-        raise SystemExit("killed")
-
-    monkeypatch.setattr(bench_vl, "run_baselines", ended)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="killed"):
-        bench_vl.main([str(out), "--config", "tiny", "--seq", str(SEQ), "--micro-batch", "1",
-                       "--steps", "1", "--warmup", "0", "--data", "synthetic"])
-    result = json.loads(out.read_text())
+    result = ended_in_transformers_rows(monkeypatch, bench_vl, "run_baselines",
+                                        tmp_path / "vl.json", "--config", "tiny", "--seq",
+                                        str(SEQ), "--micro-batch", "1", "--steps", "1",
+                                        "--warmup", "0", "--data", "synthetic")
     assert result["mpcore"]["step_ms"] > 0
     assert result["hf"] == bench_qwen35.HF_UNFINISHED
