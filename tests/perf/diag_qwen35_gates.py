@@ -1,0 +1,133 @@
+"""Where fla's error on the DeltaNet gate parameters (``A_log``, ``dt_bias``) comes from, at 8k
+and 32k (a diagnostic for issue 36, not a timing): one GPU, fla-core on Triton >= 3.7.1.
+
+``A_log``'s and ``dt_bias``' gradients are sums over every token of the gradient of the log
+decay ``g``. A kernel whose per-token error in ``dg`` is random loses little in that sum; one
+whose error leans one way (a rounding of the recurrent state that every later token inherits)
+keeps it, so its relative error on the sum grows with the document. fla stores its chunk
+states in the operands' dtype (bf16 under autocast); our reference keeps them in fp32.
+
+Two measurements, each against the same thing in float64:
+- The rule alone (``kernels.gated_delta_rule``, released head size 128, value heads grouped
+  2 -> 4, random inputs as tests/gpu/test_qwen35_fla_gpu.py makes them): ``dg``'s error per
+  token, and its error summed over each value head's tokens (what ``A_log`` sees), for fla on
+  bf16 operands, fla on fp32 operands (states in fp32, dots in TF32) and the reference on bf16
+  operands.
+- The text family's tiny model on the packed stream of
+  tests/gpu/test_qwen35_families_fla_gpu.py (documents 1, 2, 3, 1001 and 8192 or 32768) under
+  bf16 autocast with each of the three: every DeltaNet layer's ``A_log`` and ``dt_bias``
+  gradient error, for two seeds (data, build and decay draw).
+
+    python -m tests.perf.diag_qwen35_gates OUT.json [--cases 32k,8k] [--seeds 0,1]
+
+The JSON is rewritten after every row, so a run cut off keeps what it measured."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mpcore.models.common.hybrid import deltanet, kernels
+from tests.gpu.gpu_checks import rel_err
+from tests.gpu.qwen35_grads import model_grads, tiny_case, tiny_weights_
+
+LENGTHS = {"8k": [1, 2, 3, 1001, 8192], "32k": [1, 2, 3, 1001, 32768]}
+RULES = ("fla", "fla_fp32", "reference")
+
+
+@contextlib.contextmanager
+def fla_on_fp32_operands():
+    """fla's delta rule given fp32 ``q, k, v, beta`` (its states then fp32, its dots TF32), its
+    output cast back to the operands' dtype: the bf16 path with fla's storage precision
+    raised and nothing else changed."""
+    ops = kernels.fla_ops()
+    rule = ops[0]
+
+    def wide_rule(q, k, v, g, beta, **kwargs):
+        out, state = rule(q.float(), k.float(), v.float(), g, beta.float(), **kwargs)
+        return out.to(v.dtype), state
+
+    original = kernels.fla_ops
+    kernels.fla_ops = lambda: (wide_rule, *ops[1:])
+    try:
+        yield
+    finally:
+        kernels.fla_ops = original
+
+
+def _rule_case(lengths: list[int], seed: int) -> dict:
+    gen = torch.Generator("cuda").manual_seed(seed)
+    t, hk, hv, d = sum(lengths), 2, 4, 128
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    randn = functools.partial(torch.randn, device="cuda", generator=gen)
+    q, k, v = randn(t, hk, d).to(**bf), randn(t, hk, d).to(**bf), randn(t, hv, d).to(**bf)
+    g = -torch.nn.functional.softplus(randn(t, hv)) * 0.2
+    beta = torch.rand(t, hv, device="cuda", generator=gen).to(**bf)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    weights = torch.randn(t, hv, d, device="cuda", dtype=torch.float64,
+                          generator=torch.Generator("cuda").manual_seed(seed + 7))
+    wide = [x.detach().double().requires_grad_() for x in inputs]
+    (deltanet.chunk_gated_delta_rule(*wide, cu) * weights).sum().backward()
+    truth = wide[3].grad
+    row = {}
+    for rule in RULES:
+        for x in inputs:
+            x.grad = None
+        with fla_on_fp32_operands() if rule == "fla_fp32" else contextlib.nullcontext():
+            out = kernels.gated_delta_rule(*inputs, cu, "reference" if rule == "reference"
+                                           else "fla")
+        (out.double() * weights).sum().backward()
+        dg = inputs[3].grad.double()
+        row[rule] = {"dg": rel_err(dg, truth),
+                     "dg_summed_per_head": rel_err(dg.sum(0), truth.sum(0))}
+    return row
+
+
+def _model_case(lengths: list[int], seed: int) -> dict:
+    family, cfg, s = tiny_case("qwen3_5", lengths, seed=seed)
+    init_ = functools.partial(tiny_weights_, seed=5 + seed)
+    run = functools.partial(model_grads, family, cfg, s, seed=3 + seed, init_=init_)
+    _, truth = run("reference", torch.float64)
+    row = {}
+    for rule in RULES:
+        with fla_on_fp32_operands() if rule == "fla_fp32" else contextlib.nullcontext():
+            loss, grads = run("reference" if rule == "reference" else "fla", torch.bfloat16)
+        row[rule] = {n: round(rel_err(grads[n], want), 5) for n, want in truth.items()
+                     if n.endswith(("A_log", "dt_bias"))}
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--cases", default="32k,8k")
+    p.add_argument("--seeds", default="0,1")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or kernels.fla_ops() is None:
+        print("needs CUDA and fla-core", file=sys.stderr)
+        return 2
+    result = {"device": torch.cuda.get_device_name(), "fla": kernels.fla_version(),
+              "rule": {}, "model": {}}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for name in args.cases.split(","):
+        for what, case in (("rule", _rule_case), ("model", _model_case)):
+            for seed in seeds:
+                start = time.perf_counter()
+                row = case(LENGTHS[name], seed)
+                result[what][f"{name}_seed{seed}"] = row
+                print(f"{what} {name} seed {seed} ({time.perf_counter() - start:.0f} s):",
+                      json.dumps(row), flush=True)
+                args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
