@@ -167,3 +167,35 @@ def test_fla_gets_the_segments_host_copy_when_it_takes_one(monkeypatch, takes_ho
     # Without cu_seqlens the segments are found from doc_id, on the host as well.
     seq = deltanet_cp.sequence_of(AttentionPlan(doc, pos), "cpu")
     assert seq.cu_host.tolist() == seq.cu_seqlens.tolist() == [0, 3, 7]
+
+
+def test_fla_conv_gets_the_weight_in_its_own_dtype(monkeypatch):
+    # fla's conv reads its weight into fp32 and sums the weight's gradient in fp32: an fp32
+    # weight under bf16 operands must reach it unrounded, as it reaches the reference (a bf16
+    # copy was one rounding that every token shared; at 32k it moved A_log's gradient). The
+    # stand-in computes with exactly what it was given, so the two paths agree bit for bit
+    # only if the weight and its gradient went through unrounded.
+    from mpcore.models.common.hybrid import deltanet
+    cu = torch.tensor([0, 5, 13])
+    pos = deltanet.segment_positions(cu, 13)
+    given = []
+
+    def conv(x, weight, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+        given.append(weight)
+        return deltanet.causal_conv1d(x[0], weight, pos)[None], None
+
+    monkeypatch.setattr(kernels, "fla_ops", lambda: (None, conv, None))
+    kernels._host_segments_taken.cache_clear()
+    try:
+        x = torch.randn(13, 6, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.randn(6, 4, requires_grad=True)
+        upstream = torch.randn(13, 6, dtype=torch.bfloat16)
+        outs = [kernels.short_conv(x, weight, pos, cu, kernel) for kernel in ("fla", "reference")]
+        grads = [torch.autograd.grad(out, (x, weight), upstream) for out in outs]
+    finally:
+        kernels._host_segments_taken.cache_clear()
+    assert given[0].dtype == torch.float32
+    assert torch.equal(outs[0], outs[1]) and outs[0].dtype == torch.bfloat16
+    assert grads[0][1].dtype == torch.float32
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b)

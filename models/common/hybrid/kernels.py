@@ -213,10 +213,13 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
     """``silu(causal depthwise conv)`` of ``x [T, C]`` (may be a view with a row stride: fla
     reads it in place) by ``weight [C, K]`` per segment (``positions [T]`` in-segment
     positions, ``cu_seqlens [S+1]`` the segments, ``cu_host`` the same int64 on the host when
-    known there); ``kernel``: ``"fla"`` or ``"reference"``."""
+    known there); ``kernel``: ``"fla"`` or ``"reference"``. fla gets ``weight`` in its own dtype,
+    as the reference does: its kernel reads the weight into fp32 and sums its gradient in fp32,
+    so an fp32 weight under bf16 autocast is neither rounded to bf16 going in nor its gradient
+    coming out (rounding it was a systematic error that every token of a document shared)."""
     if _resolved(kernel) == "reference":
         return deltanet.causal_conv1d(x, weight, positions)
-    out = fla_ops()[1](x[None], weight.to(x.dtype), activation="silu",
+    out = fla_ops()[1](x[None], weight, activation="silu",
                        **_segments_kwargs(cu_seqlens, cu_host, x.device))
     out = out[0] if isinstance(out, tuple) else out  # newer fla also returns a final state
     return out[0]
