@@ -51,19 +51,22 @@ def _grads(out, inputs, weights):
     return torch.autograd.grad((out.to(weights.dtype) * weights).sum(), inputs)
 
 
-def test_conv_fla_matches_reference_forward_backward():
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_conv_fla_matches_reference_forward_backward(weight_dtype):
+    # float32: the model's weight under bf16 autocast, which fla gets unrounded (its gradient
+    # comes back in float32, as the reference's does).
     torch.manual_seed(0)
     cu = _cu(LENGTHS)
     t, c = sum(LENGTHS), 96
     x = torch.randn(t, c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(c, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(c, 4, device="cuda", dtype=weight_dtype, requires_grad=True)
     pos = deltanet.segment_positions(cu, t)
     ours = kernels.short_conv(x, w, pos, cu, "reference")
     fla = kernels.short_conv(x, w, pos, cu, "fla")
     assert rel_err(fla, ours) < 2e-2
     weights = torch.randn(t, c, device="cuda")
     for a, b in zip(_grads(fla, (x, w), weights), _grads(ours, (x, w), weights), strict=True):
-        assert rel_err(a, b) < 2e-2
+        assert a.dtype == b.dtype and rel_err(a, b) < 2e-2
 
 
 def _rule_inputs(lengths, hk, hv, dk, dv, seed):
