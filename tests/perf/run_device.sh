@@ -8,7 +8,7 @@
 #   bash tests/perf/run_device.sh moe [HF_EXPERTS]   # Qwen3-MoE step; + Megatron-core with TE
 #   bash tests/perf/run_device.sh loss_peers          # loss heads with verl's RL head (no TE)
 #   bash tests/perf/run_device.sh vl                  # VL GPU tests, then the three VL families
-#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 'FAMILY...'|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe [SEQ]|peers   # issues 36, 37 (Triton 3.7.1 first)
+#   bash tests/perf/run_device.sh qwen35 check|tests|tests32 'FAMILY...'|gates [CASES]|score|bench|bench32|rest|diag [SIDE]|vlsplit|vlcheck|moe [SEQ]|peers   # issues 36, 37 (Triton 3.7.1 first)
 # Carry the liger-kernel wheel (.whl) for its baseline. JSON and logs
 # go to $OUT (the device tool brings them back) or tests/perf/results/.
 set -uo pipefail
@@ -186,9 +186,10 @@ elif [ "${1:-}" = qwen35 ]; then
     tests32)
       # The 32k cases of the families named in the third argument (one or several of
       # qwen3_5, qwen3_5_moe, qwen3_5_vl, qwen3_5_vl_moe, in one quoted word), one after
-      # another, each given QWEN35_TEST_S seconds. Their float64 truth now runs on the GPU (on
-      # the CPU it took 596 s and 16 GB for the text family on 2 cores here); not yet timed
-      # there, so name one family in the first call and size the next calls by it.
+      # another, each given QWEN35_TEST_S seconds. Their float64 truth runs on the GPU (on the
+      # CPU it took 596 s and 16 GB for the text family on 2 cores here). On a warm H100 at
+      # 521b2a9 (fla compiled by `tests`): text 41 s, MoE 26 s, VL 120 s, VL-MoE 27 s, so all
+      # four fit one call.
       for family in ${3:?name one or more families}; do
         run gpu_tests_qwen35_32k_$family ${QWEN35_TEST_S:-560} python3 -m pytest -q -s \
           -p no:cacheprovider -o addopts="" \
@@ -208,7 +209,19 @@ elif [ "${1:-}" = qwen35 ]; then
         "$out/moe_qwen3_5_$card$tag.json" --family qwen3_5_moe --seq "$seq" --steps 5 \
         --warmup 2 --hf-experts grouped_mm
       tail -c 2000 "$out/bench_moe_qwen35.log" ;;
+    gates)
+      # diag_qwen35_gates.py: where fla's A_log / dt_bias error comes from (the rule, then the
+      # text model, fla on bf16 and fp32 operands and with its conv weight rounded, and the
+      # reference, against float64), cases in the third argument (default 32k,8k). On a
+      # fresh H100 at a5810b4 fla's cold compile for the rule's bf16 and fp32 operands took
+      # 421 s of the first row; the 32k model row took 27 s on the warm machine after.
+      run diag_qwen35_gates ${QWEN35_GATES_S:-560} python3 -m tests.perf.diag_qwen35_gates \
+        "$out/diag_qwen35_gates_$card.json" --cases "${3:-32k,8k}"
+      grep -E "^(rule|model) " "$out/diag_qwen35_gates.log" | cut -c1-900 ;;
     tests)
+      # The fla tests and the families' 8k cases (two float64 truths each, CPU and GPU). On a
+      # fresh H100 at 521b2a9 (fla compiling cold) 500 s ended in the VL family's case: give
+      # it a call to itself after the Triton carry, or run `vlcheck` for the VL families.
       run gpu_tests_qwen35 ${QWEN35_TEST_S:-540} python3 -m pytest -q -s -p no:cacheprovider \
         -o addopts="" tests/gpu/test_qwen35_fla_gpu.py tests/gpu/test_qwen35_families_fla_gpu.py \
         -k "not (families and 32k)"
