@@ -12,7 +12,17 @@ The judgement (``check_against_float64``): a wrong kernel is off by O(1); bf16 i
 own rounding, which swings several-fold from layer to layer on one reduced gradient. So the
 loss and each KIND of parameter (its name without the layer index, worst layer against worst
 layer) under the kernel tested must be within twice the reference kernel's own bf16 error
-against float64, plus a floor (1e-3 of the loss; 1e-2 for a gradient)."""
+against float64, plus a floor (1e-3 of the loss; 1e-2 for a gradient).
+
+Two kinds are judged in other units: each DeltaNet layer's ``A_log`` and ``dt_bias``, whose
+gradients are per-head sums over every token of ``dL/dg_t`` times the decay's slope. Those
+sums cancel: on the text family's 32k case the terms' magnitudes summed to 50 to 204 times the
+sum (``GateSums``: its condition), so bf16's rounding of the terms, which is relative to their
+magnitudes, is that many times larger relative to the sum, and swings from run to run (one
+layer under the reference in bf16: 0.0043 of the sum on an H100, 0.0192 on the CPU). Their
+error is measured against the magnitudes summed (``|| grad - truth || / || sum_t |term_t| ||``,
+the measure a sum's rounding is bounded in) and the floor is bf16's unit roundoff, 2^-8: every
+term rounded once, all the same way."""
 
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ import torch.nn.functional as F
 from mpcore.batches import place
 from mpcore.models import family_named
 from mpcore.models.common.hybrid import kernels
+from mpcore.models.common.hybrid.layers import GatedDeltaNet
 from mpcore.models.common.moe import MoeBlock
 from mpcore.moe_step import MoeStep
 from mpcore.parallel.state import ParallelState
@@ -124,9 +135,53 @@ class PinnedRoutes:
         return pinned
 
 
+class GateSums:
+    """What each DeltaNet layer's ``A_log`` and ``dt_bias`` gradients sum, in the run it is
+    attached to (the float64 truth): ``signed[name]`` the per-head sums over tokens of their
+    terms (``dL/dg_t * dg_t/dtheta``, float64: the gradients themselves, to the gradient's
+    own rounding) and ``magnitude[name]`` the sums of the terms' absolute values, both
+    ``[Hv]`` by parameter name. ``dg/dA_log = g``; ``dg/ddt_bias = -exp(A_log) *
+    sigmoid(a + dt_bias)``."""
+
+    def __init__(self):
+        self.signed: dict[str, torch.Tensor] = {}
+        self.magnitude: dict[str, torch.Tensor] = {}
+
+    def attach(self, model) -> None:
+        for name, module in model.named_modules():
+            if isinstance(module, GatedDeltaNet):
+                module._gates = self._tap(name, module, module._gates)
+
+    def conditions(self) -> dict[str, float]:
+        """``|| magnitude || / || signed ||`` by parameter name: how much the sum cancels."""
+        return {n: float(m.norm() / self.signed[n].norm().clamp(min=1e-300))
+                for n, m in self.magnitude.items()}
+
+    def _add(self, name: str, terms: torch.Tensor) -> None:
+        signed, magnitude = terms.sum(0).cpu(), terms.abs().sum(0).cpu()
+        self.signed[name] = self.signed.get(name, 0) + signed
+        self.magnitude[name] = self.magnitude.get(name, 0) + magnitude
+
+    def _tap(self, name: str, layer: GatedDeltaNet, gates: Callable) -> Callable:
+        def tapped(b: torch.Tensor, a: torch.Tensor):
+            g, beta = gates(b, a)
+            if g.requires_grad:
+                with torch.no_grad():
+                    slope = -layer.A_log.double().exp() * torch.sigmoid(
+                        a.double() + layer.dt_bias.double())
+                    decay = g.detach().double()
+
+                def hook(dg: torch.Tensor) -> None:
+                    self._add(f"{name}.A_log", dg.double() * decay)
+                    self._add(f"{name}.dt_bias", dg.double() * slope)
+                g.register_hook(hook)
+            return g, beta
+        return tapped
+
+
 def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: str = "cuda",
-                seed: int = 3, init_: Callable | None = None, routes: PinnedRoutes | None = None
-                ) -> tuple[float, dict[str, torch.Tensor]]:
+                seed: int = 3, init_: Callable | None = None, routes: PinnedRoutes | None = None,
+                gate_sums: GateSums | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and every parameter's gradient (float64 on the CPU, by name) of ``family``'s model
     of ``cfg`` on stream ``s`` with DeltaNet ``kernel``: under bf16 autocast (``dtype``
     bfloat16; fp32 weights, the production path), or wholly in ``dtype`` without autocast
@@ -145,6 +200,8 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
         init_(model)
     if routes is not None:
         routes.attach(model)
+    if gate_sums is not None:
+        gate_sums.attach(model)
     vision = {k: s[k] for k in VISION if s.get(k) is not None}
     ids = s["input_ids"]
     # As pretrain's step: planned on the host, then placed (mpcore.batches.place), so the
@@ -166,13 +223,22 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
     return float(loss.detach()), {n: p.grad.double().cpu() for n, p in model.named_parameters()}
 
 
-def worst_per_kind(grads: dict, truth: dict) -> dict[str, float]:
-    """Each kind of parameter's (its name with ``.N.`` for the layer index) worst ``rel_err`` error
-    of ``grads`` against ``truth``, over its layers."""
+# bf16's unit roundoff: the floor of a gradient judged against its terms' magnitudes.
+BF16_ROUNDOFF = 2.0 ** -8
+
+
+def worst_per_kind(grads: dict, truth: dict, scales: dict | None = None) -> dict[str, float]:
+    """Each kind of parameter's (its name with ``.N.`` for the layer index) worst error of
+    ``grads`` against ``truth`` over its layers: ``rel_err``, or for a name in ``scales``
+    ``|| grads - truth || / || scales[name] ||`` (``GateSums.magnitude``)."""
     kinds: dict[str, float] = {}
     for name, want in truth.items():
         kind = re.sub(r"\.\d+\.", ".N.", name)
-        kinds[kind] = max(kinds.get(kind, 0.0), rel_err(grads[name], want))
+        if scales is not None and name in scales:
+            err = float((grads[name] - want).norm() / scales[name].norm())
+        else:
+            err = rel_err(grads[name], want)
+        kinds[kind] = max(kinds.get(kind, 0.0), err)
     return kinds
 
 
@@ -199,10 +265,12 @@ def check_truths_agree(first: tuple, second: tuple, devices: tuple[str, str]) ->
     assert err <= TRUTHS_AGREE, (name, err)
 
 
-def check_against_float64(truth: tuple, ref: tuple, fla: tuple) -> None:
+def check_against_float64(truth: tuple, ref: tuple, fla: tuple,
+                          gate_sums: GateSums | None = None) -> None:
     """Assert the module docstring's bounds on ``fla``'s ``(loss, grads)`` (``model_grads`` in
     bf16 with the kernel tested) given the reference kernel's in bf16 (``ref``) and the model's
-    in float64 (``truth``); prints the losses, the worst gradients (A_log among them) and the
+    in float64 (``truth``, its ``GateSums`` in ``gate_sums``: without them every kind is judged
+    by ``rel_err``); prints the losses, the worst gradients (A_log among them) and the
     per-kind table: which error is the kernel's own and which is bf16's."""
     (true_loss, want), (ref_loss, ours), (fla_loss, theirs) = truth, ref, fla
     print(f"loss: float64 {true_loss:.6f}, reference bf16 {ref_loss:.6f}, fla bf16 {fla_loss:.6f}")
@@ -212,12 +280,19 @@ def check_against_float64(truth: tuple, ref: tuple, fla: tuple) -> None:
     print("fla / reference bf16 gradient error vs float64 (worst 4; name, fla, reference):",
           [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows[-4:]])
     print("A_log:", [(n, f"{a:.4f}", f"{b:.4f}") for _, n, a, b in rows if "A_log" in n])
+    scales = None
+    if gate_sums is not None:
+        scales = gate_sums.magnitude
+        print("gate sums' conditions (judged against their magnitudes):",
+              {n: f"{c:.1f}" for n, c in gate_sums.conditions().items()})
     # Worst layer against worst layer: bf16's error on one reduced gradient swings
     # several-fold from layer to layer (A_log at 295b7e3 / H100: reference 0.018, 0.053,
     # 0.255 over the three DeltaNet layers; fla 0.049, 0.054, 0.164), so one layer's ratio is
     # noise; a wrong fla path is off by O(1) in every layer.
-    fla_kinds, ref_kinds = worst_per_kind(theirs, want), worst_per_kind(ours, want)
+    fla_kinds, ref_kinds = worst_per_kind(theirs, want, scales), worst_per_kind(ours, want, scales)
     print("per kind, worst layer (fla, reference):",
           {k: (f"{fla_kinds[k]:.4f}", f"{ref_kinds[k]:.4f}") for k in sorted(fla_kinds)})
+    scaled = {re.sub(r"\.\d+\.", ".N.", n) for n in scales or ()}
     for kind, err in fla_kinds.items():
-        assert err <= 2 * ref_kinds[kind] + 1e-2, (kind, err, ref_kinds[kind])
+        floor = BF16_ROUNDOFF if kind in scaled else 1e-2
+        assert err <= 2 * ref_kinds[kind] + floor, (kind, err, ref_kinds[kind])

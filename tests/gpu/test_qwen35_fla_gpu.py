@@ -19,7 +19,7 @@ from mpcore.models import family_named
 from mpcore.models.common.hybrid import deltanet, kernels
 from mpcore.models.common.hybrid.config import Qwen35Config
 from tests.gpu.gpu_checks import rel_err
-from tests.gpu.qwen35_grads import check_against_float64, fla_rule_or_skip, model_grads
+from tests.gpu.qwen35_grads import GateSums, check_against_float64, fla_rule_or_skip, model_grads
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(kernels.fla_ops() is None,
@@ -126,10 +126,11 @@ def test_model_fla_and_reference_against_float64():
     ids = torch.randint(0, 512, (sum(LENGTHS),), generator=torch.Generator().manual_seed(0))
     cu = _cu(LENGTHS).cpu()
     family, s = family_named("qwen3_5"), dict(input_ids=ids, cu_seqlens=cu)
-    truth = model_grads(family, cfg, s, "reference", torch.float64, device="cpu")
+    sums = GateSums()
+    truth = model_grads(family, cfg, s, "reference", torch.float64, device="cpu", gate_sums=sums)
     ref, fla = (model_grads(family, cfg, s, kernel, torch.bfloat16)
                 for kernel in ("reference", "fla"))
-    check_against_float64(truth, ref, fla)
+    check_against_float64(truth, ref, fla, sums)
 
 
 def test_layer_fla_path_matches_reference_path():

@@ -17,10 +17,9 @@ Two measurements, each against the same thing in float64:
   tests/gpu/test_qwen35_families_fla_gpu.py (documents 1, 2, 3, 1001 and 8192 or 32768) under
   bf16 autocast with each of the three, and with fla given its conv weight rounded to bf16 (the
   path before fla got the weight in its own dtype): every DeltaNet layer's ``A_log`` and
-  ``dt_bias`` gradient error, for two seeds (data, build and decay draw), and from the float64
-  run each layer's condition of ``A_log``'s gradient as a sum over tokens
-  (``|| sum_t |term_t| || / || sum_t term_t ||``, ``term_t = dL/dg_t * g_t`` per value head):
-  bf16's error on a sum is relative to the first norm, the test's to the second.
+  ``dt_bias`` gradient error, relative and against the magnitudes of their per-token terms, for
+  two seeds (data, build and decay draw), and from the float64 run each one's condition as a
+  sum over tokens (``qwen35_grads.GateSums``: ``|| sum_t |term_t| || / || sum_t term_t ||``).
 
     python -m tests.perf.diag_qwen35_gates OUT.json [--cases 32k,8k] [--seeds 0,1]
 
@@ -38,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from mpcore.models.common.hybrid import deltanet, kernels, layers
+from mpcore.models.common.hybrid import deltanet, kernels
 from tests.gpu.gpu_checks import rel_err
-from tests.gpu.qwen35_grads import model_grads, tiny_case, tiny_weights_
+from tests.gpu.qwen35_grads import GateSums, model_grads, tiny_case, tiny_weights_
 
 LENGTHS = {"8k": [1, 2, 3, 1001, 8192], "32k": [1, 2, 3, 1001, 32768]}
 RULES = ("fla", "fla_fp32", "reference")
@@ -83,31 +82,6 @@ def conv_weight_rounded():
         kernels.short_conv = original
 
 
-@contextlib.contextmanager
-def a_log_conditions(out: list):
-    """Appends, per DeltaNet layer run (in order), the condition of ``A_log``'s gradient as a
-    sum over tokens (module docstring), once the backward has run."""
-    gates = layers.GatedDeltaNet._gates
-    taps = []
-
-    def tapped(self, b, a):
-        g, beta = gates(self, b, a)
-        if g.requires_grad:
-            tap = {"g": g.detach()}
-            g.register_hook(lambda grad: tap.__setitem__("dg", grad.detach()))
-            taps.append(tap)
-        return g, beta
-
-    layers.GatedDeltaNet._gates = tapped
-    try:
-        yield
-    finally:
-        layers.GatedDeltaNet._gates = gates
-    for tap in taps:
-        terms = tap["dg"] * tap["g"]  # dL/dA_log = sum_t dL/dg_t * g_t (g = -exp(A_log) ...)
-        out.append(round((terms.abs().sum(0).norm() / terms.sum(0).norm()).item(), 1))
-
-
 def _variant(rule: str):
     return {"fla_fp32": fla_on_fp32_operands, "fla_conv_weight_bf16": conv_weight_rounded
             }.get(rule, contextlib.nullcontext)()
@@ -146,16 +120,16 @@ def _model_case(lengths: list[int], seed: int) -> dict:
     family, cfg, s = tiny_case("qwen3_5", lengths, seed=seed)
     init_ = functools.partial(tiny_weights_, seed=5 + seed)
     run = functools.partial(model_grads, family, cfg, s, seed=3 + seed, init_=init_)
-    conditions = []
-    with a_log_conditions(conditions):
-        _, truth = run("reference", torch.float64)
-    names = [n for n in truth if n.endswith("A_log")]
-    row = {"A_log_condition": dict(zip(names, conditions, strict=True))}
+    sums = GateSums()
+    _, truth = run("reference", torch.float64, gate_sums=sums)
+    row = {"condition": {n: round(c, 1) for n, c in sums.conditions().items()}}
     for rule in MODEL_RULES:
         with _variant(rule):
             _, grads = run("reference" if rule == "reference" else "fla", torch.bfloat16)
-        row[rule] = {n: round(rel_err(grads[n], want), 5) for n, want in truth.items()
-                     if n.endswith(("A_log", "dt_bias"))}
+        row[rule] = {n: round(rel_err(grads[n], truth[n]), 5) for n in sums.magnitude}
+        row[rule + " (against the magnitudes)"] = {
+            n: float(f"{(grads[n] - truth[n]).norm() / m.norm():.3g}")
+            for n, m in sums.magnitude.items()}
     return row
 
 

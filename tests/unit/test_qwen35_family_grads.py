@@ -6,7 +6,9 @@ bf16 autocast run and the per-kind judgement, with the reference kernel everywhe
 CUDA-only). The reference in float32 must agree with the same model in float64: loss within
 1e-6 relative, every kind of parameter's worst layer within 1e-4 (measured: about 2e-6; the
 routers', experts' and tower's included). The judgement passes a bf16 run judged against
-itself and fails one kind's gradient 10% off. About 1 s per family on 2 cores. The MoE
+itself and fails one kind's gradient 10% off, with and without ``GateSums`` (whose per-token
+terms of ``A_log``'s and ``dt_bias``' gradients must sum to those gradients, so the magnitudes
+they are judged against are the right terms'). About 1 s per family on 2 cores. The MoE
 families' pinned routing (``PinnedRoutes``): a run pinned to its own float64 choices is the
 unpinned run exactly, and one pinned to other choices routes by them and counts every token.
 Two float64 truths (``check_truths_agree``, which lets the GPU test's 32k cases take their
@@ -18,6 +20,7 @@ import torch
 
 from mpcore.kernels import rmsnorm
 from tests.gpu.qwen35_grads import (
+    GateSums,
     PinnedRoutes,
     check_against_float64,
     check_truths_agree,
@@ -32,9 +35,16 @@ from tests.gpu.qwen35_hf_scores import FAMILIES
 @pytest.mark.parametrize("name", FAMILIES)
 def test_reference_float32_matches_float64_and_the_judgement_sees_a_wrong_kind(name):
     family, cfg, s = tiny_case(name, [1, 2, 3, 77])
+    sums = GateSums()
     truth, wide, half = (
-        model_grads(family, cfg, s, "reference", dtype, device="cpu", init_=tiny_weights_)
+        model_grads(family, cfg, s, "reference", dtype, device="cpu", init_=tiny_weights_,
+                    gate_sums=sums if dtype == torch.float64 else None)
         for dtype in (torch.float64, torch.float32, torch.bfloat16))
+    gates = [n for n in truth[1] if n.endswith(("A_log", "dt_bias"))]
+    assert sorted(sums.signed) == sorted(gates) and gates
+    for n in gates:  # the truth's gates are fp32 (as transformers'): its own rounding
+        assert torch.allclose(sums.signed[n], truth[1][n], rtol=1e-5, atol=0), n
+        assert bool((sums.magnitude[n] >= sums.signed[n].abs()).all()), n
     assert abs(wide[0] - truth[0]) <= 1e-6 * truth[0], (wide[0], truth[0])
     kinds = worst_per_kind(wide[1], truth[1])
     expected = {"A_log", "w_in.weight", "wqkv.weight"} | (
@@ -44,10 +54,11 @@ def test_reference_float32_matches_float64_and_the_judgement_sees_a_wrong_kind(n
     assert max(kinds.values()) <= 1e-4, sorted(kinds.items(), key=lambda kv: -kv[1])[:4]
     assert all(float(g.abs().max()) > 0 for g in truth[1].values())  # none left out
 
-    check_against_float64(truth, half, half)
     off = {n: g * 1.1 if n.endswith("A_log") else g for n, g in half[1].items()}
-    with pytest.raises(AssertionError, match="A_log"):
-        check_against_float64(truth, half, (half[0], off))
+    for gate_sums in (None, sums):
+        check_against_float64(truth, half, half, gate_sums)
+        with pytest.raises(AssertionError, match="A_log"):
+            check_against_float64(truth, half, (half[0], off), gate_sums)
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if "moe" in n])
