@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mpcore.models import describe_kernels
-from mpcore.models.common.hybrid import kernels
+from mpcore.models.common.hybrid import deltanet, kernels
 from mpcore.models.common.hybrid.config import Qwen35Config
 from mpcore.models.common.hybrid.layers import GatedDeltaNet
 from mpcore.models.common.hybrid.model import build
@@ -175,7 +175,6 @@ def test_fla_conv_gets_the_weight_in_its_own_dtype(monkeypatch):
     # copy was one rounding that every token shared; at 32k it moved A_log's gradient). The
     # stand-in computes with exactly what it was given, so the two paths agree bit for bit
     # only if the weight and its gradient went through unrounded.
-    from mpcore.models.common.hybrid import deltanet
     cu = torch.tensor([0, 5, 13])
     pos = deltanet.segment_positions(cu, 13)
     given = []
