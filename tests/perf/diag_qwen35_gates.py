@@ -87,18 +87,18 @@ def _variant(rule: str):
             }.get(rule, contextlib.nullcontext)()
 
 
-def _rule_case(lengths: list[int], seed: int) -> dict:
-    gen = torch.Generator("cuda").manual_seed(seed)
+def _rule_case(lengths: list[int], seed: int, device: str = "cuda") -> dict:
+    gen = torch.Generator(device).manual_seed(seed)
     t, hk, hv, d = sum(lengths), 2, 4, 128
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    randn = functools.partial(torch.randn, device="cuda", generator=gen)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    randn = functools.partial(torch.randn, device=device, generator=gen)
     q, k, v = randn(t, hk, d).to(**bf), randn(t, hk, d).to(**bf), randn(t, hv, d).to(**bf)
     g = -torch.nn.functional.softplus(randn(t, hv)) * 0.2
-    beta = torch.rand(t, hv, device="cuda", generator=gen).to(**bf)
+    beta = torch.rand(t, hv, device=device, generator=gen).to(**bf)
     inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    weights = torch.randn(t, hv, d, device="cuda", dtype=torch.float64,
-                          generator=torch.Generator("cuda").manual_seed(seed + 7))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    weights = torch.randn(t, hv, d, device=device, dtype=torch.float64,
+                          generator=torch.Generator(device).manual_seed(seed + 7))
     wide = [x.detach().double().requires_grad_() for x in inputs]
     (deltanet.chunk_gated_delta_rule(*wide, cu) * weights).sum().backward()
     truth = wide[3].grad
@@ -116,10 +116,11 @@ def _rule_case(lengths: list[int], seed: int) -> dict:
     return row
 
 
-def _model_case(lengths: list[int], seed: int) -> dict:
+def _model_case(lengths: list[int], seed: int, device: str = "cuda") -> dict:
     family, cfg, s = tiny_case("qwen3_5", lengths, seed=seed)
     init_ = functools.partial(tiny_weights_, seed=5 + seed)
-    run = functools.partial(model_grads, family, cfg, s, seed=3 + seed, init_=init_)
+    run = functools.partial(model_grads, family, cfg, s, device=device, seed=3 + seed,
+                            init_=init_)
     sums = GateSums()
     _, truth = run("reference", torch.float64, gate_sums=sums)
     row = {"condition": {n: round(c, 1) for n, c in sums.conditions().items()}}
