@@ -6,9 +6,10 @@ decay ``g``. An error that every token shares (one rounding of something all of 
 does not average out in that sum, and the sum cancels, so relative to it any error is
 magnified. Three suspects, each a row: fla's chunk states, stored in the operands' dtype (bf16
 under autocast; the reference keeps fp32); fla's conv weight, once rounded to bf16 on its way
-in; and the sum's own cancellation. On an H100 at a5810b4 fp32 operands did not move the worst
-layer, the rounded weight was ours and is gone, and the cancellation was 50 to 204-fold
-(tests/perf/RESULTS.md, "The Qwen3.5 families at 8k and 32k on one H100").
+in; and the sum's own cancellation. On an H100 at a5810b4 fp32 operands did not move the
+worst layer; on the CPU the rounded weight raised the errors (it was ours, and is gone since
+57874c9); the cancellation was 50 to 204-fold (tests/perf/RESULTS.md, "The Qwen3.5 families
+at 8k and 32k on one H100").
 
 Two measurements, each against the same thing in float64:
 - The rule alone (``kernels.gated_delta_rule``, released head size 128, value heads grouped
