@@ -227,18 +227,27 @@ def model_grads(family, cfg, s: dict, kernel: str, dtype: torch.dtype, device: s
 BF16_ROUNDOFF = 2.0 ** -8
 
 
+def kind_of(name: str) -> str:
+    """A parameter's kind: its name with ``.N.`` for the layer index."""
+    return re.sub(r"\.\d+\.", ".N.", name)
+
+
+def gradient_error(grad: torch.Tensor, want: torch.Tensor,
+                   scale: torch.Tensor | None = None) -> float:
+    """``rel_err(grad, want)``, or with ``scale`` (``GateSums.magnitude``) the error against it:
+    ``|| grad - want || / || scale ||``."""
+    if scale is None:
+        return rel_err(grad, want)
+    return float((grad - want).norm() / scale.norm())
+
+
 def worst_per_kind(grads: dict, truth: dict, scales: dict | None = None) -> dict[str, float]:
-    """Each kind of parameter's (its name with ``.N.`` for the layer index) worst error of
-    ``grads`` against ``truth`` over its layers: ``rel_err``, or for a name in ``scales``
-    ``|| grads - truth || / || scales[name] ||`` (``GateSums.magnitude``)."""
+    """Each kind of parameter's (``kind_of``) worst ``gradient_error`` of ``grads`` against
+    ``truth`` over its layers, against ``scales[name]`` for a name there."""
     kinds: dict[str, float] = {}
     for name, want in truth.items():
-        kind = re.sub(r"\.\d+\.", ".N.", name)
-        if scales is not None and name in scales:
-            err = float((grads[name] - want).norm() / scales[name].norm())
-        else:
-            err = rel_err(grads[name], want)
-        kinds[kind] = max(kinds.get(kind, 0.0), err)
+        err = gradient_error(grads[name], want, (scales or {}).get(name))
+        kinds[kind_of(name)] = max(kinds.get(kind_of(name), 0.0), err)
     return kinds
 
 
@@ -292,7 +301,7 @@ def check_against_float64(truth: tuple, ref: tuple, fla: tuple,
     fla_kinds, ref_kinds = worst_per_kind(theirs, want, scales), worst_per_kind(ours, want, scales)
     print("per kind, worst layer (fla, reference):",
           {k: (f"{fla_kinds[k]:.4f}", f"{ref_kinds[k]:.4f}") for k in sorted(fla_kinds)})
-    scaled = {re.sub(r"\.\d+\.", ".N.", n) for n in scales or ()}
+    scaled = {kind_of(n) for n in scales or ()}
     for kind, err in fla_kinds.items():
         floor = BF16_ROUNDOFF if kind in scaled else 1e-2
         assert err <= 2 * ref_kinds[kind] + floor, (kind, err, ref_kinds[kind])

@@ -38,56 +38,51 @@ import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from mpcore.models.common.hybrid import deltanet, kernels
 from tests.gpu.gpu_checks import rel_err
-from tests.gpu.qwen35_grads import GateSums, model_grads, tiny_case, tiny_weights_
+from tests.gpu.qwen35_grads import (
+    GateSums,
+    gradient_error,
+    model_grads,
+    tiny_case,
+    tiny_weights_,
+)
 
 LENGTHS = {"8k": [1, 2, 3, 1001, 8192], "32k": [1, 2, 3, 1001, 32768]}
 RULES = ("fla", "fla_fp32", "reference")
 MODEL_RULES = ("fla", "fla_conv_weight_bf16", "fla_fp32", "reference")
 
 
-@contextlib.contextmanager
-def fla_on_fp32_operands():
+def _fla_on_fp32_operands():
     """fla's delta rule given fp32 ``q, k, v, beta`` (its states then fp32, its dots TF32), its
     output cast back to the operands' dtype: the bf16 path with fla's storage precision
     raised and nothing else changed."""
-    ops = kernels.fla_ops()
-    rule = ops[0]
+    rule, *others = kernels.fla_ops()
 
     def wide_rule(q, k, v, g, beta, **kwargs):
         out, state = rule(q.float(), k.float(), v.float(), g, beta.float(), **kwargs)
         return out.to(v.dtype), state
 
-    original = kernels.fla_ops
-    kernels.fla_ops = lambda: (wide_rule, *ops[1:])
-    try:
-        yield
-    finally:
-        kernels.fla_ops = original
+    return mock.patch.object(kernels, "fla_ops", lambda: (wide_rule, *others))
 
 
-@contextlib.contextmanager
-def conv_weight_rounded():
+def _conv_weight_rounded():
     """fla's conv given its weight rounded to the operands' dtype, as before it got the weight
     in its own dtype."""
-    original = kernels.short_conv
+    conv = kernels.short_conv
 
     def rounded(x, weight, positions, cu_seqlens, kernel, cu_host=None):
-        return original(x, weight.to(x.dtype), positions, cu_seqlens, kernel, cu_host)
+        return conv(x, weight.to(x.dtype), positions, cu_seqlens, kernel, cu_host)
 
-    kernels.short_conv = rounded
-    try:
-        yield
-    finally:
-        kernels.short_conv = original
+    return mock.patch.object(kernels, "short_conv", rounded)
 
 
 def _variant(rule: str):
-    return {"fla_fp32": fla_on_fp32_operands, "fla_conv_weight_bf16": conv_weight_rounded
+    return {"fla_fp32": _fla_on_fp32_operands, "fla_conv_weight_bf16": _conv_weight_rounded
             }.get(rule, contextlib.nullcontext)()
 
 
@@ -133,7 +128,7 @@ def _model_case(lengths: list[int], seed: int, device: str = "cuda") -> dict:
             _, grads = run("reference" if rule == "reference" else "fla", torch.bfloat16)
         row[rule] = {n: round(rel_err(grads[n], truth[n]), 5) for n in sums.magnitude}
         row[rule + " (against the magnitudes)"] = {
-            n: float(f"{(grads[n] - truth[n]).norm() / m.norm():.3g}")
+            n: float(f"{gradient_error(grads[n], truth[n], m):.3g}")
             for n, m in sums.magnitude.items()}
     return row
 
