@@ -26,6 +26,10 @@ Two measurements, each against the same thing in float64:
   sum over tokens (``qwen35_grads.GateSums``: ``|| sum_t |term_t| || / || sum_t term_t ||``).
 
     python -m tests.perf.diag_qwen35_gates OUT.json [--cases 32k,8k] [--seeds 0,1]
+        [--measure rule,model] [--model-rules fla,fla_conv_weight_bf16,fla_fp32,reference]
+
+(fla's cold compile for fp32 operands is most of a fresh machine's first row: leave ``fla_fp32``
+out of the model rows and ``rule`` out of the measurements to spare it.)
 
 The JSON is rewritten after every row, so a run cut off keeps what it measured."""
 
@@ -115,7 +119,8 @@ def _rule_case(lengths: list[int], seed: int, device: str = "cuda") -> dict:
     return row
 
 
-def _model_case(lengths: list[int], seed: int, device: str = "cuda") -> dict:
+def _model_case(lengths: list[int], seed: int, device: str = "cuda",
+                rules: tuple[str, ...] = MODEL_RULES) -> dict:
     family, cfg, s = tiny_case("qwen3_5", lengths, seed=seed)
     init_ = functools.partial(tiny_weights_, seed=5 + seed)
     run = functools.partial(model_grads, family, cfg, s, device=device, seed=3 + seed,
@@ -123,7 +128,7 @@ def _model_case(lengths: list[int], seed: int, device: str = "cuda") -> dict:
     sums = GateSums()
     _, truth = run("reference", torch.float64, gate_sums=sums)
     row = {"condition": {n: round(c, 1) for n, c in sums.conditions().items()}}
-    for rule in MODEL_RULES:
+    for rule in rules:
         with _variant(rule):
             _, grads = run("reference" if rule == "reference" else "fla", torch.bfloat16)
         row[rule] = {n: round(rel_err(grads[n], truth[n]), 5) for n in sums.magnitude}
@@ -138,7 +143,18 @@ def main(argv=None) -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--cases", default="32k,8k")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--measure", default="rule,model", help="rule, model or both")
+    p.add_argument("--model-rules", default=",".join(MODEL_RULES),
+                   help=f"the model rows, some of {','.join(MODEL_RULES)}")
     args = p.parse_args(argv)
+    measures = args.measure.split(",")
+    model_rules = tuple(args.model_rules.split(","))
+    unknown = [m for m in measures if m not in ("rule", "model")] + [
+        r for r in model_rules if r not in MODEL_RULES] + [
+        c for c in args.cases.split(",") if c not in LENGTHS]
+    if unknown:
+        p.error(f"unknown {unknown}: cases are {sorted(LENGTHS)}, measures rule and model, "
+                f"model rules {list(MODEL_RULES)}")
     if not torch.cuda.is_available() or kernels.fla_ops() is None:
         print("needs CUDA and fla-core", file=sys.stderr)
         return 2
@@ -146,7 +162,10 @@ def main(argv=None) -> int:
               "rule": {}, "model": {}}
     seeds = [int(x) for x in args.seeds.split(",")]
     for name in args.cases.split(","):
-        for what, case in (("rule", _rule_case), ("model", _model_case)):
+        cases = {"rule": _rule_case,
+                 "model": functools.partial(_model_case, rules=model_rules)}
+        for what in measures:
+            case = cases[what]
             for seed in seeds:
                 start = time.perf_counter()
                 row = case(LENGTHS[name], seed)

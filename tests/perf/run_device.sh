@@ -215,8 +215,10 @@ elif [ "${1:-}" = qwen35 ]; then
       # reference, against float64), cases in the third argument (default 32k,8k). On a
       # fresh H100 at a5810b4 fla's cold compile for the rule's bf16 and fp32 operands took
       # 421 s of the first row; the 32k model row took 27 s on the warm machine after.
+      # QWEN35_GATES_ARGS passes more (say `--measure model --model-rules
+      # fla,fla_conv_weight_bf16,reference` to spare the compile for fp32 operands).
       run diag_qwen35_gates ${QWEN35_GATES_S:-560} python3 -m tests.perf.diag_qwen35_gates \
-        "$out/diag_qwen35_gates_$card.json" --cases "${3:-32k,8k}"
+        "$out/diag_qwen35_gates_$card.json" --cases "${3:-32k,8k}" ${QWEN35_GATES_ARGS:-}
       grep -E "^(rule|model) " "$out/diag_qwen35_gates.log" | cut -c1-900 ;;
     tests)
       # The fla tests and the families' 8k cases (two float64 truths each, CPU and GPU). On a

@@ -47,6 +47,8 @@ def test_diag_rows_run_through_fla_call_sites(monkeypatch):
     try:
         rule_row = diag._rule_case([1, 2, 3, 40], seed=0, device="cpu")
         model_row = diag._model_case([1, 2, 3, 40], seed=0, device="cpu")
+        some_rows = diag._model_case([1, 2, 3, 40], seed=0, device="cpu",
+                                     rules=("fla_conv_weight_bf16",))
     finally:
         kernels._host_segments_taken.cache_clear()
     assert {"rule", "conv", "norm"} <= set(calls)
@@ -61,3 +63,18 @@ def test_diag_rows_run_through_fla_call_sites(monkeypatch):
             assert set(model_row[key]) == names
             assert all(math.isfinite(e) and 0 < e < 0.1 for e in model_row[key].values()), key
     assert model_row["fla_conv_weight_bf16"] != model_row["fla"]
+    assert sorted(some_rows) == sorted(["condition", "fla_conv_weight_bf16",
+                                        "fla_conv_weight_bf16 (against the magnitudes)"])
+    assert some_rows["fla_conv_weight_bf16"] == model_row["fla_conv_weight_bf16"]
+
+
+def test_diag_refuses_unknown_rows_before_it_needs_a_gpu(tmp_path, capsys):
+    for bad in (["--model-rules", "fla,fla_bf16"], ["--measure", "rules"], ["--cases", "16k"]):
+        try:
+            diag.main([str(tmp_path / "out.json"), *bad])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{bad} was accepted")
+        assert bad[1].split(",")[-1] in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
