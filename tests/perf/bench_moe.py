@@ -57,7 +57,8 @@ parameter count and reports itself skipped.
 Reported per side: median step time over ``--steps`` (after ``--warmup``), tokens/s, peak
 allocated memory (reset between sides; null on CPU), first and last loss, the parameter count;
 ``speedup`` (over the fastest transformers) and ``speedup_vs_megatron`` are step-time ratios,
-``tokens_crc32`` the checksum of the ids every side trained on. ``experts``: one MoE layer's
+``tokens_crc32`` the checksum of the ids every side trained on, ``cuda_alloc_conf`` the
+``PYTORCH_CUDA_ALLOC_CONF`` both sides ran under (one process: the same for every side). ``experts``: one MoE layer's
 expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random router),
 forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as one dense
 SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to OUT (default
@@ -72,6 +73,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import zlib
@@ -446,8 +448,8 @@ def run_hf(result: dict, hf: dict, batches, device, args) -> None:
         r["tokens_per_s"] = args.seq / r["step_s"]
         result["hf"][name] = r
     ran = [n for n in result["hf"] if "step_s" in result["hf"][n]]
-    if not ran:
-        raise SystemExit("no transformers experts implementation ran: " + json.dumps(result["hf"]))
+    if not ran:  # main writes each row's error and stops
+        return
     fastest = min(ran, key=lambda n: result["hf"][n]["step_s"])
     result["hf_fastest"] = fastest
     peer = result["hf"][fastest]
@@ -513,6 +515,7 @@ def main(argv=None) -> int:
               "shape": "tiny" if args.tiny else SHAPES[args.family][2], "layers": args.layers,
               "seq": args.seq, "params": counts["total"], "active_params": counts["active"],
               "torch": torch.__version__, "tokens_crc32": tokens_crc(batches),
+              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
               "mpcore": bench_mpcore(hf, batches, device, args.steps, args.warmup,
                                      args.family)}
     if args.family != "qwen3_moe":
@@ -525,6 +528,10 @@ def main(argv=None) -> int:
         # them (a call's time limit): the file then says that they did not finish.
         _write(args.out, {**result, "hf": HF_UNFINISHED})
         run_hf_logged(result, hf, batches, device, args)
+        if "hf_fastest" not in result:  # every row failed: the file says how, then we stop
+            _write(args.out, result)
+            raise SystemExit("no transformers experts implementation ran: "
+                             + json.dumps(result["hf"]))
     if megatron is not None:
         add_megatron(result, megatron, args.seq)
     result["experts"] = bench_experts(hf, args.seq, device, args.steps, args.warmup)

@@ -203,9 +203,14 @@ elif [ "${1:-}" = qwen35 ]; then
       # On a fresh H100 at 8f37787 our row's warmup took about 6 minutes (fla's cold compile
       # and autotuning for the cut's heads), so transformers' row ran out of the call; the
       # next call on the warm machine ran both rows at 2048 in 190 s. On a fresh machine run
-      # `moe 2048` first, then `moe` in the next call.
+      # `moe 2048` first, then `moe` in the next call. At 4096 on an H100 (8b5da20, the call
+      # after the families' tests on that machine: 299 s) transformers' row ran out of memory
+      # with 7.9 GiB of its cache reserved but unallocated; under expandable segments it fit (67.8 GiB) and
+      # both rows took 60 s. Both sides run in one process, so both get the same allocator
+      # (the JSON's cuda_alloc_conf).
       seq=${3:-4096}; tag=""; [ "$seq" = 4096 ] || tag="_seq$seq"
-      run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
+      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+        run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
         "$out/moe_qwen3_5_$card$tag.json" --family qwen3_5_moe --seq "$seq" --steps 5 \
         --warmup 2 --hf-experts grouped_mm
       tail -c 2000 "$out/bench_moe_qwen35.log" ;;
@@ -297,7 +302,8 @@ elif [ "${1:-}" = qwen35 ]; then
       # transformers' grouped_mm experts (our row is written before theirs start); logs stay
       # on the machine (their tails print), Triton's cache comes back if whole.
       bench32k 240
-      run bench_moe_qwen35 ${QWEN35_MOE_S:-300} python3 -m tests.perf.bench_moe \
+      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+        run bench_moe_qwen35 ${QWEN35_MOE_S:-300} python3 -m tests.perf.bench_moe \
         "$out/moe_qwen3_5_$card.json" --family qwen3_5_moe --steps 5 --warmup 2 \
         --hf-experts grouped_mm
       tail -c 2000 "$out/bench_moe_qwen35.log"
