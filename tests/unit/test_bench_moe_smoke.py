@@ -50,19 +50,22 @@ def test_bench_moe_cpu_smoke(tmp_path):
                         result["hf"]["eager"]["step_s"] / result["mpcore"]["step_s"])
 
 
-def _bench(out: Path, *args: str) -> subprocess.CompletedProcess:
+def _bench(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tests.perf.bench_moe", str(out), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **env})
 
 
 def test_bench_moe_qwen3_5_moe_cpu_smoke(tmp_path):  # ~5 s on 2 cores
     out = tmp_path / "bench.json"
     proc = _bench(out, "--family", "qwen3_5_moe", "--tiny", "--seq", "64", "--steps", "2",
-                  "--warmup", "1", "--hf-experts", "grouped_mm,eager")
+                  "--warmup", "1", "--hf-experts", "grouped_mm,eager",
+                  PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (result["family"], result["shape"], result["layers"]) == ("qwen3_5_moe", "tiny", 4)
+    # the allocator both sides ran under (transformers' 4096 row fits an H100 only with it)
+    assert result["cuda_alloc_conf"] == "expandable_segments:True"
     assert result["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert result["experts"] is None and 0 < result["active_params"] < result["params"]
     assert list(result["hf"]) == ["grouped_mm", "eager"]
@@ -112,3 +115,23 @@ def test_a_run_ended_during_transformers_rows_leaves_our_row_and_says_so(tmp_pat
                                         "--seq", "32", "--steps", "1", "--warmup", "0")
     assert result["mpcore"]["step_s"] > 0
     assert result["hf"] == bench_moe.HF_UNFINISHED
+
+
+def test_every_transformers_row_out_of_memory_is_recorded_as_its_error(tmp_path, monkeypatch):
+    """transformers' 4096 row ran out of an H100's memory once: the file must say so, not that
+    the rows did not finish."""
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")
+
+    monkeypatch.setattr(bench_moe, "bench_hf", out_of_memory)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit, match="no transformers experts implementation ran"):
+        bench_moe.main([str(out), "--tiny", "--layers", "2", "--seq", "32", "--steps", "1",
+                        "--warmup", "0", "--hf-experts", "grouped_mm,eager"])
+    result = json.loads(out.read_text())
+    assert result["mpcore"]["step_s"] > 0 and "hf_fastest" not in result
+    assert result["hf"] == {name: {"error": "out of memory: CUDA out of memory. Tried to "
+                                            "allocate 2.00 GiB."}
+                            for name in ("grouped_mm", "eager")}
