@@ -7,9 +7,10 @@ does not average out in that sum, and the sum cancels, so relative to it any err
 magnified. Three suspects, each a row: fla's chunk states, stored in the operands' dtype (bf16
 under autocast; the reference keeps fp32); fla's conv weight, once rounded to bf16 on its way
 in; and the sum's own cancellation. On an H100 at a5810b4 fp32 operands did not move the
-worst layer; on the CPU the rounded weight raised the errors (it was ours, and is gone since
-57874c9); the cancellation was 50 to 204-fold (tests/perf/RESULTS.md, "The Qwen3.5 families
-at 8k and 32k on one H100").
+worst layer; on the CPU the rounded weight raised our reference's errors (the rounding is
+gone since 57874c9), but on an H100 at 8b5da20 fla's errors were lower with it, in all six
+layer-seeds at 32k; the cancellation was 30 to 204-fold (tests/perf/RESULTS.md, "The Qwen3.5
+families at 8k and 32k on one H100" and the section after it).
 
 Two measurements, each against the same thing in float64:
 - The rule alone (``kernels.gated_delta_rule``, released head size 128, value heads grouped
