@@ -58,9 +58,9 @@ Reported per side: median step time over ``--steps`` (after ``--warmup``), token
 allocated memory (reset between sides; null on CPU), first and last loss, the parameter count;
 ``speedup`` (over the fastest transformers) and ``speedup_vs_megatron`` are step-time ratios,
 ``tokens_crc32`` the checksum of the ids every side trained on, ``cuda_alloc_conf`` the
-``PYTORCH_CUDA_ALLOC_CONF`` both sides ran under (one process: the same for every side). ``experts``: one MoE layer's
-expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a random router),
-forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as one dense
+``PYTORCH_CUDA_ALLOC_CONF`` every side ran under (Megatron's child inherits it). ``experts``:
+one MoE layer's expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a
+random router), forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs done as one dense
 SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON goes to OUT (default
 tests/perf/results/moe_h200.json), first once our row is done, with ``hf`` saying that
 transformers' rows have not finished (``HF_UNFINISHED``): a run ended during them (a call's time

@@ -150,6 +150,15 @@ elif [ "${1:-}" = qwen35 ]; then
       "$out/qwen35_${card}_seq32k.json" --seq 32768 --steps 5 --warmup 2 --skip-layer
     tail -c 1500 "$out/bench_qwen35_32k.log"
   }
+  moe_cut() {  # seconds, seq: the Qwen3.5-MoE cut against transformers' grouped_mm experts,
+    # under expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise (`moe` says why)
+    local seq=$2 tag=""; [ "$seq" = 4096 ] || tag="_seq$seq"
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+      run bench_moe_qwen35 "$1" python3 -m tests.perf.bench_moe \
+      "$out/moe_qwen3_5_$card$tag.json" --family qwen3_5_moe --seq "$seq" --steps 5 \
+      --warmup 2 --hf-experts grouped_mm
+    tail -c 2000 "$out/bench_moe_qwen35.log"
+  }
   bring_triton_cache() {
     # Triton's cache (fla's compiled kernels and autotuning results) for a later machine:
     # carried back, it spares that machine the cold compile. At most 60 MB comes back beside
@@ -205,15 +214,10 @@ elif [ "${1:-}" = qwen35 ]; then
       # next call on the warm machine ran both rows at 2048 in 190 s. On a fresh machine run
       # `moe 2048` first, then `moe` in the next call. At 4096 on an H100 (8b5da20, the call
       # after the families' tests on that machine: 299 s) transformers' row ran out of memory
-      # with 7.9 GiB of its cache reserved but unallocated; under expandable segments it fit (67.8 GiB) and
-      # both rows took 60 s. Both sides run in one process, so both get the same allocator
-      # (the JSON's cuda_alloc_conf).
-      seq=${3:-4096}; tag=""; [ "$seq" = 4096 ] || tag="_seq$seq"
-      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
-        run bench_moe_qwen35 ${QWEN35_MOE_S:-560} python3 -m tests.perf.bench_moe \
-        "$out/moe_qwen3_5_$card$tag.json" --family qwen3_5_moe --seq "$seq" --steps 5 \
-        --warmup 2 --hf-experts grouped_mm
-      tail -c 2000 "$out/bench_moe_qwen35.log" ;;
+      # with 7.9 GiB of its cache reserved but unallocated; under expandable segments it fit
+      # (67.8 GiB) and both rows took 60 s. Both sides run in one process, so both get the
+      # same allocator (the JSON's cuda_alloc_conf).
+      moe_cut ${QWEN35_MOE_S:-560} "${3:-4096}" ;;
     gates)
       # diag_qwen35_gates.py: where fla's A_log / dt_bias error comes from (the rule, then the
       # text model, fla on bf16 and fp32 operands and with its conv weight rounded, and the
@@ -302,11 +306,7 @@ elif [ "${1:-}" = qwen35 ]; then
       # transformers' grouped_mm experts (our row is written before theirs start); logs stay
       # on the machine (their tails print), Triton's cache comes back if whole.
       bench32k 240
-      PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
-        run bench_moe_qwen35 ${QWEN35_MOE_S:-300} python3 -m tests.perf.bench_moe \
-        "$out/moe_qwen3_5_$card.json" --family qwen3_5_moe --steps 5 --warmup 2 \
-        --hf-experts grouped_mm
-      tail -c 2000 "$out/bench_moe_qwen35.log"
+      moe_cut ${QWEN35_MOE_S:-300} 4096
       rm -f "$out/bench_qwen35_32k.log" "$out/bench_moe_qwen35.log"
       bring_triton_cache ;;
     bench32)
