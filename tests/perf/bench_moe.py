@@ -62,10 +62,10 @@ allocated memory (reset between sides; null on CPU), first and last loss, the pa
 one MoE layer's expert computation alone (its ``seq * top_k`` routed rows, counts drawn from a
 random router), forward + backward, in TFLOP/s through the grouped GEMM, beside the same FLOPs
 done as one dense SwiGLU GEMM pair (the dense GEMM rate of this machine at that shape). JSON
-goes to OUT (default
-tests/perf/results/moe_h200.json), first once our row is done, with ``hf`` saying that
-transformers' rows have not finished (``HF_UNFINISHED``): a run ended during them (a call's time
-limit) leaves our row and says so.
+goes to OUT (default tests/perf/results/moe_h200.json), first once our row is done, with ``hf``
+saying that transformers' rows have not finished (``HF_UNFINISHED``): a run ended during them (a
+call's time limit) leaves our row and says so; where every transformers row failed, it holds
+each one's error.
 """
 
 from __future__ import annotations
